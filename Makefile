@@ -1,0 +1,29 @@
+# The README's two commands: `make demo` (the main job) and `make test` (the suite).
+# Each creates .venv on first use. TORCH is pinned so that pip takes the CPU wheel on this machine
+# instead of a multi-GB CUDA build; override it (make TORCH=2.11.0) on a GPU machine.
+PYTHON ?= python3
+TORCH ?= 2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet "torch==$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/lds-train
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) outputs multirun lightning_logs

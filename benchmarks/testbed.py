@@ -1,0 +1,107 @@
+"""Emulated hosts joined by a throttled link: Linux network namespaces, veth pairs and ``tc``.
+
+Needs root. ``Testbed(num_hosts=2, rate="1gbit")`` creates namespaces ``<prefix>0..N-1``, each joined by a veth
+pair to a bridge in one "switch" namespace, each host link throttled with a token bucket on both ends.
+Ranks inside one namespace talk over its loopback (intra-node, fast); ranks in different namespaces cross the
+throttled links (inter-node). Everything is torn down on exit, also on failure. Traffic never leaves the
+namespaces this module creates (addresses come from a private /24 that exists only inside them).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def available() -> tuple[bool, str]:
+    """Whether the testbed can be built here, and why not."""
+    if os.geteuid() != 0:
+        return False, "needs root (network namespaces)"
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return False, "needs iproute2 (`ip`, `tc`): apt-get install iproute2"
+    return True, ""
+
+
+@dataclass
+class Testbed:
+    """``num_hosts`` namespaces on a star through a switch namespace; each host link limited to ``rate``.
+
+    Args:
+        num_hosts: number of emulated hosts.
+        rate: ``tc`` rate of each host's link (for example ``"1gbit"``, ``"10gbit"``).
+        prefix: namespace name prefix; use a distinct one per benchmark so that runs never collide.
+        subnet: first three octets of the private /24 used inside the namespaces.
+        latency: ``tc tbf`` queueing latency.
+    """
+
+    num_hosts: int = 2
+    rate: str = "1gbit"
+    prefix: str = "lds"
+    subnet: str = "10.213.7"
+    latency: str = "50ms"
+    burst: str = "256kb"
+    hosts: list[str] = field(default_factory=list, init=False)
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}sw"
+
+    def ip(self, host: int) -> str:
+        return f"{self.subnet}.{host + 1}"
+
+    def iface(self, host: int) -> str:
+        return f"{self.prefix}h{host}"
+
+    def __enter__(self) -> Testbed:
+        ok, why = available()
+        if not ok:
+            raise RuntimeError(f"network testbed unavailable: {why}")
+        self.down()
+        try:
+            self._up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def _up(self) -> None:
+        _sh("ip", "netns", "add", self.switch)
+        _sh("ip", "netns", "exec", self.switch, "ip", "link", "add", "br0", "type", "bridge")
+        _sh("ip", "netns", "exec", self.switch, "ip", "link", "set", "br0", "up")
+        for h in range(self.num_hosts):
+            ns, inside, outside = f"{self.prefix}{h}", self.iface(h), f"{self.prefix}p{h}"
+            _sh("ip", "netns", "add", ns)
+            self.hosts.append(ns)
+            _sh("ip", "link", "add", inside, "netns", ns, "type", "veth", "peer", "name", outside, "netns", self.switch)
+            _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.ip(h)}/24", "dev", inside)
+            for cmd in (["ip", "link", "set", inside, "up"], ["ip", "link", "set", "lo", "up"]):
+                _sh("ip", "netns", "exec", ns, *cmd)
+            _sh("ip", "netns", "exec", self.switch, "ip", "link", "set", outside, "master", "br0")
+            _sh("ip", "netns", "exec", self.switch, "ip", "link", "set", outside, "up")
+            for netns, dev in ((ns, inside), (self.switch, outside)):
+                _sh("ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                    "rate", self.rate, "burst", self.burst, "latency", self.latency)
+
+    def down(self) -> None:
+        names = [f"{self.prefix}{h}" for h in range(self.num_hosts)] + [self.switch]
+        existing = _sh("ip", "netns", "list", check=False).stdout
+        for ns in names:
+            if any(line.split()[0] == ns for line in existing.splitlines() if line.strip()):
+                _sh("ip", "netns", "del", ns, check=False)
+        self.hosts = []
+
+    def command(self, host: int, argv: list[str], env: dict[str, str] | None = None) -> list[str]:
+        """``argv`` wrapped to run inside host ``host``; gloo is pinned to that host's interface."""
+        env = dict(env or {})
+        env.setdefault("GLOO_SOCKET_IFNAME", self.iface(host))
+        assigns = [f"{k}={v}" for k, v in env.items()]
+        return ["ip", "netns", "exec", f"{self.prefix}{host}", "env", *assigns, *argv]

@@ -1,0 +1,193 @@
+"""``lds-train`` and ``lds-sample``: the Hydra applications that train and sample the example GPT.
+
+``lds-train`` composes ``conf/train.yaml`` and its groups (model, data, trainer, strategy, precision,
+compression, hpo), then builds the model, data, strategy, plugins and callbacks from ``_target_`` nodes,
+so a component joins the app by adding a config file, not by editing this module. Bad input ends in one
+paragraph on stderr and exit code 2; ``LDS_DEBUG=1`` shows the full traceback instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_deepseek.data import TextDataModule
+from lightning_deepseek.data.text import VOCAB_SIZE
+from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
+from lightning_deepseek.summary import RunSummary
+
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+_USER_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, MisconfigurationException, InstantiationException)
+
+
+class ConfigError(ValueError):
+    """A setting has a bad value; the message names the setting, the value and the fix."""
+
+
+def _fail(exc: BaseException) -> None:
+    """Print one paragraph for a user error and exit 2 (``LDS_DEBUG=1`` re-raises instead)."""
+    if os.environ.get("LDS_DEBUG"):
+        raise exc
+    cause = exc
+    while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    message = " ".join(str(cause).split()) or type(cause).__name__
+    print(f"lds-train: error: {message}\n(set LDS_DEBUG=1 for the full traceback)", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _user_errors_exit(fn: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
+    def wrapped(cfg: DictConfig) -> Any:
+        try:
+            return fn(cfg)
+        except _USER_ERRORS as exc:
+            _fail(exc)
+
+    wrapped.__name__ = fn.__name__
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
+def build_model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
+    """``GPTConfig`` from ``model.preset`` plus any field set explicitly in the ``model`` group."""
+    preset = cfg.model.preset
+    if preset not in PRESETS:
+        raise ConfigError(f"model.preset={preset!r} is not a known preset. Choose one of {sorted(PRESETS)} "
+                          "(for example `model=tiny`).")
+    fields = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "preset" and v is not None}
+    return GPTConfig(vocab_size=vocab_size, **{**PRESETS[preset], **fields})
+
+
+def check_devices(trainer_cfg: DictConfig, allow_oversubscribe: bool) -> None:
+    """Fail early when ``trainer.devices`` asks for more devices than this machine has."""
+    devices, accelerator = trainer_cfg.get("devices", 1), str(trainer_cfg.get("accelerator", "cpu"))
+    if not isinstance(devices, int):
+        return  # "auto", lists of ids: Lightning validates those
+    if accelerator in ("gpu", "cuda"):
+        available, unit = torch.cuda.device_count(), "GPU(s)"
+    elif accelerator == "cpu":
+        available, unit = (os.cpu_count() or 1), "CPU core(s); each CPU device is one process"
+        if allow_oversubscribe:
+            return
+    else:
+        return
+    if devices > available:
+        hint = " or pass allow_oversubscribe=true" if accelerator == "cpu" else ""
+        raise ConfigError(f"trainer.devices={devices} but this machine has {available} {unit}. "
+                          f"Set trainer.devices to at most {available}{hint}.")
+
+
+def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
+    """Callbacks of the component groups (compression, hpo) and of the ``callbacks`` mapping."""
+    nodes = [cfg.compression.get("callback"), cfg.hpo.get("callback"), *cfg.get("callbacks", {}).values()]
+    return [instantiate(node) for node in nodes if node is not None]
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
+    """``Trainer`` from the ``trainer`` group with the strategy, precision, logger and checkpoints wired in."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    plugins = []
+    if cfg.precision.get("plugin") is not None:
+        plugins.append(instantiate(cfg.precision.plugin))
+    else:
+        trainer_kwargs["precision"] = cfg.precision.name
+    strategy = cfg.strategy
+    strategy = instantiate(strategy) if "_target_" in strategy else strategy.name
+    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0)
+    return pl.Trainer(
+        **trainer_kwargs, strategy=strategy, plugins=plugins or None, logger=_loggers(run_dir),
+        callbacks=[*callbacks, checkpoint, RunSummary(run_dir, plot=cfg.plot)], default_root_dir=run_dir,
+    )
+
+
+def _loggers(run_dir: Path) -> list[Any]:
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    loggers: list[Any] = [CSVLogger(run_dir, name="logs", version="")]
+    try:
+        import tensorboard  # noqa: F401
+
+        loggers.append(TensorBoardLogger(run_dir, name="tb", version=""))
+    except ImportError:
+        pass
+    return loggers
+
+
+@_user_errors_exit
+def run_training(cfg: DictConfig) -> dict[str, Any]:
+    """Train with a composed config; returns the run summary (empty on ranks other than 0)."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.run_dir)
+    check_devices(cfg.trainer, cfg.allow_oversubscribe)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    model_config = build_model_config(cfg, VOCAB_SIZE)
+    data_kwargs = OmegaConf.to_container(cfg.data, resolve=True)
+    data_kwargs["block_size"] = data_kwargs.get("block_size") or model_config.block_size
+    if data_kwargs["block_size"] > model_config.block_size:
+        raise ConfigError(f"data.block_size={data_kwargs['block_size']} exceeds model.block_size="
+                          f"{model_config.block_size}: lower data.block_size or pick a larger model preset.")
+    data = TextDataModule(**data_kwargs, cache_dir=run_dir)
+    model = LightningGPT(model_config, **cfg.optim)
+    trainer = build_trainer(cfg, run_dir, build_callbacks(cfg))
+    trainer.fit(model, datamodule=data, ckpt_path=cfg.get("resume"))
+    summary = next(cb for cb in trainer.callbacks if isinstance(cb, RunSummary))
+    if trainer.global_rank == 0:
+        print(f"run folder: {run_dir}", flush=True)
+    return summary.report
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+def _train_app(cfg: DictConfig) -> float | None:
+    report = run_training(cfg)
+    return report.get("val_loss_final")  # the objective that a Hydra sweeper minimises
+
+
+@_user_errors_exit
+def run_sampling(cfg: DictConfig) -> str:
+    """Generate text from ``cfg.ckpt`` after ``cfg.prompt``; returns and prints it."""
+    if not cfg.ckpt:
+        raise ConfigError("ckpt is not set. Pass ckpt=PATH to a checkpoint written by lds-train "
+                          "(for example outputs/<date>/<time>/checkpoints/last.ckpt).")
+    path = Path(cfg.ckpt)
+    if not path.exists():
+        raise ConfigError(f"ckpt={cfg.ckpt!r} does not exist. Pass the path of a .ckpt file written by lds-train.")
+    torch.manual_seed(cfg.seed)
+    model = LightningGPT.load_from_checkpoint(path, map_location="cpu", weights_only=False).eval()
+    prompt = cfg.prompt.encode("utf-8") or b"\n"
+    idx = torch.tensor([list(prompt)], dtype=torch.long)
+    out = model.model.generate(idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k)
+    text = bytes(out[0].tolist()).decode("utf-8", errors="replace")
+    print(text, flush=True)
+    return text
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="sample")
+def _sample_app(cfg: DictConfig) -> None:
+    run_sampling(cfg)
+
+
+def train() -> None:
+    """Console entry point of ``lds-train``."""
+    _train_app()
+
+
+def sample() -> None:
+    """Console entry point of ``lds-sample``."""
+    _sample_app()
+
+
+if __name__ == "__main__":
+    train()

@@ -1,0 +1,164 @@
+"""``TextDataModule``: byte-level language-model data from any text, with a built-in default corpus.
+
+Text is encoded as UTF-8 bytes (vocabulary of 256, no tokenizer to download), written once to a memory-mapped
+``uint8`` file in the cache folder, and cut into non-overlapping windows of ``block_size + 1`` bytes. The last
+``val_fraction`` of the bytes is validation: the split is deterministic and never shuffled across.
+The default corpus is the Python documentation's topic help (``pydoc_data.topics``, ~465 KB of English),
+which ships with every CPython, so the example trains with no download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+VOCAB_SIZE = 256
+_TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".yaml", ".yml", ".csv", ".tex", ".html", ".xml", ""}
+
+
+class DataError(ValueError):
+    """Bad data input (missing, empty or binary file); the message names ``data.path`` and the fix."""
+
+
+def default_corpus() -> str:
+    """The text of CPython's ``pydoc_data.topics``, topics in sorted order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def _read_text_file(path: Path) -> bytes:
+    raw = path.read_bytes()
+    if b"\x00" in raw[:65536]:
+        raise DataError(f"data.path: {path} looks like a binary file (it contains NUL bytes). "
+                        "Point data.path at UTF-8 text, or at a folder of .txt files.")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"data.path: {path} is not UTF-8 text ({exc.reason} at byte {exc.start}). "
+                        "Convert it to UTF-8, or point data.path at another file.") from None
+    return raw
+
+
+def read_corpus(path: str | Path | None) -> bytes:
+    """UTF-8 bytes of ``path`` (a file, or every text file under a folder in sorted order), or the default."""
+    if path is None or str(path) == "":
+        return default_corpus().encode("utf-8")
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise DataError(f"data.path={str(path)!r} does not exist. Pass an existing text file or folder, "
+                        "or drop data.path to train on the built-in corpus.")
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in _TEXT_SUFFIXES)
+        if not files:
+            raise DataError(f"data.path={str(path)!r} is a folder with no text files (.txt, .md, ...). "
+                            "Add text files to it or point data.path at a file.")
+        data = b"\n\n".join(_read_text_file(p) for p in files)
+    else:
+        data = _read_text_file(root)
+    if not data.strip():
+        raise DataError(f"data.path={str(path)!r} is empty. Point data.path at a file with text in it.")
+    return data
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping ``(input, target)`` windows of a memory-mapped byte array."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
+        self.tokens = tokens
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.block_size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.block_size
+        chunk = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+class TextDataModule(pl.LightningDataModule):
+    """Byte-level text for next-token prediction.
+
+    Args:
+        path: a UTF-8 text file or a folder of them; ``None`` uses the built-in corpus.
+        block_size: tokens per training sequence.
+        batch_size: sequences per micro-batch on each process.
+        val_fraction: trailing fraction of the corpus held out for validation.
+        cache_dir: where the tokenised array is cached (the run folder in ``lds-train``).
+        num_workers: ``DataLoader`` workers.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        block_size: int = 128,
+        batch_size: int = 16,
+        val_fraction: float = 0.1,
+        cache_dir: str | Path = ".",
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0.0 < val_fraction < 1.0:
+            raise DataError(f"data.val_fraction={val_fraction} must lie strictly between 0 and 1, e.g. 0.1.")
+        if batch_size < 1:
+            raise DataError(f"data.batch_size={batch_size} must be a positive integer.")
+        self.path = path
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.cache_dir = Path(cache_dir)
+        self.num_workers = num_workers
+        self.vocab_size = VOCAB_SIZE
+        self.train_set: TokenWindows | None = None
+        self.val_set: TokenWindows | None = None
+
+    @property
+    def cache_file(self) -> Path:
+        key = hashlib.sha1(str(Path(self.path).expanduser().resolve() if self.path else "<default>").encode())
+        return self.cache_dir / f"tokens-{key.hexdigest()[:12]}.u8"
+
+    @override
+    def prepare_data(self) -> None:
+        if self.cache_file.exists():
+            return
+        data = read_corpus(self.path)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.cache_file.with_suffix(".tmp")
+        np.frombuffer(data, dtype=np.uint8).tofile(tmp)
+        tmp.replace(self.cache_file)
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        if not self.cache_file.exists():  # a process that did not run prepare_data (e.g. another node)
+            self.prepare_data()
+        tokens = np.memmap(self.cache_file, dtype=np.uint8, mode="r")
+        split = int(len(tokens) * (1 - self.val_fraction))
+        train, val = tokens[:split], tokens[split:]
+        for name, part in (("training", train), ("validation", val)):
+            if len(part) <= self.block_size + 1:
+                raise DataError(
+                    f"data.path: the {name} split has {len(part)} bytes, fewer than one sequence of "
+                    f"block_size={self.block_size}. Use more text, a smaller model.block_size, or change "
+                    f"data.val_fraction={self.val_fraction}."
+                )
+        self.train_set = TokenWindows(train, self.block_size)
+        self.val_set = TokenWindows(val, self.block_size)
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.num_workers)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, drop_last=False,
+                          num_workers=self.num_workers)

@@ -1,0 +1,84 @@
+"""``LightningGPT``: the example GPT as a LightningModule (next-token cross-entropy, AdamW, cosine schedule)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from typing_extensions import override
+
+from lightning_deepseek.models.gpt import GPT, GPTConfig
+
+
+class LightningGPT(pl.LightningModule):
+    """Trains :class:`GPT` on ``(input, target)`` token batches.
+
+    Args:
+        config: model shape.
+        learning_rate: peak AdamW learning rate.
+        weight_decay: AdamW weight decay on matrices (not on biases, norms or embeddings).
+        warmup_steps: linear warm-up steps before the cosine decay.
+        min_lr_ratio: final learning rate as a fraction of the peak.
+        betas: AdamW betas.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+        min_lr_ratio: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+    ) -> None:
+        super().__init__()
+        if learning_rate <= 0:
+            raise ValueError(f"optim.learning_rate={learning_rate} must be positive.")
+        self.save_hyperparameters()
+        self.config = config
+        self.model = GPT(config)
+
+    @override
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=False)
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    @override
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate, betas=tuple(hp.betas),
+        )
+        total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1000
+        total = max(int(total), 1) if math.isfinite(total) else 1000
+
+        def lr_lambda(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            progress = min(1.0, (step - hp.warmup_steps) / max(1, total - hp.warmup_steps))
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,134 @@
+"""``RunSummary``: the end-of-run report of ``lds-train`` (tokens/s, losses, wall time, a loss plot).
+
+Any component (callback, strategy, precision plugin) can add to the report by defining
+``summary() -> dict[str, object]`` (rows of the table) and, optionally, ``events() -> list[tuple[int, str]]``
+(optimizer steps to mark on the plot, such as a precision stage change). Rank 0 writes ``summary.json``,
+``summary.txt`` and ``loss.png`` to the run folder and prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+
+def _components(trainer: pl.Trainer) -> list[Any]:
+    return [trainer.strategy, trainer.strategy.precision_plugin, *trainer.callbacks]
+
+
+class RunSummary(Callback):
+    """Collects throughput and loss curves; on rank 0 prints a summary and writes it with a plot.
+
+    Args:
+        run_dir: folder for ``summary.json``, ``summary.txt`` and ``loss.png``.
+        plot: whether to draw ``loss.png``.
+    """
+
+    def __init__(self, run_dir: str | Path, plot: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.plot = plot
+        self.train_curve: list[tuple[int, float]] = []
+        self.val_curve: list[tuple[int, float]] = []
+        self.num_tokens = 0
+        self.train_seconds = 0.0
+        self._fit_start = 0.0
+        self._batch_start = 0.0
+        self.report: dict[str, Any] = {}
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_start = time.perf_counter()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.train_seconds += time.perf_counter() - self._batch_start
+        self.num_tokens += batch[0].numel() * trainer.world_size
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None and trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
+            self.train_curve.append((trainer.global_step, float(loss.detach())))
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        val = trainer.callback_metrics.get("val_loss")
+        if val is not None:
+            self.val_curve.append((trainer.global_step, float(val)))
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        extras: dict[str, Any] = {}
+        events: list[tuple[int, str]] = []
+        for component in _components(trainer):
+            if hasattr(component, "summary"):
+                extras.update(component.summary())
+            if hasattr(component, "events"):
+                events.extend(component.events())
+        # Every rank calls summary() above (it may run collectives); only rank 0 writes.
+        if trainer.global_rank != 0:
+            return
+        self.report = {
+            "steps": trainer.global_step,
+            "world_size": trainer.world_size,
+            "tokens_per_s": round(self.num_tokens / max(self.train_seconds, 1e-9)),
+            "wall_time_s": round(time.perf_counter() - self._fit_start, 1),
+            "train_loss_first": self.train_curve[0][1] if self.train_curve else None,
+            "train_loss_final": self.train_curve[-1][1] if self.train_curve else None,
+            "val_loss_first": self.val_curve[0][1] if self.val_curve else None,
+            "val_loss_final": self.val_curve[-1][1] if self.val_curve else None,
+            **extras,
+        }
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        text = self.format(self.report)
+        (self.run_dir / "summary.txt").write_text(text + "\n")
+        (self.run_dir / "summary.json").write_text(json.dumps(
+            {**self.report, "train_curve": self.train_curve, "val_curve": self.val_curve, "events": events},
+            indent=2, default=str))
+        if self.plot:
+            self._plot(events)
+        print("\n" + text, flush=True)
+
+    @staticmethod
+    def format(report: dict[str, Any]) -> str:
+        width = max(len(k) for k in report)
+        lines = ["run summary", "-" * (width + 24)]
+        for key, value in report.items():
+            shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+            lines.append(f"{key:<{width}}  {shown}")
+        return "\n".join(lines)
+
+    def _plot(self, events: list[tuple[int, str]]) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if self.train_curve:
+            ax.plot(*zip(*self.train_curve), label="train loss", alpha=0.7)
+        if self.val_curve:
+            ax.plot(*zip(*self.val_curve), "o-", label="validation loss")
+        for step, label in events:
+            ax.axvline(step, color="grey", linestyle=":", linewidth=1)
+            ax.annotate(label, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top",
+                        fontsize=7, color="grey")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("cross-entropy (nats/byte)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(self.run_dir / "loss.png", dpi=110)
+        plt.close(fig)
+

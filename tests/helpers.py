@@ -1,0 +1,74 @@
+"""Run a function on N real gloo processes and collect what each rank returns.
+
+Used by every multi-process test: real ``torch.distributed`` collectives, no mocks. A hung collective
+cannot stall the suite: all children are killed after ``timeout`` seconds and the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return results by rank.
+
+    ``fn`` must be a module-level function (it is pickled into spawned processes) and return picklable data.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    except Exception as exc:  # queue.Empty: something hung
+        errors.append(f"timed out after {timeout}s waiting for ranks (got {sorted(results)}): {exc!r}")
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if not errors else 0.5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
