@@ -140,6 +140,7 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"data.block_size={data_kwargs['block_size']} exceeds model.block_size="
                           f"{model_config.block_size}: lower data.block_size or pick a larger model preset.")
     data = TextDataModule(**data_kwargs, cache_dir=run_dir)
+    data.validate()
     model = LightningGPT(model_config, **cfg.optim)
     trainer = build_trainer(cfg, run_dir, build_callbacks(cfg))
     trainer.fit(model, datamodule=data, ckpt_path=cfg.get("resume"))

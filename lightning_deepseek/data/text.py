@@ -46,22 +46,26 @@ def _read_text_file(path: Path) -> bytes:
     return raw
 
 
-def read_corpus(path: str | Path | None) -> bytes:
-    """UTF-8 bytes of ``path`` (a file, or every text file under a folder in sorted order), or the default."""
-    if path is None or str(path) == "":
-        return default_corpus().encode("utf-8")
+def text_files(path: str | Path) -> list[Path]:
+    """The files ``path`` names (itself, or the text files under a folder in sorted order); checks they exist."""
     root = Path(path).expanduser()
     if not root.exists():
         raise DataError(f"data.path={str(path)!r} does not exist. Pass an existing text file or folder, "
                         "or drop data.path to train on the built-in corpus.")
-    if root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in _TEXT_SUFFIXES)
-        if not files:
-            raise DataError(f"data.path={str(path)!r} is a folder with no text files (.txt, .md, ...). "
-                            "Add text files to it or point data.path at a file.")
-        data = b"\n\n".join(_read_text_file(p) for p in files)
-    else:
-        data = _read_text_file(root)
+    if not root.is_dir():
+        return [root]
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in _TEXT_SUFFIXES)
+    if not files:
+        raise DataError(f"data.path={str(path)!r} is a folder with no text files (.txt, .md, ...). "
+                        "Add text files to it or point data.path at a file.")
+    return files
+
+
+def read_corpus(path: str | Path | None) -> bytes:
+    """UTF-8 bytes of ``path`` (a file, or every text file under a folder in sorted order), or the default."""
+    if path is None or str(path) == "":
+        return default_corpus().encode("utf-8")
+    data = b"\n\n".join(_read_text_file(p) for p in text_files(path))
     if not data.strip():
         raise DataError(f"data.path={str(path)!r} is empty. Point data.path at a file with text in it.")
     return data
@@ -118,6 +122,10 @@ class TextDataModule(pl.LightningDataModule):
         self.vocab_size = VOCAB_SIZE
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
+
+    def validate(self) -> None:
+        """Read the corpus once to fail before any process starts; cheap next to training."""
+        read_corpus(self.path)
 
     @property
     def cache_file(self) -> Path:

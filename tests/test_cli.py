@@ -1,0 +1,79 @@
+"""End-to-end tests of the ``lds-train`` and ``lds-sample`` console scripts, run as real processes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+TINY = ["model=tiny", "data.batch_size=8", "trainer.val_check_interval=20", "trainer.limit_val_batches=5",
+        "trainer.log_every_n_steps=5", "trainer.enable_progress_bar=false"]
+
+
+def run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / script), *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    run_dir = tmp_path_factory.mktemp("run")
+    result = run("lds-train", *TINY, "trainer.max_steps=60", "trainer.devices=2", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result
+
+
+def test_two_process_training_lowers_validation_loss(trained_run) -> None:
+    run_dir, result = trained_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 60
+    assert summary["val_loss_final"] < summary["val_loss_first"] < 5.6
+    assert summary["tokens_per_s"] > 0
+    assert "run summary" in result.stdout and "val_loss_final" in result.stdout
+
+
+def test_run_folder_has_plot_logs_and_checkpoint(trained_run) -> None:
+    run_dir, _ = trained_run
+    assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert (run_dir / "logs" / "metrics.csv").exists()
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    assert list(run_dir.glob("tokens-*.u8"))
+
+
+def test_sample_prints_text_from_checkpoint(trained_run) -> None:
+    run_dir, _ = trained_run
+    result = run("lds-sample", f"ckpt={run_dir / 'checkpoints' / 'last.ckpt'}", "prompt=Python", "max_new_tokens=40")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("Python") and len(result.stdout) >= 40
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["data.path=/nonexistent/corpus.txt"], "data.path='/nonexistent/corpus.txt' does not exist"),
+    (["trainer.devices=4096"], "trainer.devices=4096"),
+    (["model.preset=huge"], "model.preset='huge'"),
+    (["optim.learning_rate=-1"], "optim.learning_rate=-1"),
+])
+def test_bad_input_is_one_paragraph_and_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
+    result = run("lds-train", *TINY, "trainer.max_steps=2", "trainer.devices=1", f"hydra.run.dir={tmp_path}", *args)
+    assert result.returncode == 2
+    assert f"lds-train: error: {needle}" in result.stderr or needle in result.stderr.split("lds-train: error:")[-1]
+    assert "Traceback" not in result.stderr
+
+
+def test_binary_data_file_is_rejected(tmp_path: Path) -> None:
+    blob = tmp_path / "weights.bin"
+    blob.write_bytes(bytes(range(256)) * 4)
+    result = run("lds-train", *TINY, "trainer.devices=1", f"data.path={blob}", f"hydra.run.dir={tmp_path / 'r'}")
+    assert result.returncode == 2 and "binary" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_unknown_group_option_lists_the_choices(tmp_path: Path) -> None:
+    result = run("lds-train", "model=nope", f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    assert "model/nope" in result.stderr and "tiny" in result.stderr
+
+
+def test_sample_without_checkpoint(tmp_path: Path) -> None:
+    result = run("lds-sample", f"ckpt={tmp_path / 'none.ckpt'}")
+    assert result.returncode == 2 and "does not exist" in result.stderr
