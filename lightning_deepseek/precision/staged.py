@@ -1,0 +1,316 @@
+"""``StagedPrecision``: a Lightning precision plugin that changes the compute precision during training.
+
+Default schedule: FP32 while training is fragile (first 10% of steps), FP16 autocast with a dynamic loss scaler
+(until 80%), BF16 autocast for the rest. One plugin instance serves the whole run: master weights and optimizer
+state stay FP32, and a stage change only switches the autocast dtype and whether the loss scaler is active, so
+nothing is recast. ``precision`` (the string Lightning reads) is derived from the current stage.
+
+Supports: automatic and manual optimization, gradient accumulation, gradient clipping (on unscaled gradients),
+any strategy whose gradients are plain tensors or DTensors (Lightning's ``DDPStrategy``, ``HybridParallelStrategy``),
+CPU (autocast float16 and bfloat16) and CUDA. Stage boundaries in optimizer steps, epochs or a fraction of the run.
+
+FP16 fallback: when FP16 keeps overflowing (``fallback_skipped_steps`` skipped steps within ``fallback_window``
+steps, counted once the scaler has calibrated, or the scale reaches its floor) the rest of that stage runs in
+BF16, or FP32 where the device has no BF16 autocast; the reason is logged and marked in ``events()``. Every rank
+takes the decision at the same step because it is derived from the all-reduced overflow flag.
+
+Skipped steps: ``last_step_skipped`` tells callbacks whether the last optimizer step was skipped, and by default
+the LR schedulers of the run are wrapped so that they do not advance on a skipped step (Lightning steps them
+unconditionally after every optimizer step; ``torch.amp`` users have long had to detect this by hand).
+
+Costs: in FP16 stages one fused unscale kernel, one all-reduce of one float and one host sync per optimizer step.
+Does not support: LBFGS or other closure-reevaluating optimizers in FP16 stages, optimizers that unscale
+internally (fused Adam with a scaler), true half-precision weights (``16-true``), FP8.
+
+Why our own plugin: Lightning's ``MixedPrecision`` fixes one dtype for the run and uses ``torch.amp.GradScaler``,
+whose limits are listed in :mod:`lightning_deepseek.precision.loss_scaler`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn import Module
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from lightning_deepseek.precision.loss_scaler import DynamicLossScaler
+from lightning_deepseek.precision.lr_scheduler import SkipAwareLRScheduler
+from lightning_deepseek.precision.schedule import AUTOCAST_DTYPES, PrecisionSchedule, default_schedule
+
+
+class StagedPrecisionError(ValueError):
+    """Bad ``StagedPrecision`` input or a stage the device cannot run; the message names the setting and fix."""
+
+
+def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.autocast(device_type, dtype)`` really computes in ``dtype`` on this machine."""
+    if device_type == "cpu":
+        return dtype in (torch.float16, torch.bfloat16)
+    if device_type == "cuda":
+        return dtype == torch.float16 or torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.amp.is_autocast_available(device_type) and dtype == torch.float16
+
+
+def _lightning_module(model: Module) -> pl.LightningModule:
+    # The strategy hands `connect` its wrapped model (DDP, FSDP, compile); the LightningModule is inside.
+    while not isinstance(model, pl.LightningModule):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            raise TypeError(f"StagedPrecision needs a LightningModule inside the strategy's model, got {type(model)}.")
+        model = inner
+    return model
+
+
+class StagedPrecision(Precision):
+    """Precision schedule (FP32 -> FP16 -> BF16 by default) with a dynamic FP16 loss scaler and fallback.
+
+    Args:
+        schedule: stages as ``Stage`` objects, mappings ``{precision, until, unit}`` or tuples; ``None`` for the
+            default (FP32 to 10% of steps, FP16 to 80%, then BF16).
+        init_scale: initial FP16 loss scale.
+        growth_interval: consecutive finite FP16 steps before the scale doubles.
+        hysteresis: consecutive overflows before the scale backs off.
+        min_scale: floor of the loss scale; reaching it triggers the fallback.
+        fallback_skipped_steps: skipped steps within ``fallback_window`` that trigger the fallback (0 disables
+            this trigger; the floor still applies).
+        fallback_window: window, in optimizer steps, for ``fallback_skipped_steps``.
+        skip_lr_scheduler_on_skipped_step: wrap the run's LR schedulers so they do not advance on a skipped step.
+        device: autocast device type; ``None`` takes the strategy's device at setup.
+    """
+
+    def __init__(
+        self,
+        schedule: Sequence[Any] | None = None,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+        fallback_skipped_steps: int = 10,
+        fallback_window: int = 200,
+        skip_lr_scheduler_on_skipped_step: bool = True,
+        device: str | None = None,
+    ) -> None:
+        self.schedule = PrecisionSchedule(default_schedule() if schedule is None else schedule)
+        if fallback_skipped_steps < 0 or fallback_window < 1:
+            raise StagedPrecisionError(
+                f"fallback_skipped_steps={fallback_skipped_steps}, fallback_window={fallback_window}: use "
+                "fallback_skipped_steps >= 0 (0 disables it) and fallback_window >= 1.")
+        if device is not None and device not in ("cpu", "cuda", "mps", "xpu"):
+            raise StagedPrecisionError(f"device={device!r} is not an autocast device type. Use 'cpu' or 'cuda', or "
+                                       "leave it unset to follow the strategy.")
+        self.scaler = DynamicLossScaler(init_scale=init_scale, growth_interval=growth_interval,
+                                        hysteresis=hysteresis, min_scale=min_scale)
+        self.fallback_skipped_steps = fallback_skipped_steps
+        self.fallback_window = fallback_window
+        self.skip_lr_scheduler_on_skipped_step = skip_lr_scheduler_on_skipped_step
+        self.device = device
+        self.stage_index = 0
+        self.fallbacks: dict[int, str] = {}  # stage index -> precision that replaced its FP16
+        self.num_skipped_steps = 0
+        self.last_step_skipped = False
+        self._recent_skips: deque[int] = deque()
+        self._events: list[tuple[int, str]] = []
+        self._trainer: pl.Trainer | None = None
+
+    def __repr__(self) -> str:
+        return f"StagedPrecision(schedule={self.schedule!r})"
+
+    @property  # type: ignore[override]
+    def precision(self) -> str:
+        """Lightning's precision string of the current stage (after any fallback)."""
+        return self.fallbacks.get(self.stage_index, self.schedule.stages[self.stage_index].precision)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    @property
+    def scaling(self) -> bool:
+        """Whether the current stage scales the loss (FP16)."""
+        return self.precision == "16-mixed"
+
+    # ---------------------------------------------------------------- setup
+
+    @override
+    def connect(
+        self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[Module, list[Optimizer], list[Any]]:
+        trainer = _lightning_module(model).trainer
+        self._trainer = trainer
+        self.device = self._check_device(trainer.strategy.root_device.type)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._resolve_schedule(trainer)
+        if self.skip_lr_scheduler_on_skipped_step:
+            for config in lr_schedulers:
+                if config.interval == "step" and not config.reduce_on_plateau and not isinstance(
+                        config.scheduler, SkipAwareLRScheduler):
+                    config.scheduler = SkipAwareLRScheduler(config.scheduler, self)
+        return model, optimizers, lr_schedulers
+
+    def _check_device(self, strategy_device: str) -> str:
+        if self.device is not None and self.device != strategy_device:
+            raise StagedPrecisionError(f"StagedPrecision(device={self.device!r}) but the strategy runs on "
+                                       f"{strategy_device!r}. Drop `device` or set it to {strategy_device!r}.")
+        for i, stage in enumerate(self.schedule.stages):
+            dtype = AUTOCAST_DTYPES[stage.precision]
+            if dtype is not None and not autocast_supported(strategy_device, dtype):
+                raise StagedPrecisionError(
+                    f"schedule[{i}] asks for {stage.precision!r} but {strategy_device!r} has no {dtype} autocast "
+                    "(BF16 needs an Ampere or newer GPU). Use '16-mixed' or '32-true' for this stage.")
+        return strategy_device
+
+    def _resolve_schedule(self, trainer: pl.Trainer) -> None:
+        total = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
+        if total is None:
+            estimate = trainer.estimated_stepping_batches
+            if not math.isfinite(estimate):
+                raise StagedPrecisionError("StagedPrecision needs a finite run: set trainer.max_steps or max_epochs.")
+            total = int(estimate)
+        num_batches = trainer.num_training_batches
+        steps_per_epoch = max(1, math.ceil(num_batches / trainer.accumulate_grad_batches)) if math.isfinite(
+            num_batches) else total
+        self.schedule.resolve(total, steps_per_epoch, trainer.max_epochs)
+
+    # ---------------------------------------------------------------- forward / backward
+
+    @override
+    @contextlib.contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        self._enter_stage_of_current_step()
+        with self.forward_context():
+            yield
+
+    @override
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        dtype = AUTOCAST_DTYPES[self.precision]
+        if dtype is None:
+            yield
+            return
+        with torch.autocast(self.device or "cpu", dtype=dtype, cache_enabled=False):
+            yield
+
+    @override
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        if self.scaling:
+            tensor = self.scaler.scale_loss(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        if not self.scaling:
+            self.last_step_skipped = False
+            output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            self._log(model)
+            return output
+        if isinstance(optimizer, LBFGS):
+            raise StagedPrecisionError("An FP16 stage cannot drive LBFGS (it re-evaluates the closure). "
+                                       "Use '32-true' or 'bf16-mixed' stages with LBFGS.")
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            return closure_result  # training_step returned None: Lightning skips backward and the step
+        found_inf = self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if not found_inf:
+            optimizer.step(**kwargs)
+        self._after_scaled_step(model.trainer.global_step, found_inf)
+        self._log(model)
+        return closure_result
+
+    # ---------------------------------------------------------------- stage and fallback logic
+
+    def _enter_stage_of_current_step(self) -> None:
+        trainer = self._trainer
+        if trainer is None:
+            return
+        index = self.schedule.stage_at(trainer.global_step, trainer.current_epoch)
+        if index != self.stage_index:
+            before = self.precision
+            self.stage_index = index
+            self._events.append((trainer.global_step, f"{before} -> {self.precision}"))
+
+    def _after_scaled_step(self, step: int, found_inf: bool) -> None:
+        counts_for_fallback = found_inf and self.scaler.calibrated
+        self.scaler.update(found_inf)
+        self.last_step_skipped = found_inf
+        if not found_inf:
+            return
+        self.num_skipped_steps += 1
+        if counts_for_fallback:
+            self._recent_skips.append(step)
+        while self._recent_skips and self._recent_skips[0] <= step - self.fallback_window:
+            self._recent_skips.popleft()
+        if self.scaler.at_floor:
+            self._fall_back(step, f"the loss scale reached its floor min_scale={self.scaler.min_scale:g}")
+        elif self.fallback_skipped_steps and len(self._recent_skips) >= self.fallback_skipped_steps:
+            self._fall_back(step, f"{len(self._recent_skips)} skipped steps within {self.fallback_window} steps")
+
+    def _fall_back(self, step: int, reason: str) -> None:
+        target = "bf16-mixed" if autocast_supported(self.device or "cpu", torch.bfloat16) else "32-true"
+        self.fallbacks[self.stage_index] = target
+        self._recent_skips.clear()
+        self._events.append((step + 1, f"16-mixed -> {target} (fallback)"))
+        rank_zero_warn(f"StagedPrecision: FP16 fallback at optimizer step {step}: {reason}; the rest of stage "
+                       f"{self.stage_index} ({self.schedule.stages[self.stage_index].label()}) runs in {target}.")
+
+    def _log(self, model: pl.LightningModule) -> None:
+        metrics = {
+            "precision/stage": float(self.stage_index),
+            "precision/loss_scale": self.scaler.scale,
+            "precision/skipped_steps": float(self.num_skipped_steps),
+        }
+        model.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, logger=bool(model.trainer.loggers))
+
+    # ---------------------------------------------------------------- reporting and checkpoints
+
+    def summary(self) -> dict[str, object]:
+        """Rows for ``lds-train``'s run summary."""
+        return {
+            "precision_schedule": repr(self.schedule),
+            "precision_final": self.precision,
+            "loss_scale_final": self.scaler.scale,
+            "skipped_steps": self.num_skipped_steps,
+            "precision_fallbacks": ", ".join(f"stage {i} -> {p}" for i, p in self.fallbacks.items()) or "none",
+        }
+
+    def events(self) -> list[tuple[int, str]]:
+        """``(optimizer step, label)`` of every stage change and fallback, in order."""
+        return list(self._events)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "stage_index": self.stage_index,
+            "fallbacks": dict(self.fallbacks),
+            "num_skipped_steps": self.num_skipped_steps,
+            "recent_skips": list(self._recent_skips),
+            "events": list(self._events),
+            "scaler": self.scaler.state_dict(),
+            "schedule": [(s.precision, s.until, s.unit) for s in self.schedule.stages],
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = [tuple(s) for s in state_dict["schedule"]]
+        current = [(s.precision, s.until, s.unit) for s in self.schedule.stages]
+        if saved != current:
+            rank_zero_warn(f"StagedPrecision: resuming with schedule {current} from a checkpoint written with "
+                           f"{saved}; the stage is re-derived from the new schedule at the next step.")
+        self.stage_index = min(int(state_dict["stage_index"]), len(self.schedule) - 1)
+        self.fallbacks = {int(k): str(v) for k, v in state_dict["fallbacks"].items()}
+        self.num_skipped_steps = int(state_dict["num_skipped_steps"])
+        self._recent_skips = deque(int(s) for s in state_dict["recent_skips"])
+        self._events = [(int(step), str(label)) for step, label in state_dict["events"]]
+        self.scaler.load_state_dict(state_dict["scaler"])
