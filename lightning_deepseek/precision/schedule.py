@@ -151,8 +151,8 @@ class PrecisionSchedule:
                 end = int(stage.until)
             if end > total_steps:
                 raise ScheduleError(f"schedule[{i}].until={stage.until:g} {stage.unit} ends at optimizer step {end}, "
-                                    f"beyond the run's {total_steps} steps (max_steps). Lower it, or raise "
-                                    "trainer.max_steps.")
+                                    f"beyond the run's {total_steps} optimizer steps (max_steps, or max_epochs x "
+                                    "steps per epoch). Lower it, or raise trainer.max_steps / max_epochs.")
             if ends and end < ends[-1]:
                 raise ScheduleError(f"schedule is not increasing: schedule[{i}] ({stage.label()}) ends at step {end}, "
                                     f"before schedule[{i - 1}] ends at step {ends[-1]}. Order stages by their end.")

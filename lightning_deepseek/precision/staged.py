@@ -147,7 +147,7 @@ class StagedPrecision(Precision):
     ) -> tuple[Module, list[Optimizer], list[Any]]:
         trainer = _lightning_module(model).trainer
         self._trainer = trainer
-        self.device = self._check_device(trainer.strategy.root_device.type)
+        self.device = self.check_device(trainer.strategy.root_device.type)
         if trainer.state.fn == TrainerFn.FITTING:
             self._resolve_schedule(trainer)
         if self.skip_lr_scheduler_on_skipped_step:
@@ -157,7 +157,12 @@ class StagedPrecision(Precision):
                     config.scheduler = SkipAwareLRScheduler(config.scheduler, self)
         return model, optimizers, lr_schedulers
 
-    def _check_device(self, strategy_device: str) -> str:
+    def check_device(self, strategy_device: str) -> str:
+        """Raise unless every stage can run on ``strategy_device``; return the autocast device type.
+
+        Args:
+            strategy_device: the strategy's root device type (``"cpu"``, ``"cuda"``).
+        """
         if self.device is not None and self.device != strategy_device:
             raise StagedPrecisionError(f"StagedPrecision(device={self.device!r}) but the strategy runs on "
                                        f"{strategy_device!r}. Drop `device` or set it to {strategy_device!r}.")
@@ -170,16 +175,16 @@ class StagedPrecision(Precision):
         return strategy_device
 
     def _resolve_schedule(self, trainer: pl.Trainer) -> None:
-        total = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else None
-        if total is None:
-            estimate = trainer.estimated_stepping_batches
-            if not math.isfinite(estimate):
-                raise StagedPrecisionError("StagedPrecision needs a finite run: set trainer.max_steps or max_epochs.")
-            total = int(estimate)
+        if trainer.train_dataloader is None:
+            trainer.fit_loop.setup_data()  # what `estimated_stepping_batches` does; needed for steps per epoch
+        total = trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise StagedPrecisionError("StagedPrecision needs a run of known length: set trainer.max_steps, or "
+                                       "max_epochs with a sized train dataloader.")
         num_batches = trainer.num_training_batches
-        steps_per_epoch = max(1, math.ceil(num_batches / trainer.accumulate_grad_batches)) if math.isfinite(
-            num_batches) else total
-        self.schedule.resolve(total, steps_per_epoch, trainer.max_epochs)
+        steps_per_epoch = math.ceil(num_batches / trainer.accumulate_grad_batches) if math.isfinite(
+            num_batches) else int(total)
+        self.schedule.resolve(int(total), max(1, steps_per_epoch), trainer.max_epochs)
 
     # ---------------------------------------------------------------- forward / backward
 
@@ -210,6 +215,9 @@ class StagedPrecision(Precision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
+        # In automatic optimization the closure (forward and backward) runs inside this call, so the stage of
+        # this step must be entered before choosing between the scaled and the plain path.
+        self._enter_stage_of_current_step()
         if not self.scaling:
             self.last_step_skipped = False
             output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
