@@ -1,9 +1,7 @@
 """lightning-deepseek: DeepSeek-style training efficiency as drop-in PyTorch Lightning components."""
 
 from lightning_deepseek.data import TextDataModule
-from lightning_deepseek.elastic import ElasticTraining
 from lightning_deepseek.models import GPT, GPTConfig, LightningGPT
-from lightning_deepseek.parallel import HybridParallelStrategy
 from lightning_deepseek.precision import StagedPrecision
 
-__all__ = ["ElasticTraining", "GPT", "GPTConfig", "HybridParallelStrategy", "LightningGPT", "StagedPrecision", "TextDataModule"]
+__all__ = ["GPT", "GPTConfig", "LightningGPT", "StagedPrecision", "TextDataModule"]
