@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_deepseek.data import TextDataModule
 from lightning_deepseek.data.text import VOCAB_SIZE
+from lightning_deepseek.hpo import OptunaPruning
 from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
 from lightning_deepseek.summary import RunSummary
 
@@ -147,6 +148,9 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     summary = next(cb for cb in trainer.callbacks if isinstance(cb, RunSummary))
     if trainer.global_rank == 0:
         print(f"run folder: {run_dir}", flush=True)
+        for callback in trainer.callbacks:
+            if isinstance(callback, OptunaPruning):
+                callback.check_pruned()  # raises optuna.TrialPruned; the sweeper marks the trial PRUNED
     return summary.report
 
 

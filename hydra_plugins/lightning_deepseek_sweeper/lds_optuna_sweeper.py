@@ -1,0 +1,182 @@
+"""``LdsOptunaSweeper``: Hydra sweeper on Optuna >= 4 with pruning, asynchronous trials and resume.
+
+Why not ``hydra-optuna-sweeper``: it pins ``optuna<3``, cannot prune (jobs never see their trial) and
+launches trials in blocking batches. This sweeper:
+
+- reads the search space from sweep overrides (``choice``/``range``/``interval``/``tag(log, ...)``) and
+  ``hydra.sweeper.params`` (see ``lightning_deepseek.hpo.space``);
+- launches one job per trial through the configured launcher, keeping ``n_jobs`` in flight from as many
+  threads. The basic launcher runs jobs inside this process (global state: cwd, logging, ``sys.argv``), so it
+  is sequential; process launchers (joblib, submitit) run trials concurrently;
+- tells every job its study through overrides of the ``hpo`` group (``hpo=optuna hpo.storage=...
+  hpo.study_name=... hpo.trial_number=N``) rather than environment variables, because overrides reach any
+  launcher's workers (reused joblib processes, SLURM jobs) and DDP children alike;
+- points ``hydra.run.dir`` of each job at its sweep subfolder and, with the basic launcher, sets ``sys.argv``
+  to the trial's own command line while it runs, so that Lightning's DDP launcher (which re-runs the script
+  with ``sys.argv[1:] hydra.run.dir=<run.dir>``) starts ranks > 0 on this trial, in this folder, instead of
+  re-running the whole multirun;
+- marks a job that returned a number COMPLETE, one that raised ``optuna.TrialPruned`` PRUNED, and any other
+  failure (including ``sys.exit``) FAIL, then writes ``best_params.yaml``, ``trials.csv`` and plots to the
+  sweep folder and prints the best trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+from hydra.core.plugins import Plugins
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_deepseek.hpo.search import SweepFailedError, run_trials
+from lightning_deepseek.hpo.space import SearchSpaceError, build_space, parse_overrides, to_overrides
+from lightning_deepseek.hpo.study import create_study, mask_url, write_report
+
+log = logging.getLogger(__name__)
+_ARGV_FLAGS_WITH_VALUE = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir"}
+
+
+class LdsOptunaSweeper(Sweeper):
+    """See the module docstring; the arguments are the fields of ``LdsOptunaSweeperConf``."""
+
+    def __init__(self, sampler: Any, pruner: Any, direction: str, study_name: str, storage: str | None,
+                 n_trials: int, n_jobs: int, max_failure_rate: float, params: dict[str, Any] | None,
+                 pruning_group: str | None) -> None:
+        self.sampler = _plain(sampler)
+        self.pruner = _plain(pruner)
+        self.direction = direction
+        self.study_name = study_name
+        self.storage = storage
+        self.n_trials = n_trials
+        self.n_jobs = n_jobs
+        self.max_failure_rate = max_failure_rate
+        self.params = _plain(params)
+        self.pruning_group = pruning_group
+        self._argv_lock = threading.Lock()
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config)
+
+    def sweep(self, arguments: list[str]) -> optuna.Study:
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        space, fixed = build_space(self.params, arguments)
+        if not space:
+            raise SearchSpaceError(
+                "lds_optuna: the search space is empty. Add sweep overrides such as "
+                "'optim.learning_rate=tag(log, interval(1e-4, 1e-2))' or a hydra.sweeper.params block.")
+        storage = self.storage or str(sweep_dir / "optuna.journal")
+        study = create_study(self.study_name, storage, self.sampler, self.pruner, self.direction, space)
+        fixed += self._pruning_overrides(fixed, storage)
+        probe = {name: _first_value(dist) for name, dist in space.items()}
+        self.validate_batch_is_legal([fixed + to_overrides(probe)])
+        n_jobs = self._effective_n_jobs()
+        log.info(f"lds_optuna: study {self.study_name!r} in {mask_url(storage)}, {self.n_trials} trials, "
+                 f"n_jobs={n_jobs}, space {sorted(space)}, sweep folder {sweep_dir}")
+
+        def run_trial(trial: optuna.Trial, params: dict[str, Any]) -> Any:
+            return self._launch(trial.number, fixed + to_overrides(params))
+
+        counts = run_trials(study, space, run_trial, self.n_trials, n_jobs, self.max_failure_rate)
+        best = write_report(study, sweep_dir)
+        self._print_best(best, sweep_dir)
+        if counts.get("aborted"):
+            raise SweepFailedError(
+                f"lds_optuna: {counts['FAIL']} trials failed, more than hydra.sweeper.max_failure_rate="
+                f"{self.max_failure_rate} of n_trials={self.n_trials}; see fail_reason in {sweep_dir / 'trials.csv'}"
+                " and the trials' logs, fix the cause, then re-run the same command to resume.")
+        return study
+
+    def _pruning_overrides(self, fixed: list[str], storage: str) -> list[str]:
+        group = self.pruning_group
+        if not group:
+            return []
+        chosen = any(o.key_or_group == group for o in parse_overrides(fixed))
+        identity = to_overrides({f"++{group}.storage": storage, f"++{group}.study_name": self.study_name})
+        return ([] if chosen else [f"{group}=optuna"]) + identity
+
+    def _effective_n_jobs(self) -> int:
+        from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+
+        if self.n_jobs > 1 and isinstance(self.launcher, BasicLauncher):
+            log.warning(f"lds_optuna: hydra.sweeper.n_jobs={self.n_jobs} but the basic launcher runs jobs in this "
+                        "process, one at a time; running sequentially. Use a process launcher (for example "
+                        "hydra/launcher=joblib) for concurrent trials.")
+            return 1
+        return self.n_jobs
+
+    def _launch(self, number: int, overrides: list[str]) -> Any:
+        group = self.pruning_group
+        identity = [f"++{group}.trial_number={number}"] if group else []
+        job = [*overrides, *identity]
+        run_dir = ["hydra.run.dir=${hydra.sweep.dir}/${hydra.sweep.subdir}"]
+        with self._trial_argv(job):
+            try:
+                (ret,) = self.launcher.launch([job + run_dir], initial_job_idx=number)
+            except SystemExit as exc:  # an in-process job that called sys.exit (lds-train does on bad input)
+                raise RuntimeError(f"the job exited with code {exc.code} (see its log above)") from None
+        return ret.return_value  # re-raises the job's exception (TrialPruned, a crash)
+
+    @contextlib.contextmanager
+    def _trial_argv(self, job: list[str]) -> Iterator[None]:
+        """``sys.argv`` = this trial's single-run command line while an in-process job runs (for DDP children)."""
+        from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+
+        if not isinstance(self.launcher, BasicLauncher):
+            yield
+            return
+        with self._argv_lock:
+            original = list(sys.argv)
+            sys.argv = [original[0], *_flags(original[1:]), *job]
+            try:
+                yield
+            finally:
+                sys.argv = original
+
+    def _print_best(self, best: dict[str, Any], sweep_dir: Path) -> None:
+        states = ", ".join(f"{n} {s}" for s, n in best["trials"].items() if n)
+        if "best_trial" in best:
+            params = " ".join(to_overrides(best["best_params"]))
+            message = f"best trial {best['best_trial']}: value={best['best_value']:.5g} with {params}"
+        else:
+            message = "no trial completed, so there is no best trial"
+        print(f"\nlds_optuna: {message}\n  trials: {states}\n  written to {sweep_dir}: best_params.yaml, "
+              f"trials.csv, {', '.join(Path(p).name for p in best['plots']) or 'no plots'}\n  resume or extend: "
+              f"re-run the same command with hydra.sweep.dir={sweep_dir}", flush=True)
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def _flags(argv: list[str]) -> list[str]:
+    """Hydra's own flags (config path/name/dir) of a command line, without ``-m`` and the overrides."""
+    kept, take_next = [], False
+    for token in argv:
+        if take_next:
+            kept.append(token)
+            take_next = False
+        elif token in _ARGV_FLAGS_WITH_VALUE:
+            kept.append(token)
+            take_next = True
+        elif token.startswith("--config") and "=" in token:
+            kept.append(token)
+    return kept
+
+
+def _first_value(dist: optuna.distributions.BaseDistribution) -> Any:
+    if isinstance(dist, optuna.distributions.CategoricalDistribution):
+        return dist.choices[0]
+    return dist.low
