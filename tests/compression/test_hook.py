@@ -1,0 +1,215 @@
+"""The compressed exchange on real gloo processes: error bound, error feedback, byte count, DDP, non-finite."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_deepseek.compression.hook import (
+    CompressionConfig,
+    CompressionState,
+    _exchange_group,
+    begin_step,
+    compressed_average,
+    compressed_bytes,
+    end_step,
+    fp32_allreduce_bytes,
+    register_compression_hook,
+)
+from lightning_deepseek.compression.quantize import qmax
+from tests.helpers import run_distributed
+
+
+def _state(bits: int, block_size: int, error_feedback: bool = True) -> CompressionState:
+    cfg = CompressionConfig(bits=bits, block_size=block_size, error_feedback=error_feedback, warmup_steps=0)
+    return CompressionState(cfg, dist.group.WORLD, _exchange_group(dist.group.WORLD))
+
+
+def _exchange(state: CompressionState, grad: torch.Tensor) -> torch.Tensor:
+    begin_step(state)
+    out = compressed_average(state, grad.clone(), [("g", grad.numel())]).wait()
+    end_step(state)
+    return out
+
+
+def _all_grads(ws: int, numel: int) -> torch.Tensor:
+    """Every rank's gradient (each rank builds all of them): values of widely different magnitudes."""
+    gen = torch.Generator().manual_seed(7)
+    magnitude = torch.logspace(-3, 2, numel)[torch.randperm(numel, generator=gen)]
+    return torch.randn(ws, numel, generator=gen) * magnitude
+
+
+def _padded_blocks(x: torch.Tensor, ws: int, block_size: int) -> torch.Tensor:
+    padded = math.ceil(x.shape[-1] / (ws * block_size)) * ws * block_size
+    return torch.nn.functional.pad(x, (0, padded - x.shape[-1])).view(*x.shape[:-1], -1, block_size)
+
+
+def _one_step_bound(grads: torch.Tensor, ws: int, bits: int, block_size: int) -> torch.Tensor:
+    """Per-element bound of |compressed average - exact average| for round-to-nearest, no residual.
+
+    Phase 1 errs by at most half a step of each rank's block (averaged over ranks); phase 2 by half a step of
+    the block of the averaged value, whose absmax is at most the exact one plus the phase-1 error.
+    """
+    absmax = _padded_blocks(grads, ws, block_size).abs().amax(-1)  # (ws, blocks)
+    phase1 = 0.5 * absmax.mean(0) / qmax(bits)
+    exact = _padded_blocks(grads.mean(0), ws, block_size).abs().amax(-1)
+    phase2 = 0.5 * (exact + phase1) / qmax(bits)
+    bound = (phase1 + phase2) * (1 + 2**-6)  # bfloat16 scale rounding
+    return bound.repeat_interleave(block_size)[: grads.shape[-1]]
+
+
+def _check_exchange(rank: int, ws: int) -> dict:
+    out = {}
+    for bits, block_size, numel in [(8, 128, 5000), (4, 64, 3001), (8, 64, 77)]:
+        state = _state(bits, block_size, error_feedback=False)
+        grads = _all_grads(ws, numel)
+        got = _exchange(state, grads[rank])
+        exact = grads.mean(0)
+        bound = _one_step_bound(grads, ws, bits, block_size)
+        gathered = [torch.empty_like(got) for _ in range(ws)]
+        dist.all_gather(gathered, got)
+        out[(bits, block_size, numel)] = {
+            "within_bound": bool(((got - exact).abs() <= bound).all()),
+            "nonzero_error": bool((got - exact).abs().max() > 0),
+            "replicas_equal": all(torch.equal(g, got) for g in gathered),
+            "bytes_sent": state.bytes_sent, "bytes_fp32": state.bytes_fp32,
+            "rel_error": float((got - exact).norm() / exact.norm()),
+        }
+    return out
+
+
+def _check_all(rank: int, ws: int) -> dict:
+    out = {"exchange": _check_exchange(rank, ws), "ef": _check_error_feedback(rank, ws, 4 if ws == 2 else 8)}
+    if ws == 2:
+        out["ddp"] = _check_ddp(rank, ws)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["ws2", "ws4"])
+def gloo_results(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
+    """One real gloo run per world size doing every check (process start-up dominates the cost)."""
+    return request.param, run_distributed(_check_all, request.param)
+
+
+def test_compressed_average_within_quantization_bound_and_byte_formula(gloo_results: tuple[int, list[dict]]
+                                                                       ) -> None:
+    ws, results = gloo_results
+    results = [r["exchange"] for r in results]
+    for (bits, block_size, numel), res in results[0].items():
+        assert res["within_bound"] and res["nonzero_error"] and res["replicas_equal"], (bits, block_size, res)
+        # The formula, written out: two collectives, each sending W-1 chunks of codes + 2-byte scales.
+        blocks_per_chunk = math.ceil(numel / (ws * block_size))
+        chunk_bytes = blocks_per_chunk * block_size * bits // 8 + 2 * blocks_per_chunk
+        assert res["bytes_sent"] == 2 * (ws - 1) * chunk_bytes == compressed_bytes(numel, ws, bits, block_size)
+        assert res["bytes_fp32"] == 2 * (ws - 1) * 4 * numel // ws
+        assert res["rel_error"] < (0.03 if bits == 8 else 0.3)
+    assert all(r == results[0] for r in results[1:])
+    big = compressed_bytes(1 << 24, ws, 8, 128) / fp32_allreduce_bytes(1 << 24, ws)
+    big4 = compressed_bytes(1 << 24, ws, 4, 128) / fp32_allreduce_bytes(1 << 24, ws)
+    assert big <= 0.27 and big4 <= 0.14
+
+
+def _check_error_feedback(rank: int, ws: int, bits: int) -> dict:
+    # A constant gradient is the worst case for round-to-nearest: the same error every step, a bias that grows
+    # linearly in the sum of updates. Error feedback must keep the sum's error bounded.
+    steps = 25
+    grads = _all_grads(ws, 2000)
+    sums = {}
+    for error_feedback in (True, False):
+        state = _state(bits, 128, error_feedback)
+        applied = torch.zeros(2000)
+        for _ in range(steps):
+            applied += _exchange(state, grads[rank])
+        sums[error_feedback] = float((applied - steps * grads.mean(0)).abs().max())
+    bound = float(_one_step_bound(grads, ws, bits, 128).max())
+    return {"ef": sums[True], "no_ef": sums[False], "one_step": bound}
+
+
+def test_error_feedback_keeps_the_sum_of_updates_unbiased(gloo_results: tuple[int, list[dict]]) -> None:
+    ws, results = gloo_results
+    res = results[0]["ef"]
+    # The error of the sum with feedback is the last residual: a few one-step errors, whatever the step count.
+    assert res["ef"] < 3 * res["one_step"] * ws, res
+    assert res["no_ef"] > 5 * res["ef"], res
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(64, 96)
+        self.fc2 = torch.nn.Linear(96, 48)
+        self.fc3 = torch.nn.Linear(48, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def _check_ddp(rank: int, ws: int) -> dict:
+    torch.manual_seed(0)
+    ref_model, model = _Net(), _Net()
+    model.load_state_dict(ref_model.state_dict())
+    # Small buckets so that the exchange really runs several buckets concurrently (and one stays fp32: 1-D only).
+    ref = DistributedDataParallel(ref_model, bucket_cap_mb=0.01)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
+    state = register_compression_hook(ddp, bits=8, block_size=64, warmup_steps=1, min_bucket_numel=256)
+    gen = torch.Generator().manual_seed(rank)
+    rel_errors, num_buckets = [], []
+    for step in range(4):
+        x = torch.randn(16, 64, generator=gen)
+        for net in (ref, ddp):
+            if step == 3:  # gradient accumulation: the hook does not run under no_sync
+                with net.no_sync():
+                    net(x.flip(0)).square().mean().backward()
+            net(x).square().mean().backward()
+        num_buckets.append(state.num_compressed_buckets)
+        got = torch.cat([p.grad.view(-1) for p in ddp.parameters()])
+        exact = torch.cat([p.grad.view(-1) for p in ref.parameters()])
+        rel_errors.append(float((got - exact).norm() / exact.norm()))
+        for net in (ref, ddp):
+            for p in net.parameters():
+                p.grad = None
+    gathered = [torch.empty_like(got) for _ in range(ws)]
+    dist.all_gather(gathered, got)
+    # Non-finite gradient on one rank: every rank must see it, and the residuals must be reset afterwards.
+    x = torch.randn(16, 64, generator=gen)
+    if rank == 1:
+        x[0, 0] = float("inf")
+    ddp(x).square().mean().backward()
+    saw_nonfinite = not all(torch.isfinite(p.grad).all() for p in ddp.parameters())
+    for p in ddp.parameters():
+        p.grad = None
+    ddp(torch.randn(16, 64, generator=gen)).square().mean().backward()
+    residuals_finite = all(torch.isfinite(r).all() for r in state.residuals.values())
+    return {"steps": state.step, "rel_errors": rel_errors, "replicas_equal": all(torch.equal(g, got) for g in gathered),
+            "num_buckets": num_buckets, "saw_nonfinite": saw_nonfinite, "residual_names": sorted(state.residuals),
+            "finite_after": all(torch.isfinite(p.grad).all() for p in ddp.parameters()),
+            "residuals_finite": residuals_finite, "kept_residuals": bool(state._keep)}
+
+
+def test_hook_under_ddp_matches_fp32_ddp_and_propagates_non_finite(gloo_results: tuple[int, list[dict]]) -> None:
+    ws, results = gloo_results
+    if ws != 2:
+        return  # the DDP scenario runs in the 2-process run only
+    results = [r["ddp"] for r in results]
+    for res in results:
+        assert res["steps"] == 6  # 4 synchronising steps + 2 more; the no_sync micro-batch is not one
+        assert res["num_buckets"][0] == 0 and min(res["num_buckets"][1:]) >= 2  # warm-up, then compressed
+        assert res["rel_errors"][0] < 1e-6 and 0 < max(res["rel_errors"][1:]) < 0.02
+        assert res["replicas_equal"] and res["saw_nonfinite"] and res["finite_after"]
+        # Residuals live per parameter of the compressed buckets; the non-finite step reset them.
+        assert {"fc1.weight", "fc2.weight"} <= set(res["residual_names"])
+        assert res["residuals_finite"] and not res["kept_residuals"]
+    assert results[0]["rel_errors"] == results[1]["rel_errors"]
+
+
+def test_register_rejects_bad_input() -> None:
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        register_compression_hook(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="bits=5"):
+        CompressionConfig(bits=5)
+    with pytest.raises(ValueError, match="warmup_steps=-1"):
+        CompressionConfig(warmup_steps=-1)

@@ -1,0 +1,82 @@
+"""Block-wise quantizer: round-trip error bounds, int4 packing, stochastic rounding, non-finite values, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_deepseek.compression.quantize import (
+    QuantizationConfigError,
+    dequantize,
+    payload_bytes,
+    qmax,
+    quantize,
+    validate,
+)
+
+
+def _blocks_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    return x.view(-1, block_size).abs().amax(dim=1, keepdim=True)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_round_to_nearest_error_within_half_step(bits: int, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    # Blocks of very different magnitudes: per-block scales must follow each block, not the tensor.
+    x = torch.randn(64 * block_size, generator=gen) * torch.logspace(-8, 4, 64).repeat_interleave(block_size)
+    codes, scales = quantize(x, bits, block_size)
+    assert codes.dtype == torch.uint8 and codes.numel() == x.numel() * bits // 8
+    assert scales.dtype == torch.bfloat16 and scales.numel() == x.numel() // block_size
+    assert codes.numel() + 2 * scales.numel() == payload_bytes(x.numel(), bits, block_size)
+    err = (dequantize(codes, scales, bits, block_size) - x).view(-1, block_size).abs()
+    step = _blocks_absmax(x, block_size) / qmax(bits)
+    assert (err <= 0.5 * step * (1 + 2**-7)).all()
+    # Round-to-nearest is exact on the grid: quantizing the dequantized values changes nothing.
+    again = quantize(dequantize(codes, scales, bits, block_size), bits, block_size)
+    assert torch.equal(again[0], codes) and torch.equal(again[1], scales)
+
+
+def test_int4_packs_two_codes_per_byte_exactly() -> None:
+    block = torch.arange(-7, 9, dtype=torch.float32).clamp(max=7)  # every int4 level, absmax 7 -> scale 1
+    x = block.repeat(4)
+    codes, scales = quantize(x, 4, 16)
+    assert torch.equal(scales.float(), torch.ones(4))
+    assert torch.equal(dequantize(codes, scales, 4, 16), x)
+    assert codes[0].item() == (-7 + 8) | ((-6 + 8) << 4)
+
+
+def test_zero_block_and_batched_dequantize() -> None:
+    x = torch.cat([torch.zeros(64), torch.randn(64)])
+    codes, scales = quantize(x, 8, 64)
+    out = dequantize(codes.view(2, -1), scales.view(2, -1), 8, 64)
+    assert out.shape == (2, 64)
+    assert torch.equal(out[0], torch.zeros(64))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_rounding_is_unbiased(bits: int) -> None:
+    x = torch.full((64,), 0.3)
+    x[0] = 1.0  # absmax 1: 0.3 sits between two levels for both widths
+    gen = torch.Generator().manual_seed(1)
+    mean = torch.stack([dequantize(*quantize(x, bits, 64, gen), bits, 64) for _ in range(2000)]).mean(0)
+    rtn = dequantize(*quantize(x, bits, 64), bits, 64)
+    step = 1.0 / qmax(bits)
+    assert (rtn[1:] - 0.3).abs().max() > 0.1 * step  # round-to-nearest is biased here ...
+    assert (mean[1:] - 0.3).abs().max() < 0.05 * step  # ... stochastic rounding is not
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_non_finite_values_propagate_to_their_block(bits: int) -> None:
+    x = torch.randn(4 * 32)
+    x[5], x[40] = float("inf"), float("nan")
+    out = dequantize(*quantize(x, bits, 32), bits, 32)
+    assert not torch.isfinite(out[:32]).any() and not torch.isfinite(out[32:64]).any()
+    assert torch.isfinite(out[64:]).all()
+
+
+@pytest.mark.parametrize("bits, block_size", [(3, 128), (16, 128), (True, 128), (8, 0), (8, 127), (8, 8192),
+                                              (8, 64.0)])
+def test_bad_settings_raise_with_the_setting_name(bits: object, block_size: object) -> None:
+    with pytest.raises(QuantizationConfigError, match="bits" if block_size == 128 else "block_size"):
+        validate(bits, block_size)  # type: ignore[arg-type]
