@@ -15,7 +15,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 from typing_extensions import override
 
 VOCAB_SIZE = 256
@@ -97,6 +97,10 @@ class TextDataModule(pl.LightningDataModule):
         val_fraction: trailing fraction of the corpus held out for validation.
         cache_dir: where the tokenised array is cached (the run folder in ``lds-train``).
         num_workers: ``DataLoader`` workers.
+
+    Attributes:
+        train_sampler: when set (e.g. by ``ElasticTraining``), the training ``DataLoader`` draws its indices from
+            this sampler instead of shuffling.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class TextDataModule(pl.LightningDataModule):
         self.vocab_size = VOCAB_SIZE
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
+        self.train_sampler: Sampler | None = None
 
     def validate(self) -> None:
         """Read the corpus once to fail before any process starts; cheap next to training."""
@@ -163,8 +168,8 @@ class TextDataModule(pl.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.train_sampler is None,
+                          sampler=self.train_sampler, drop_last=True, num_workers=self.num_workers)
 
     @override
     def val_dataloader(self) -> DataLoader:
