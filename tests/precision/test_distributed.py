@@ -1,12 +1,14 @@
-"""StagedPrecision on 2 real gloo processes with Lightning's DDPStrategy: every rank decides together."""
+"""StagedPrecision and its loss scaler on 2 real gloo processes (Lightning DDPStrategy): ranks decide together."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from lightning_deepseek import StagedPrecision
+from lightning_deepseek.precision.loss_scaler import DynamicLossScaler
 from tests.helpers import run_distributed
 from tests.precision.tiny import InjectInf, RecordSkips, TinyRegressor, make_trainer, regression_data
 
@@ -29,8 +31,43 @@ def _fit_ddp(rank: int, world_size: int, inject_steps: set[int]) -> dict[str, An
     }
 
 
-def test_overflow_on_one_rank_skips_and_falls_back_on_all_ranks_at_the_same_step():
-    rank0, rank1 = run_distributed(_fit_ddp, 2, {2, 4, 6}, timeout=120)
+def _overflow_on_rank0_only() -> tuple[bool, bool]:
+    """Rank 0 alone has an inf gradient; returns (our scaler's verdict, torch GradScaler's verdict) on this rank."""
+    param = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    grad = torch.ones(4)
+    if torch.distributed.get_rank() == 0:
+        grad[2] = float("inf")
+    param.grad = grad.clone()
+    ours = DynamicLossScaler(init_scale=2.0).unscale_(optimizer)
+    param.grad = grad.clone()
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+    torch_scaler.scale(torch.ones(()))  # GradScaler must see a scale() before unscale_()
+    torch_scaler.unscale_(optimizer)
+    found = torch_scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    return ours, bool(sum(v.item() for v in found.values()))
+
+
+def _worker(rank: int, world_size: int) -> dict[str, Any]:
+    # One set of processes for both tests below: spawning and importing Lightning dominates their cost.
+    verdicts = _overflow_on_rank0_only()
+    return {"verdicts": verdicts, **_fit_ddp(rank, world_size, {2, 4, 6})}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_distributed(_worker, 2, timeout=150)
+
+
+def test_found_inf_is_shared_by_all_ranks(ranks):
+    """Rank 0 alone overflows (as after a rank-local hook): both ranks must skip. GradScaler decides per rank."""
+    (ours0, theirs0), (ours1, theirs1) = ranks[0]["verdicts"], ranks[1]["verdicts"]
+    assert ours0 and ours1
+    assert theirs0 and not theirs1  # the divergence our all-reduce prevents
+
+
+def test_overflow_on_one_rank_skips_and_falls_back_on_all_ranks_at_the_same_step(ranks):
+    rank0, rank1 = ranks
     for result in (rank0, rank1):
         assert result["skipped"] == [2, 4, 6]
         assert result["events"] == [(7, "16-mixed -> bf16-mixed (fallback)"), (8, "bf16-mixed -> 32-true")]

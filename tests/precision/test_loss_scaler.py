@@ -1,4 +1,4 @@
-"""DynamicLossScaler: hysteresis, floor, growth, checkpoint state, and the found-inf decision shared by ranks."""
+"""DynamicLossScaler: hysteresis, floor, growth, checkpoint state (the 2-rank decision: test_distributed.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from lightning_deepseek.precision.loss_scaler import DynamicLossScaler, LossScalerConfigError
-from tests.helpers import run_distributed
 
 
 def test_hysteresis_backs_off_only_after_consecutive_overflows():
@@ -78,27 +77,3 @@ def test_state_dict_round_trip():
 def test_bad_arguments_name_the_setting(kwargs, name):
     with pytest.raises(LossScalerConfigError, match=name):
         DynamicLossScaler(**kwargs)
-
-
-def _overflow_on_rank0_only(rank: int, world_size: int) -> tuple[bool, bool]:
-    param = torch.nn.Parameter(torch.ones(4))
-    optimizer = torch.optim.SGD([param], lr=0.1)
-    grad = torch.ones(4)
-    if rank == 0:
-        grad[2] = float("inf")
-    param.grad = grad.clone()
-    ours = DynamicLossScaler(init_scale=2.0).unscale_(optimizer)
-    param.grad = grad.clone()
-    torch_scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
-    torch_scaler.scale(torch.ones(()))  # GradScaler must see a scale() before unscale_()
-    torch_scaler.unscale_(optimizer)
-    theirs = bool(sum(v.item() for v in torch_scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-                      .values()))
-    return ours, theirs
-
-
-def test_found_inf_is_shared_by_all_ranks():
-    """Rank 0 alone overflows (as after a rank-local hook): both ranks must skip. GradScaler decides per rank."""
-    (ours0, theirs0), (ours1, theirs1) = run_distributed(_overflow_on_rank0_only, 2, timeout=60)
-    assert ours0 and ours1
-    assert theirs0 and not theirs1  # the divergence our all-reduce prevents
