@@ -209,7 +209,31 @@ class LocalBackend(Backend):
         for proc in reversed(list(self.agents.get(job.name, []))):
             self.stop_agent(job, proc)
 
+    def kill(self, job: JobSpec) -> None:
+        """SIGKILL every agent of ``job`` and its workers (in sessions of their own): the cleanup of last resort."""
+        for proc in self.agents.get(job.name, []):
+            for pid in [*_descendants(proc.pid), proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+        self.agents[job.name] = []
+        self._write_state(job)
+
     def _write_state(self, job: JobSpec) -> None:
         """Record agent pids so that an operator (or a restarted controller) can find the job's processes."""
         pids = [a.pid for a in self.agents.get(job.name, []) if a.poll() is None]
         (job.run_dir / "agents.json").write_text(json.dumps({"job": job.name, "agent_pids": pids}))
+
+
+def _descendants(pid: int) -> list[int]:
+    """Child processes of ``pid``, recursively (Linux ``/proc``)."""
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            for child in map(int, children.read_text().split()):
+                found += [child, *_descendants(child)]
+        except OSError:
+            continue
+    return found
