@@ -130,6 +130,14 @@ class PrecisionSchedule:
     def __repr__(self) -> str:
         return "[" + ", ".join(stage.label() for stage in self.stages) + "]"
 
+    def describe(self) -> str:
+        """The stages with their optimizer-step ranges once resolved, e.g. ``32-true [0,50) > 16-mixed [50,400)``."""
+        if self.end_steps[0] is None and len(self.stages) > 1:
+            return repr(self)
+        starts = [0, *self.end_steps[:-1]]
+        return " > ".join(f"{stage.precision} [{start},{'end' if end is None else end})"
+                          for stage, start, end in zip(self.stages, starts, self.end_steps))
+
     def resolve(self, total_steps: int, steps_per_epoch: int, max_epochs: int | None) -> list[int | None]:
         """Convert every boundary to an optimizer step and check it against the run.
 

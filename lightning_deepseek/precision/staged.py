@@ -286,7 +286,7 @@ class StagedPrecision(Precision):
     def summary(self) -> dict[str, object]:
         """Rows for ``lds-train``'s run summary."""
         return {
-            "precision_schedule": repr(self.schedule),
+            "precision_schedule": self.schedule.describe(),
             "precision_final": self.precision,
             "loss_scale_final": self.scaler.scale,
             "skipped_steps": self.num_skipped_steps,

@@ -17,6 +17,7 @@ def test_stage_at_follows_resolved_boundaries():
     schedule = PrecisionSchedule([("32-true", 3), ("16-mixed", 0.5, "fraction"), ("bf16-mixed", 2, "epoch"),
                                   ("32-true",)])
     assert schedule.resolve(total_steps=12, steps_per_epoch=4, max_epochs=None) == [3, 6, 8, None]
+    assert schedule.describe() == "32-true [0,3) > 16-mixed [3,6) > bf16-mixed [6,8) > 32-true [8,end)"
     got = [schedule.stage_at(step, step // 4) for step in range(12)]
     assert got == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 3]
 
