@@ -15,6 +15,7 @@ class LdsOptunaSweeperConf:
     """Fields of ``hydra.sweeper`` (each is also a command-line override ``hydra.sweeper.<field>=...``)."""
 
     _target_: str = "hydra_plugins.lightning_deepseek_sweeper.lds_optuna_sweeper.LdsOptunaSweeper"
+    _recursive_: bool = False  # the sweeper builds sampler/pruner itself and stores the pruner config for jobs
     defaults: list[Any] = field(default_factory=lambda: ["_self_", {"sampler": "tpe"}, {"pruner": "median"}])
     sampler: Any = None
     """``_target_`` node of an Optuna sampler."""
@@ -32,7 +33,7 @@ class LdsOptunaSweeperConf:
     """Trials in flight at once. The basic launcher runs jobs in this process, so it forces 1."""
     max_failure_rate: float = 0.5
     """Stop launching once FAIL trials exceed this fraction of ``n_trials``."""
-    params: dict[str, Any] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
     """Search space: ``key: choice(...) | range(...) | interval(...) | tag(log, ...)`` or a fixed value."""
     pruning_group: str | None = "hpo"
     """Config group that attaches ``OptunaPruning`` in each job (``hpo=optuna`` of lds-train); null: none."""

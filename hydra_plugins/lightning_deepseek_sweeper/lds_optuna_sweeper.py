@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -32,13 +33,14 @@ from typing import Any
 
 import optuna
 from hydra.core.plugins import Plugins
+from hydra.core.utils import JobStatus
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_deepseek.hpo.search import SweepFailedError, run_trials
 from lightning_deepseek.hpo.space import SearchSpaceError, build_space, parse_overrides, to_overrides
-from lightning_deepseek.hpo.study import create_study, mask_url, write_report
+from lightning_deepseek.hpo.study import StudyConfigError, create_study, mask_url, write_report
 
 log = logging.getLogger(__name__)
 _ARGV_FLAGS_WITH_VALUE = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir"}
@@ -69,6 +71,16 @@ class LdsOptunaSweeper(Sweeper):
             hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> optuna.Study:
+        try:
+            return self._sweep(arguments)
+        except (SearchSpaceError, StudyConfigError, SweepFailedError) as exc:
+            if os.environ.get("LDS_DEBUG"):
+                raise
+            message = " ".join(str(exc).split())
+            print(f"lds-train: error: {message}\n(set LDS_DEBUG=1 for the full traceback)", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    def _sweep(self, arguments: list[str]) -> optuna.Study:
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
@@ -78,10 +90,11 @@ class LdsOptunaSweeper(Sweeper):
                 "lds_optuna: the search space is empty. Add sweep overrides such as "
                 "'optim.learning_rate=tag(log, interval(1e-4, 1e-2))' or a hydra.sweeper.params block.")
         storage = self.storage or str(sweep_dir / "optuna.journal")
-        study = create_study(self.study_name, storage, self.sampler, self.pruner, self.direction, space)
         fixed += self._pruning_overrides(fixed, storage)
         probe = {name: _first_value(dist) for name, dist in space.items()}
-        self.validate_batch_is_legal([fixed + to_overrides(probe)])
+        self.validate_batch_is_legal([fixed + to_overrides(probe)])  # a typo fails here, not in every trial
+        study = create_study(self.study_name, storage, self.sampler, self.pruner, self.direction, space,
+                             prefix="hydra.sweeper.")
         n_jobs = self._effective_n_jobs()
         log.info(f"lds_optuna: study {self.study_name!r} in {mask_url(storage)}, {self.n_trials} trials, "
                  f"n_jobs={n_jobs}, space {sorted(space)}, sweep folder {sweep_dir}")
@@ -127,7 +140,10 @@ class LdsOptunaSweeper(Sweeper):
                 (ret,) = self.launcher.launch([job + run_dir], initial_job_idx=number)
             except SystemExit as exc:  # an in-process job that called sys.exit (lds-train does on bad input)
                 raise RuntimeError(f"the job exited with code {exc.code} (see its log above)") from None
-        return ret.return_value  # re-raises the job's exception (TrialPruned, a crash)
+        if ret.status == JobStatus.FAILED:
+            # JobReturn.return_value would re-raise too, but prints "Error executing job" even for a pruned trial.
+            raise ret._return_value
+        return ret.return_value
 
     @contextlib.contextmanager
     def _trial_argv(self, job: list[str]) -> Iterator[None]:

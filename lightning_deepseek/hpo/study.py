@@ -58,6 +58,7 @@ def open_storage(url: str, field: str = "storage") -> optuna.storages.BaseStorag
         return JournalStorage(JournalFileBackend(url, lock_obj=JournalFileOpenLock(url)))
     import sqlalchemy.exc
 
+    url = _postgres_driver(url)
     engine_kwargs: dict[str, Any] = {}
     if url.startswith("sqlite"):
         engine_kwargs["connect_args"] = {"timeout": 60}  # seconds to wait on a locked file, not to connect
@@ -75,6 +76,17 @@ def open_storage(url: str, field: str = "storage") -> optuna.storages.BaseStorag
                                f"({_first_line(exc)}). Check that the server runs and the host, port, user and "
                                "database are right, or drop the storage setting to use the embedded journal file "
                                "in the sweep folder.") from None
+
+
+def _postgres_driver(url: str) -> str:
+    """SQLAlchemy >= 2.1 maps ``postgresql://`` to psycopg 3; use psycopg2 when only that one is installed."""
+    if not url.startswith("postgresql://"):
+        return url
+    import importlib.util
+
+    if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+        return "postgresql+psycopg2://" + url[len("postgresql://"):]
+    return url
 
 
 def _first_line(exc: BaseException) -> str:
@@ -107,13 +119,17 @@ def build_component(node: Any, base: type, field: str, known: str,
 
 def create_study(study_name: str, storage: str, sampler_node: Mapping[str, Any] | None,
                  pruner_node: Mapping[str, Any] | None, direction: str,
-                 space: Mapping[str, BaseDistribution]) -> optuna.Study:
-    """Create or load (resume) ``study_name`` and record its pruner config for the jobs."""
+                 space: Mapping[str, BaseDistribution], prefix: str = "") -> optuna.Study:
+    """Create or load (resume) ``study_name`` and record its pruner config for the jobs.
+
+    ``prefix`` (``"hydra.sweeper."``) is put before the field names in error messages.
+    """
     if direction not in ("minimize", "maximize"):
-        raise StudyConfigError(f"direction={direction!r}: use minimize or maximize.")
-    sampler = build_component(sampler_node, optuna.samplers.BaseSampler, "sampler", SAMPLERS, space)
-    pruner = build_component(pruner_node, optuna.pruners.BasePruner, "pruner", PRUNERS)
-    study = optuna.create_study(study_name=study_name, storage=open_storage(storage), sampler=sampler,
+        raise StudyConfigError(f"{prefix}direction={direction!r}: use minimize or maximize.")
+    sampler = build_component(sampler_node, optuna.samplers.BaseSampler, f"{prefix}sampler", SAMPLERS, space)
+    pruner = build_component(pruner_node, optuna.pruners.BasePruner, f"{prefix}pruner", PRUNERS)
+    backend = open_storage(storage, field=f"{prefix}storage")
+    study = optuna.create_study(study_name=study_name, storage=backend, sampler=sampler,
                                 pruner=pruner, direction=direction, load_if_exists=True)
     if study.direction.name.lower() != direction:
         raise StudyConfigError(f"study {study_name!r} in {mask_url(storage)} was created with direction="

@@ -1,0 +1,104 @@
+"""The ``lds_optuna`` Hydra sweeper end to end: ``lds-train -m`` as real processes on tiny trials."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from lightning_deepseek.hpo import open_storage
+
+BIN = Path(sys.executable).parent
+TRIAL = ["model=tiny", "+model.block_size=16", "data.batch_size=4", "trainer.devices=1", "trainer.max_steps=8",
+         "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=2",
+         "trainer.enable_progress_bar=false", "plot=false", "optim.warmup_steps=1"]
+
+
+def sweep_cmd(sweep_dir: Path, *args: str) -> list[str]:
+    return [str(BIN / "lds-train"), "-m", "hydra/sweeper=lds_optuna", "hydra.sweeper.sampler.seed=0",
+            f"hydra.sweep.dir={sweep_dir}", *TRIAL, *args]
+
+
+def load(sweep_dir: Path, name: str = "lds") -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=open_storage(str(sweep_dir / "optuna.journal")))
+
+
+def states(study: optuna.Study) -> list[str]:
+    return [t.state.name for t in study.get_trials(deepcopy=False)]
+
+
+def test_sweep_prunes_then_resumes_only_the_remaining_trials(tmp_path: Path) -> None:
+    cmd = sweep_cmd(tmp_path, "hydra.sweeper.n_trials=6", "optim.learning_rate=tag(log, interval(1e-5, 3e-1))")
+    # First run: killed (like a lost machine) once trial 2 has finished.
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in first.stdout:
+            if line.startswith("[hpo] trial 2 "):
+                break
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+    before = {t.number: t.datetime_complete for t in load(tmp_path).get_trials(deepcopy=False) if t.state.is_finished()}
+    assert {0, 1, 2} <= before.keys()
+
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    study = load(tmp_path)
+    finished = [t for t in study.get_trials(deepcopy=False) if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == 6
+    # Trials of the first run were kept as they were, not re-run; a trial cut off by the kill is FAIL.
+    for number, completed_at in before.items():
+        assert study.trials[number].datetime_complete == completed_at
+    assert all(t.user_attrs.get("fail_reason") == "its sweeper process died"
+               for t in study.trials if t.state == TrialState.FAIL)
+    assert len(study.trials) - len(before) <= 6 - len(before) + 1
+    assert {"COMPLETE", "PRUNED"} <= set(states(study))
+    pruned = [t for t in study.trials if t.state == TrialState.PRUNED]
+    assert all(max(t.intermediate_values) < 8 for t in pruned)  # stopped before max_steps
+    # Reports of the sweep: best parameters, CSV of every trial, plots; the best trial printed.
+    best = (tmp_path / "best_params.yaml").read_text()
+    assert f"best_trial: {study.best_trial.number}" in best and "optim.learning_rate" in best
+    rows = list(csv.DictReader((tmp_path / "trials.csv").open()))
+    assert [r["state"] for r in rows] == states(study)
+    assert (tmp_path / "optimization_history.png").read_bytes()[:4] == b"\x89PNG"
+    assert "lds_optuna: best trial" in second.stdout
+    assert (tmp_path / str(study.best_trial.number) / "summary.json").exists()
+
+
+def test_crashing_job_is_marked_fail_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    # n_head=3 does not divide n_embd=64: lds-train rejects it (exit code 2) inside the job.
+    result = subprocess.run(
+        sweep_cmd(tmp_path, "hydra.sweeper.n_trials=2", "hydra/sweeper/sampler=grid", "hydra/sweeper/pruner=none",
+                  "+model.n_head=choice(3,4)"), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    study = load(tmp_path)
+    by_head = {t.params["+model.n_head"]: t for t in study.trials}
+    assert by_head[3].state == TrialState.FAIL and "exited with code 2" in by_head[3].user_attrs["fail_reason"]
+    assert by_head[4].state == TrialState.COMPLETE
+    assert "not divisible by model.n_head=3" in result.stderr
+
+
+def test_too_many_failures_stop_the_sweep_with_the_setting_named(tmp_path: Path) -> None:
+    result = subprocess.run(
+        sweep_cmd(tmp_path, "hydra.sweeper.n_trials=4", "hydra.sweeper.max_failure_rate=0",
+                  "+model.n_head=choice(3,6)"), capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    assert "max_failure_rate=0" in result.stderr
+    assert states(load(tmp_path)) == ["FAIL"]  # stopped after the first failure, did not burn the budget
+
+
+def test_bad_search_space_and_sampler_fail_fast_with_the_field(tmp_path: Path) -> None:
+    bad_space = subprocess.run(
+        sweep_cmd(tmp_path / "a", "+hydra.sweeper.params={optim.learning_rate: 'tag(lg, interval(1e-4, 1e-2))'}"),
+        capture_output=True, text=True, timeout=120)
+    assert bad_space.returncode != 0
+    assert "optim.learning_rate: unknown tag(s) ['lg']" in bad_space.stderr
+    bad_sampler = subprocess.run(
+        sweep_cmd(tmp_path / "b", "hydra.sweeper.sampler._target_=optuna.samplers.TPESamplr",
+                  "optim.learning_rate=interval(1e-4, 1e-2)"), capture_output=True, text=True, timeout=120)
+    assert bad_sampler.returncode != 0
+    assert "hydra.sweeper.sampler._target_='optuna.samplers.TPESamplr' could not be built" in bad_sampler.stderr
