@@ -71,9 +71,12 @@ def model_fingerprint(module: torch.nn.Module) -> str:
 
 def find_latest(directory: str | Path) -> CheckpointInfo | None:
     """The newest complete checkpoint in ``directory``; half-written ones are skipped with a log line."""
-    root = Path(directory)
+    return max(_complete(Path(directory)), key=lambda info: info.step, default=None)
+
+
+def _complete(root: Path) -> list[CheckpointInfo]:
     if not root.is_dir():
-        return None
+        return []
     found = []
     for path in root.iterdir():
         match = _NAME.match(path.name)
@@ -84,7 +87,7 @@ def find_latest(directory: str | Path) -> CheckpointInfo | None:
             found.append(CheckpointInfo(path, int(meta["step"]), int(meta["world_size"]), meta["fingerprint"]))
         except (OSError, ValueError, KeyError):
             log.warning(f"ElasticTraining: skipping incomplete checkpoint {path} (no valid {MARKER} marker).")
-    return max(found, key=lambda info: info.step, default=None)
+    return found
 
 
 def _rank() -> int:
@@ -170,9 +173,8 @@ class ElasticCheckpointer:
         (tmp / MARKER).write_text(json.dumps(meta))
         final = self.directory / f"step-{step:08d}"
         os.replace(tmp, final) if not final.exists() else shutil.rmtree(tmp, ignore_errors=True)
-        complete = sorted((p for p in self.directory.iterdir() if _NAME.match(p.name)), key=lambda p: p.name)
-        for old in complete[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        for old in sorted(_complete(self.directory), key=lambda info: info.step)[: -self.keep_last]:
+            shutil.rmtree(old.path, ignore_errors=True)
 
     def barrier(self) -> None:
         """Wait until every rank got here (used so that no rank exits before rank 0 has committed)."""

@@ -1,0 +1,125 @@
+"""Step checkpoints in one process: exact resume after a crash, async snapshots, incomplete and foreign ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_deepseek import GPTConfig, LightningGPT, TextDataModule
+from lightning_deepseek.data import read_corpus
+from lightning_deepseek.elastic import CheckpointMismatchError, ElasticTraining, find_latest
+
+GLOBAL_BATCH = 8
+
+
+class CrashAt(pl.Callback):
+    """Simulates a worker dying right after optimizer step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("simulated crash")
+
+
+class MutateAfterSave(pl.Callback):
+    """Right after the (asynchronous) checkpoint of ``step`` starts, records the weights and overwrites them."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.saved: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and not self.saved:
+            self.saved = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            with torch.no_grad():
+                for param in pl_module.parameters():
+                    param.add_(1.0)
+
+
+def _fit(tmp_path: Path, max_steps: int, *callbacks: pl.Callback, n_embd: int = 32, ddp: bool = False,
+         async_save: bool = False) -> tuple[LightningGPT, ElasticTraining]:
+    corpus = tmp_path / "corpus.txt"
+    if not corpus.exists():
+        corpus.parent.mkdir(parents=True, exist_ok=True)
+        corpus.write_bytes(read_corpus(None)[:1139])  # 64 windows of 16: 8 steps per epoch
+    pl.seed_everything(0, verbose=False)
+    data = TextDataModule(path=str(corpus), block_size=16, batch_size=2, cache_dir=tmp_path)
+    model = LightningGPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=n_embd), learning_rate=3e-3,
+                         warmup_steps=2)
+    elastic = ElasticTraining(tmp_path / "ckpt", GLOBAL_BATCH, checkpoint_every_n_steps=3, async_save=async_save)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         num_sanity_val_steps=0, callbacks=[elastic, *callbacks],
+                         strategy=DDPStrategy(process_group_backend="gloo") if ddp else "auto")
+    trainer.fit(model, datamodule=data)
+    return model, elastic
+
+
+def test_resume_after_a_crash_is_bitwise_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:
+    reference, _ = _fit(tmp_path / "reference", 12)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _fit(tmp_path / "crashed", 12, CrashAt(step=11))  # crosses an epoch boundary (8 steps per epoch)
+    assert find_latest(tmp_path / "crashed" / "ckpt").step == 9  # steps 10-11 are lost, no more
+    resumed, elastic = _fit(tmp_path / "crashed", 12)
+    assert elastic.epoch == 1 and elastic.consumed_samples == 4 * GLOBAL_BATCH
+    for (name, expected), actual in zip(reference.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=name)
+
+
+def test_async_save_writes_the_weights_of_its_step_not_later_ones(tmp_path: Path) -> None:
+    mutate = MutateAfterSave(step=3)
+    _fit(tmp_path, 4, mutate, ddp=True, async_save=True)
+    info = find_latest(tmp_path / "ckpt")
+    assert info.step == 4
+    step3 = info.path.parent / "step-00000003"
+    assert (step3 / "COMPLETE").exists()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = LightningGPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
+    state = {"model": get_state_dict(model, [])[0]}
+    dcp.load(state, checkpoint_id=str(step3))
+    for name, expected in mutate.saved.items():
+        torch.testing.assert_close(state["model"][name], expected, rtol=0, atol=0, msg=name)
+
+
+def test_incomplete_checkpoints_are_skipped_and_cleaned_up(tmp_path: Path) -> None:
+    _fit(tmp_path, 3)
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step-00000050.tmp").mkdir()  # killed while writing
+    (ckpt / "step-00000060").mkdir()  # renamed on a file system without atomic rename, marker missing
+    (ckpt / "step-00000070").mkdir()
+    (ckpt / "step-00000070" / "COMPLETE").write_text("{not json")
+    assert find_latest(ckpt).step == 3
+    _, elastic = _fit(tmp_path, 5)
+    assert not (ckpt / "step-00000050.tmp").exists()
+    assert json.loads((ckpt / "step-00000005" / "COMPLETE").read_text())["step"] == 5
+    assert elastic.consumed_samples == 5 * GLOBAL_BATCH
+
+
+def test_checkpoint_of_another_model_stops_with_a_clear_message(tmp_path: Path) -> None:
+    _fit(tmp_path, 3, n_embd=32)
+    with pytest.raises(CheckpointMismatchError, match="checkpoint_dir=.*different parameters"):
+        _fit(tmp_path, 6, n_embd=48)
+    records = [json.loads(line) for line in (tmp_path / "ckpt" / "reports.jsonl").read_text().splitlines()]
+    assert records[-1]["event"] == "fatal"
+
+
+def test_datamodule_without_sampler_hook_is_refused(tmp_path: Path) -> None:
+    class PlainData(pl.LightningDataModule):
+        batch_size = 2
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(range(64), batch_size=2)
+
+    elastic = ElasticTraining(tmp_path / "ckpt", GLOBAL_BATCH)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, callbacks=[elastic])
+    with pytest.raises(TypeError, match="train_sampler"):
+        trainer.fit(LightningGPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)), datamodule=PlainData())
