@@ -100,6 +100,7 @@ class CompressionState:
         self.step = 0
         self.residuals: dict[str, torch.Tensor] = {}
         self.param_names: dict[int, str] = {}
+        self.param_order: dict[int, int] = {}
         self.generators: tuple[torch.Generator, torch.Generator] | None = None
         self.last_launch_time = 0.0
         self.total_bytes_sent = 0
@@ -213,27 +214,29 @@ def allreduce_average(state: CompressionState, flat: torch.Tensor) -> torch.futu
     return fut.then(record_finite)
 
 
-def compressed_average(state: CompressionState, flat: torch.Tensor, segments: Sequence[tuple[str, int]],
-                       ) -> torch.futures.Future:
-    """Average ``flat`` over the group in compressed form; the future's value is ``flat``, written in place.
+def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor], names: Sequence[str],
+                       out: torch.Tensor) -> torch.futures.Future:
+    """Average ``tensors`` over the group in compressed form, in place; the future's value is ``out``.
 
     Args:
-        state: the hook state (residuals are read and written under the ``segments`` names).
-        flat: 1-D gradient buffer (any float dtype), averaged in place.
-        segments: ``(name, numel)`` of the consecutive pieces of ``flat`` whose residuals are kept.
+        state: the hook state (residuals are read and written under ``names``).
+        tensors: gradients (any float dtype) in a canonical order, laid end to end before quantization, so the
+            blocks do not depend on how DDP happened to order them in its bucket.
+        names: one name per tensor, the key of its residual.
+        out: what the future returns once ``tensors`` hold the average (the bucket buffer for DDP).
     """
     cfg, ws = state.config, state.world_size
     start = time.perf_counter()
-    numel = flat.numel()
+    sizes = [t.numel() for t in tensors]
+    numel, device = sum(sizes), out.device
     chunk = math.ceil(numel / (ws * cfg.block_size)) * cfg.block_size
-    x = torch.zeros(ws * chunk, dtype=torch.float32, device=flat.device)
-    x[:numel] = flat
+    x = torch.cat([t.reshape(-1).float() for t in tensors] + [torch.zeros(ws * chunk - numel, device=device)])
     if cfg.error_feedback and state.residuals:
         residual = torch.cat([state.residuals[name] if name in state.residuals
-                              else torch.zeros(size, device=flat.device) for name, size in segments])
+                              else torch.zeros(size, device=device) for name, size in zip(names, sizes)])
         x[:numel] += residual if state._keep is None else torch.where(state._keep, residual, 0.0)
     if state.generators is None and cfg.stochastic_rounding:
-        state.generators = _make_generators(cfg.seed, flat.device)
+        state.generators = _make_generators(cfg.seed, device)
     gen1, gen2 = state.generators if cfg.stochastic_rounding else (None, None)
     codes, scales = quantize(x, cfg.bits, cfg.block_size, gen1)
     send = _pack(codes, scales, ws)
@@ -247,7 +250,7 @@ def compressed_average(state: CompressionState, flat: torch.Tensor, segments: Se
     phase1_seconds = time.perf_counter() - start
     code_bytes = codes.numel() // ws
 
-    result = torch.futures.Future(devices=[flat.device] if flat.is_cuda else None)
+    result = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
     issued = torch.futures.Future()
     previous = state._issued if state._issued is not None else _completed(None, torch.device("cpu"))
     state._issued = issued
@@ -280,19 +283,19 @@ def compressed_average(state: CompressionState, flat: torch.Tensor, segments: Se
             t0 = time.perf_counter()
             scales_all = gathered[:, code_bytes:].contiguous().view(torch.bfloat16)
             values = dequantize(gathered[:, :code_bytes], scales_all, cfg.bits, cfg.block_size).view(-1)
-            flat.copy_(values[:numel])
+            torch._foreach_copy_(list(tensors), [v.view_as(t) for v, t in zip(values[:numel].split(sizes), tensors)])
             if residual_new is not None:
                 finite = torch.isfinite(scales_all).all()
                 state._finite_flags.append(finite)
                 kept = torch.where(finite, residual_new[:numel], 0.0)
-                state.residuals.update(zip((n for n, _ in segments), kept.split([k for _, k in segments])))
+                state.residuals.update(zip(names, kept.split(sizes)))
             state._add(compressed_bytes(numel, ws, cfg.bits, cfg.block_size), fp32_allreduce_bytes(numel, ws),
                        phase1_seconds + seconds + time.perf_counter() - t0)
             state.num_compressed_buckets += 1
         except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
             result.set_exception(exc)
             return
-        result.set_result(flat)
+        result.set_result(out)
 
     torch.futures.collect_all([a2a, previous]).then(reduce_chunk)
     return result
@@ -313,8 +316,10 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     if not state.compressing or small:
         fut = allreduce_average(state, flat)
     else:
-        segments = [(state.param_names[id(p)], p.numel()) for p in params]
-        fut = compressed_average(state, flat, segments)
+        order = sorted(range(len(params)), key=lambda i: state.param_order[id(params[i])])
+        grads = bucket.gradients()
+        fut = compressed_average(state, [grads[i] for i in order], [state.param_names[id(params[i])] for i in order],
+                                 flat)
     if not state.config.overlap:
         fut.wait()
     if bucket.is_last():
@@ -360,6 +365,8 @@ def register_compression_hook(ddp_module: DistributedDataParallel, config: Compr
     config = config or CompressionConfig(**kwargs)  # type: ignore[arg-type]
     group = ddp_module.process_group
     state = CompressionState(config, group, _exchange_group(group))
-    state.param_names = {id(p): name for name, p in ddp_module.module.named_parameters()}
+    named = list(ddp_module.module.named_parameters())
+    state.param_names = {id(p): name for name, p in named}
+    state.param_order = {id(p): i for i, (_, p) in enumerate(named)}
     ddp_module.register_comm_hook(state, compression_hook)
     return state

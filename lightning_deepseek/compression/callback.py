@@ -1,0 +1,189 @@
+"""``GradientCompression``: a Lightning ``Callback`` that installs the compressed gradient exchange.
+
+Supports: Lightning's ``DDPStrategy`` (``"ddp"``, ``"ddp_spawn"``, ...) on CPU and CUDA, and any strategy exposing
+its data-parallel ``DistributedDataParallel`` as ``strategy.ddp_module`` or ``strategy.model`` (such as
+``HybridParallelStrategy``); gradient accumulation and mixed precision. The hook is attached by this callback
+itself because Lightning 2.6 registers a ``ddp_comm_hook`` only on CUDA (on CPU it would silently never run).
+
+Costs: see :mod:`lightning_deepseek.compression.hook` (~0.25x / 0.13x the bytes of fp32, one fp32 residual per
+parameter, quantization compute that overlaps with backward). Telemetry costs two norms per bucket on logging
+steps only.
+
+Does not support: DeepSpeed, FSDP and ``ModelParallelStrategy`` (they reduce-scatter sharded gradients
+themselves, with no DDP comm hook): a clear error. One device: a warning, nothing to compress.
+
+Checkpoints: the callback's state (every rank's residuals, the step counter, the stochastic-rounding generators)
+is gathered to rank 0 when the checkpoint is written and handed back to each rank on resume.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_deepseek.compression.hook import CompressionConfig, CompressionState, register_compression_hook
+
+
+class CompressionStrategyError(ValueError):
+    """The Trainer's strategy has no data-parallel reduction the hook can sit on."""
+
+
+def find_ddp_module(strategy: Strategy) -> DistributedDataParallel | None:
+    """The strategy's data-parallel ``DistributedDataParallel``, or ``None`` (with a warning) on one device.
+
+    Raises:
+        CompressionStrategyError: for sharded strategies, or a multi-process strategy without a DDP module.
+    """
+    name = type(strategy).__name__
+    if isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy)):
+        raise CompressionStrategyError(
+            f"GradientCompression does not support strategy={name}: it reduce-scatters sharded gradients itself "
+            "and has no DDP communication hook. Use strategy='ddp' or 'hybrid', or remove GradientCompression.")
+    module = getattr(strategy, "ddp_module", None) or strategy.model
+    if isinstance(module, DistributedDataParallel):
+        return module
+    if strategy.world_size <= 1:
+        warnings.warn(f"GradientCompression does nothing with strategy={name} on a single device: there is no "
+                      "gradient exchange to compress. Remove it, or train on several devices.", stacklevel=2)
+        return None
+    raise CompressionStrategyError(
+        f"GradientCompression found no DistributedDataParallel module on strategy={name} "
+        f"(world_size={strategy.world_size}; strategy.model is {type(module).__name__}). Use strategy='ddp' or "
+        "'hybrid', or a strategy that exposes its data-parallel DDP module as `strategy.ddp_module`.")
+
+
+class GradientCompression(Callback):
+    """Compress data-parallel gradient traffic to 8 or 4 bits with error feedback, overlapped with backward.
+
+    Args:
+        bits: 8 (int8, ~0.25x the bytes of fp32) or 4 (int4 packed two per byte, ~0.13x).
+        block_size: values per bfloat16 scale (even, 16..4096; 64-256 usual).
+        error_feedback: carry each step's quantization residual into the next step (keeps training unbiased).
+        warmup_steps: synchronising steps exchanged in fp32 before compression starts.
+        min_bucket_numel: DDP buckets below this size, or holding only 1-D parameters, stay fp32.
+        stochastic_rounding: unbiased stochastic rounding instead of round-to-nearest.
+        overlap: set False to wait for each bucket's exchange inside the hook (for measurements only).
+        seed: seed of the stochastic-rounding generators.
+    """
+
+    def __init__(self, bits: int = 8, block_size: int = 128, error_feedback: bool = True, warmup_steps: int = 10,
+                 min_bucket_numel: int = 4096, stochastic_rounding: bool = False, overlap: bool = True,
+                 seed: int = 0) -> None:
+        self.config = CompressionConfig(bits=bits, block_size=block_size, error_feedback=error_feedback,
+                                        warmup_steps=warmup_steps, min_bucket_numel=min_bucket_numel,
+                                        stochastic_rounding=stochastic_rounding, overlap=overlap, seed=seed)
+        self.hook_state: CompressionState | None = None
+        self._pending: dict[str, Any] | None = None
+        self._step_before_backward = 0
+        self._exposed_ms: list[float] = []
+        self._last_rel_error: float | None = None
+        self._device = torch.device("cpu")
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(bits=self.config.bits, block_size=self.config.block_size)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ddp_module = find_ddp_module(trainer.strategy)
+        if ddp_module is None:
+            return
+        self._device = pl_module.device
+        try:
+            self.hook_state = register_compression_hook(ddp_module, self.config)
+        except RuntimeError as exc:
+            raise CompressionStrategyError(
+                f"GradientCompression could not install its hook ({exc}). A DDP module takes one comm hook: "
+                "drop the strategy's `ddp_comm_hook` argument when using GradientCompression.") from exc
+        if self._pending is not None:
+            self._restore(self._pending)
+            self._pending = None
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self.hook_state is None:
+            return
+        self._step_before_backward = self.hook_state.step
+        # The relative error costs two norms per bucket and a host sync: only on steps Lightning logs.
+        self.hook_state.track_error = trainer.global_step % max(1, trainer.log_every_n_steps) == 0
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = self.hook_state
+        if state is None or state.step == self._step_before_backward:
+            return  # no_sync micro-batch: nothing was exchanged
+        # DDP's backward returns only once every bucket's future is done: the time since the last bucket was
+        # launched (all backward compute finished) is communication that nothing overlapped.
+        exposed_ms = 1e3 * (time.perf_counter() - state.last_launch_time)
+        self._exposed_ms.append(exposed_ms)
+        metrics = {
+            "compression/bytes_per_step": float(state.bytes_sent),
+            "compression/bytes_ratio": state.bytes_sent / max(1, state.bytes_fp32),
+            "compression/compress_ms": 1e3 * state.compress_seconds,
+            "compression/exposed_comm_ms": exposed_ms,
+        }
+        rel_error = state.relative_error() if state.track_error else None
+        if rel_error is not None:
+            self._last_rel_error = rel_error
+            metrics["compression/rel_error"] = rel_error
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def summary(self) -> dict[str, object]:
+        """A few figures for ``lds-train``'s run summary."""
+        state = self.hook_state
+        if state is None:
+            return {"compression": "off (single device)"}
+        cfg = self.config
+        return {
+            "compression": f"int{cfg.bits} block={cfg.block_size} ef={cfg.error_feedback}",
+            "compression_bytes_ratio": round(state.total_bytes_sent / max(1, state.total_bytes_fp32), 4),
+            "compression_rel_error": self._last_rel_error,
+            "compression_exposed_comm_ms_median": round(statistics.median(self._exposed_ms), 2)
+            if self._exposed_ms else None,
+        }
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.hook_state is None:
+            return {} if self._pending is None else self._pending
+        own = self.hook_state.state_dict()
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        # Lightning builds the checkpoint on every rank and rank 0 writes it: gather every rank's residuals there.
+        gathered: list[dict | None] | None = [None] * world_size if rank == 0 else None
+        dist.gather_object(own, gathered, dst=0)
+        if gathered is None:
+            gathered = [own if r == rank else None for r in range(world_size)]
+        return {"world_size": world_size, "ranks": gathered}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if self.hook_state is None:
+            self._pending = state_dict  # the DDP module does not exist yet; applied in on_fit_start
+        else:
+            self._restore(state_dict)
+
+    def _restore(self, state_dict: dict[str, Any]) -> None:
+        assert self.hook_state is not None
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        own = state_dict["ranks"][rank] if state_dict["world_size"] == world_size else None
+        if own is None:
+            warnings.warn(f"GradientCompression: the checkpoint holds error-feedback residuals for "
+                          f"world_size={state_dict['world_size']}, this run has world_size={world_size}: "
+                          "residuals start from zero (at most one step of quantization error is lost).",
+                          stacklevel=2)
+            self.hook_state.step = max(r["step"] for r in state_dict["ranks"] if r is not None)
+            return
+        self.hook_state.load_state_dict(own, self._device)
