@@ -64,8 +64,8 @@ def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
 def _lightning_module(model: Module) -> pl.LightningModule:
     # The strategy hands `connect` its wrapped model (DDP, FSDP, compile); the LightningModule is inside.
     while not isinstance(model, pl.LightningModule):
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None:
+        inner = getattr(model, "module", getattr(model, "_orig_mod", None))
+        if not isinstance(inner, Module):
             raise TypeError(f"StagedPrecision needs a LightningModule inside the strategy's model, got {type(model)}.")
         model = inner
     return model
@@ -228,7 +228,10 @@ class StagedPrecision(Precision):
                                        "Use '32-true' or 'bf16-mixed' stages with LBFGS.")
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
-            return closure_result  # training_step returned None: Lightning skips backward and the step
+            # training_step returned None: Lightning skipped backward, so there is nothing to unscale or step.
+            self._after_closure(model, optimizer)
+            self.last_step_skipped = False
+            return closure_result
         found_inf = self.scaler.unscale_(optimizer)
         self._after_closure(model, optimizer)
         if not found_inf:

@@ -126,16 +126,19 @@ def test_fp32_schedule_is_bitwise_identical_to_plain_fp32():
     assert all(torch.equal(a, b) for a, b in zip(staged.parameters(), plain.parameters()))
 
 
-def test_fp16_stage_matches_lightning_mixed_precision_with_grad_scaler():
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_fp16_stage_matches_lightning_mixed_precision_with_grad_scaler(accumulate):
     """hysteresis=1 makes our scaler follow torch.amp.GradScaler's rule, so the runs must agree bit for bit."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     inject = InjectInf({3, 5})
     ours = StagedPrecision([("16-mixed",)], init_scale=2.0**16, growth_interval=3, hysteresis=1)
-    staged, _ = _fit(ours, max_steps=12, callbacks=[inject], scheduler=False)
+    staged, _ = _fit(ours, max_steps=12, callbacks=[inject], scheduler=False, accumulate_grad_batches=accumulate,
+                     num_samples=200)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
     reference, _ = _fit(MixedPrecision("16-mixed", "cpu", scaler), max_steps=12, callbacks=[inject],
-                        scheduler=False)
+                        scheduler=False, accumulate_grad_batches=accumulate, num_samples=200)
+    assert ours.num_skipped_steps >= 2  # the skip path is exercised (injected, and natural overflows after growth)
     assert ours.loss_scale == scaler.get_scale()
     assert all(torch.equal(a, b) for a, b in zip(staged.parameters(), reference.parameters()))
 
