@@ -1,0 +1,83 @@
+"""Gradient clipping over parameters that mix plain tensors and DTensor shards.
+
+``torch.nn.utils.clip_grad_norm_`` fails when a parameter list mixes ``DTensor`` and ``Tensor`` (or DTensors of
+different meshes). Here each rank adds up the norms of its local pieces: a plain (replicated) gradient counts
+whole, a DTensor gradient counts its local shard, and the shard sums are reduced over the process group of the
+mesh dimensions they are sharded on; one all-reduce per such group (one in total for a ``(dp, tp)`` mesh, over
+``tp``). Clipping by value is element-wise and needs no communication.
+
+Every rank must call these functions with the same parameters (they are collective when DTensors are present).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def _shard_group(grad: DTensor) -> dist.ProcessGroup | None:
+    """The process group over which ``grad``'s local pieces must be summed (None when it is replicated)."""
+    mesh = grad.device_mesh
+    dims = [i for i, placement in enumerate(grad.placements) if placement.is_shard()]
+    if not dims:
+        return None
+    if len(dims) > 1:
+        raise NotImplementedError("clip_grad_norm_ supports DTensors sharded over one mesh dimension.")
+    return mesh.get_group(dims[0])
+
+
+def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients of ``parameters`` taken together, as a plain tensor equal on every rank."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    device = grads[0].device
+    is_inf = norm_type == float("inf")
+    replicated = torch.zeros((), device=device, dtype=torch.float32)
+    by_group: dict[dist.ProcessGroup, torch.Tensor] = {}
+    for grad in grads:
+        group = _shard_group(grad) if isinstance(grad, DTensor) else None
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        piece = torch.linalg.vector_norm(local.float(), norm_type)
+        piece = piece if is_inf else piece.pow(norm_type)
+        if group is None:
+            replicated = torch.maximum(replicated, piece) if is_inf else replicated + piece
+        else:
+            current = by_group.get(group, torch.zeros((), device=device, dtype=torch.float32))
+            by_group[group] = torch.maximum(current, piece) if is_inf else current + piece
+    total = replicated
+    for group, value in by_group.items():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+        total = torch.maximum(total, value) if is_inf else total + value
+    return total if is_inf else total.pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` so that their joint norm is at most ``max_norm``; return the norm.
+
+    Args:
+        parameters: parameters whose ``.grad`` may be plain tensors or DTensors.
+        max_norm: the largest allowed joint norm.
+        norm_type: the p of the p-norm (``float("inf")`` for the max norm).
+    """
+    parameters = list(parameters)
+    norm = total_grad_norm(parameters, norm_type)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in parameters:
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grad.mul_(scale.to(grad.device, grad.dtype))
+    return norm
+
+
+@torch.no_grad()
+def clip_grad_value_(parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+    """Clamp every gradient of ``parameters`` to ``[-clip_value, clip_value]``, shard by shard."""
+    for p in parameters:
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grad.clamp_(-clip_value, clip_value)

@@ -1,0 +1,158 @@
+"""Rank placement: the rank order of the ``(dp, tp)`` mesh, chosen by policy or by a communication cost model.
+
+Candidates:
+- ``tp_intra_node``: each ``tp`` group inside one island (Megatron's rule); ``dp`` groups cross islands.
+- ``dp_intra_node``: each ``dp`` group inside one island, ``tp`` groups across islands (the seed document's rule).
+- ``auto``: the candidate with the lowest estimated communication time per optimizer step.
+
+Cost model (per optimizer step, ring algorithms, ``n`` ranks in a group, link of bandwidth ``B`` and latency
+``a``; a group crossing islands runs at the slow link's figures):
+- tensor-parallel activations, per micro-batch: each column-wise layer all-gathers its input in forward and
+  reduce-scatters the input gradient in backward, each row-wise layer reduce-scatters its output and
+  all-gathers the output gradient: ``(n - 1) * (M / B + a)`` each, ``M`` the bytes of one rank's activations;
+- data-parallel gradients, once per step: an all-reduce ``2 (n - 1) / n * S / B + 2 (n - 1) a`` of the sharded
+  parameters over ``dp`` and of the replicated ones over the world.
+Compute is the same for every candidate and left out. Link figures come from ``link_costs`` or from a short
+point-to-point probe at start-up (a small and a 4 MiB message, between two ranks of one island and two ranks of
+different islands).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_deepseek.parallel.topology import Topology
+
+POLICIES = ("auto", "tp_intra_node", "dp_intra_node")
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """Bandwidth (bytes/s) and latency (s) of one link class."""
+
+    bandwidth: float
+    latency: float
+
+    @classmethod
+    def from_config(cls, spec: dict, setting: str) -> LinkCost:
+        try:
+            return cls(float(spec["bandwidth_gbit"]) * 1e9 / 8, float(spec.get("latency_us", 0.0)) * 1e-6)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{setting}={spec!r} needs 'bandwidth_gbit' (and optionally 'latency_us'), for example "
+                             "{'bandwidth_gbit': 1, 'latency_us': 50}.") from exc
+
+
+@dataclass(frozen=True)
+class CommVolume:
+    """What one optimizer step communicates, from the plan and the micro-batch shape.
+
+    Args:
+        activation_bytes: bytes of one rank's activations entering one sharded block (tokens x width x itemsize).
+        num_colwise: column-wise layers (one all-gather forward, one reduce-scatter backward per micro-batch).
+        num_rowwise: row-wise layers (one reduce-scatter forward, one all-gather backward per micro-batch).
+        sharded_grad_bytes: gradient bytes of one rank's tensor-parallel shards (all-reduced over ``dp``).
+        replicated_grad_bytes: gradient bytes of the replicated parameters (all-reduced over the world).
+        micro_batches: micro-batches per optimizer step (gradient accumulation).
+    """
+
+    activation_bytes: int
+    num_colwise: int
+    num_rowwise: int
+    sharded_grad_bytes: int
+    replicated_grad_bytes: int
+    micro_batches: int = 1
+
+
+def candidate_mesh(policy: str, topology: Topology, dp_size: int, tp_size: int) -> list[list[int]]:
+    """The ``dp x tp`` rank grid of ``policy``: row ``i`` is a ``tp`` group, column ``j`` a ``dp`` group."""
+    order = [rank for island in topology.islands for rank in sorted(island)]
+    if policy == "tp_intra_node":
+        return [order[i * tp_size:(i + 1) * tp_size] for i in range(dp_size)]
+    if policy == "dp_intra_node":
+        return [[order[j * dp_size + i] for j in range(tp_size)] for i in range(dp_size)]
+    raise ValueError(f"placement={policy!r} is not a placement policy: use one of {POLICIES}.")
+
+
+def _link(topology: Topology, ranks: list[int], links: dict[str, LinkCost]) -> LinkCost:
+    return links["inter"] if topology.spans_islands(ranks) else links["intra"]
+
+
+def estimate_step_seconds(mesh: list[list[int]], topology: Topology, volume: CommVolume,
+                          links: dict[str, LinkCost]) -> float:
+    """Communication seconds of one optimizer step on ``mesh`` (the slowest group of each kind counts)."""
+    tp_size, dp_size = len(mesh[0]), len(mesh)
+    seconds = 0.0
+    if tp_size > 1:
+        link = max((_link(topology, row, links) for row in mesh), key=lambda c: c.latency + 1 / c.bandwidth)
+        per_op = (tp_size - 1) * (volume.activation_bytes / link.bandwidth + link.latency)
+        seconds += volume.micro_batches * 2 * (volume.num_colwise + volume.num_rowwise) * per_op
+    if dp_size > 1 and volume.sharded_grad_bytes:
+        columns = [[row[j] for row in mesh] for j in range(tp_size)]
+        link = max((_link(topology, col, links) for col in columns), key=lambda c: c.latency + 1 / c.bandwidth)
+        seconds += _all_reduce(volume.sharded_grad_bytes, dp_size, link)
+    world = [r for row in mesh for r in row]
+    if len(world) > 1:
+        seconds += _all_reduce(volume.replicated_grad_bytes, len(world), _link(topology, world, links))
+    return seconds
+
+
+def _all_reduce(num_bytes: int, n: int, link: LinkCost) -> float:
+    return 2 * (n - 1) / n * num_bytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+
+def probe_links(topology: Topology, size_bytes: int = 4 << 20, repeats: int = 3) -> dict[str, LinkCost]:
+    """Measure intra- and inter-island links by timed send/recv between two ranks; collective, all ranks call it.
+
+    A link class that the topology lacks (one island, or islands of one rank) gets the other's figures.
+    """
+    pairs: dict[str, tuple[int, int]] = {}
+    for island in topology.islands:
+        if len(island) > 1:
+            pairs["intra"] = (island[0], island[1])
+            break
+    if len(topology.islands) > 1:
+        pairs["inter"] = (topology.islands[0][0], topology.islands[1][0])
+    rank = dist.get_rank()
+    measured = torch.zeros(len(pairs), 2, dtype=torch.float64)
+    for i, (a, b) in enumerate(pairs.values()):
+        if rank in (a, b):
+            peer = b if rank == a else a
+            small = _ping_pong(torch.zeros(1), rank == a, peer, repeats)
+            large = _ping_pong(torch.zeros(size_bytes // 4), rank == a, peer, repeats)
+            measured[i] = torch.tensor([small, max(large - small, 1e-9)])
+        dist.barrier()
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    links = {name: LinkCost(bandwidth=size_bytes / measured[i, 1].item(), latency=measured[i, 0].item())
+             for i, name in enumerate(pairs)}
+    fallback = next(iter(links.values()), LinkCost(1e12, 0.0))
+    return {"intra": links.get("intra", fallback), "inter": links.get("inter", fallback)}
+
+
+def _ping_pong(buffer: torch.Tensor, first: bool, peer: int, repeats: int) -> float:
+    """Median one-way seconds of ``buffer`` between this rank and ``peer``."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        if first:
+            dist.send(buffer, peer)
+            dist.recv(buffer, peer)
+        else:
+            dist.recv(buffer, peer)
+            dist.send(buffer, peer)
+        times.append((time.perf_counter() - start) / 2)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def choose_placement(policy: str, topology: Topology, dp_size: int, tp_size: int, volume: CommVolume,
+                     links: dict[str, LinkCost]) -> tuple[str, list[list[int]], dict[str, float]]:
+    """The chosen policy, its rank grid, and the estimated seconds of every candidate."""
+    estimates = {
+        name: estimate_step_seconds(candidate_mesh(name, topology, dp_size, tp_size), topology, volume, links)
+        for name in POLICIES[1:]
+    }
+    chosen = min(estimates, key=estimates.__getitem__) if policy == "auto" else policy
+    return chosen, candidate_mesh(chosen, topology, dp_size, tp_size), estimates

@@ -1,0 +1,392 @@
+"""``HybridParallelStrategy``: data-parallel attention, tensor-parallel feed-forward, topology-aware mesh.
+
+Every rank consumes its own micro-batch (global batch = world size x micro-batch). Large feed-forward
+``nn.Linear`` pairs are sharded over the ``tp`` dimension of a 2-D ``(dp, tp)`` ``DeviceMesh`` (torch DTensor
+tensor parallelism: batch-sharded activations all-gathered before the block, reduce-scattered after it); every
+other parameter is replicated. Gradients:
+- replicated parameters see different data on every rank, so they are averaged over the whole world by torch
+  ``DistributedDataParallel`` (the tensor-parallel parameters are in DDP's ignore list); ``ddp_module`` is that
+  DDP and ``data_parallel_group`` its process group, where a comm hook (``GradientCompression``) plugs in;
+- a tensor-parallel shard already holds the gradient summed over its ``tp`` group's micro-batches (the
+  reduce-scatter's backward is an all-gather of the output gradients), so it is summed over ``dp`` and divided
+  by the world size: once per optimizer step, after the closure, so accumulation adds no collective.
+
+The result is the training of the same model on the global batch (tested to 1e-5 against one process).
+Reused from Lightning: ``DDPStrategy`` (launch, process group, DDP wrapping, ``no_sync`` under gradient
+accumulation, ``reduce`` for ``sync_dist``) and the DCP checkpoint layout of ``ModelParallelStrategy`` (a folder
+of shards plus ``meta.pt``). Lightning's ``ModelParallelStrategy`` itself shards over ``dp`` with FSDP2 and
+expects the user to parallelize in ``configure_model``; this strategy keeps the attention replicated and plans
+the model itself. Checkpoints are torch DCP folders that reload at another ``tp`` or world size.
+
+Costs: per micro-batch and sharded block, two all-gathers and two reduce-scatters of one rank's activations
+over ``tp``; per step, one all-reduce of the replicated gradients (world) and one of the shards (``dp``).
+Not supported: sharding anything but ``nn.Linear``; ranks of a ``tp`` group feeding micro-batches of different
+shapes (the last batch of an epoch must be full or dropped); full-file (non-DCP) checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_deepseek.parallel import clipping
+from lightning_deepseek.parallel.placement import (
+    POLICIES,
+    CommVolume,
+    LinkCost,
+    choose_placement,
+    probe_links,
+)
+from lightning_deepseek.parallel.plan import PlanEntry, apply_plan, auto_plan, explicit_plan, format_plan_table
+from lightning_deepseek.parallel.topology import Topology, discover_topology, parse_topology
+
+log = logging.getLogger(__name__)
+_DEFAULT_TOKENS = 2048
+
+
+class HybridParallelStrategy(DDPStrategy):
+    """Attention (and everything else) data-parallel, large feed-forward layers tensor-parallel.
+
+    Args:
+        tensor_parallel_size: size of the ``tp`` mesh dimension; must divide the world size. ``"auto"``: the
+            number of processes per node.
+        plan: ``"auto"`` (detect feed-forward blocks, see :mod:`lightning_deepseek.parallel.plan`) or a mapping
+            of module-name patterns (``fnmatch``, relative to the LightningModule) to ``"colwise"``/``"rowwise"``.
+        min_shard_params: ``plan="auto"`` shards a block only from this many parameters on.
+        placement: ``"auto"``, ``"tp_intra_node"`` or ``"dp_intra_node"`` (see
+            :mod:`lightning_deepseek.parallel.placement`).
+        topology: declared islands, ``"0,1;2,3"`` or ``[[0, 1], [2, 3]]``; default: ``$LDS_TOPOLOGY``, else
+            discovered from hostnames (and NVML on NVIDIA machines).
+        link_costs: ``{"intra": {"bandwidth_gbit": ..., "latency_us": ...}, "inter": {...}}`` for the cost model;
+            default: measured by a short probe at start-up when there is more than one island.
+        micro_batch_tokens: tokens (rows entering a feed-forward layer) per rank and micro-batch, for the cost
+            model; default: from ``example_input_array``, else 2048.
+        process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
+        **ddp_kwargs: passed to torch ``DistributedDataParallel``.
+    """
+
+    strategy_name = "hybrid"
+
+    def __init__(
+        self,
+        tensor_parallel_size: int | Literal["auto"] = "auto",
+        plan: Literal["auto"] | dict[str, str] = "auto",
+        min_shard_params: int = 1 << 16,
+        placement: Literal["auto", "tp_intra_node", "dp_intra_node"] = "auto",
+        topology: str | list[list[int]] | None = None,
+        link_costs: dict[str, dict[str, float]] | None = None,
+        micro_batch_tokens: int | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+                         **ddp_kwargs)
+        if tensor_parallel_size != "auto" and (not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1):
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer or 'auto'.")
+        if placement not in POLICIES:
+            raise ValueError(f"placement={placement!r} is not a placement policy: use one of {POLICIES}.")
+        if plan != "auto" and not isinstance(plan, dict):
+            raise TypeError(f"plan={plan!r} must be 'auto' or a dict of module-name patterns to 'colwise'/'rowwise'.")
+        if min_shard_params < 0:
+            raise ValueError(f"min_shard_params={min_shard_params} must be >= 0.")
+        self._tp_arg = tensor_parallel_size
+        self._plan_arg = dict(plan) if isinstance(plan, dict) else plan
+        self._min_shard_params = min_shard_params
+        self._placement_arg = placement
+        self._topology_arg = parse_topology(topology).islands if topology is not None else None
+        self._links = ({k: LinkCost.from_config(link_costs[k], f"link_costs[{k!r}]") for k in ("intra", "inter")}
+                       if link_costs is not None else None)
+        self._micro_batch_tokens = micro_batch_tokens
+        self._topology: Topology | None = None
+        self._mesh: DeviceMesh | None = None
+        self._plan: list[PlanEntry] = []
+        self.placement: str | None = None
+        self.placement_estimates: dict[str, float] = {}
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="hybrid data/tensor parallelism")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.num_processes if self._tp_arg == "auto" else self._tp_arg
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("HybridParallelStrategy.device_mesh exists only after the strategy's setup().")
+        return self._mesh
+
+    @property
+    def topology(self) -> Topology | None:
+        return self._topology
+
+    @property
+    def plan(self) -> list[PlanEntry]:
+        """The sharded layers (empty before setup)."""
+        return list(self._plan)
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        """The process group over which ``ddp_module`` averages the replicated gradients (the world)."""
+        return dist.group.WORLD
+
+    @property
+    def ddp_module(self) -> DistributedDataParallel | None:
+        """The DDP wrapper of the replicated parameters while fitting (register comm hooks on it)."""
+        return self.model if isinstance(self.model, DistributedDataParallel) else None
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The data shard follows the rank's mesh coordinate, not its global rank: under a permuted placement
+        # the tp group gathers activations in coordinate order (DeviceMesh.get_local_rank is not the coordinate).
+        if self._mesh is None:
+            return super().distributed_sampler_kwargs
+        dp_index, tp_index = self._mesh.get_coordinate()
+        return {"num_replicas": self.world_size, "rank": dp_index * self.tensor_parallel_size + tp_index}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        tp_size = self.tensor_parallel_size
+        if self.world_size % tp_size:
+            divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
+            raise ValueError(f"tensor_parallel_size={tp_size} does not divide the world size {self.world_size}. "
+                             f"Choose one of {divisors}.")
+        self._topology = discover_topology(self.root_device, self._topology_arg)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        module = self.lightning_module
+        if not any(isinstance(p, DTensor) for p in module.parameters()):
+            self._parallelize(module, trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.configure_ddp()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self._route_clipping()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
+        """Plan, place, build the mesh and shard ``module`` (first setup only)."""
+        from lightning.pytorch.overrides.distributed import _sync_module_states
+
+        _sync_module_states(module)  # tp groups shard from their first rank: make every rank hold rank 0's weights
+        self._plan = self._make_plan(module)
+        self._mesh = self._build_mesh(module, trainer)
+        module._device_mesh = self._mesh
+        apply_plan(module, self._plan, self._mesh["tp"])
+        rank_zero_info(f"HybridParallelStrategy plan (tp={self.tensor_parallel_size}, "
+                       f"dp={self.world_size // self.tensor_parallel_size}):\n"
+                       f"{format_plan_table(module, self._plan, self.tensor_parallel_size)}")
+
+    def _make_plan(self, module: nn.Module) -> list[PlanEntry]:
+        tp_size = self.tensor_parallel_size
+        if self._plan_arg != "auto":
+            return explicit_plan(module, self._plan_arg, tp_size) if tp_size > 1 else []
+        if tp_size == 1:
+            return []
+        entries, indivisible = auto_plan(module, tp_size, self._min_shard_params)
+        if indivisible and not entries:
+            widths = sorted({b.hidden for b in indivisible})
+            raise ValueError(f"tensor_parallel_size={tp_size} divides none of the feed-forward widths {widths}. "
+                             f"Choose a tensor_parallel_size that divides them, or pass an explicit plan.")
+        for block in indivisible:
+            rank_zero_warn(f"HybridParallelStrategy: {block.down} keeps replicated: its width {block.hidden} is "
+                           f"not divisible by tensor_parallel_size={tp_size}.")
+        return entries
+
+    def _build_mesh(self, module: nn.Module, trainer: pl.Trainer) -> DeviceMesh:
+        assert self._topology is not None
+        tp_size = self.tensor_parallel_size
+        dp_size = self.world_size // tp_size
+        multi_island = len(self._topology.islands) > 1
+        links = self._links or (probe_links(self._topology) if multi_island and self._placement_arg == "auto"
+                                else {"intra": LinkCost(1e11, 1e-6), "inter": LinkCost(1e11, 1e-6)})
+        volume = self._comm_volume(module, trainer.accumulate_grad_batches)
+        self.placement, grid, self.placement_estimates = choose_placement(
+            self._placement_arg, self._topology, dp_size, tp_size, volume, links)
+        estimates = ", ".join(f"{k}={v * 1e3:.1f} ms" for k, v in self.placement_estimates.items())
+        rank_zero_info(f"HybridParallelStrategy placement: {self.placement} (estimated communication per step: "
+                       f"{estimates}; topology {self._topology.islands} from {self._topology.source}; "
+                       f"links {links}); mesh (dp x tp) = {grid}")
+        return DeviceMesh(self.root_device.type, torch.tensor(grid), mesh_dim_names=("dp", "tp"))
+
+    def _comm_volume(self, module: nn.Module, micro_batches: int) -> CommVolume:
+        modules = dict(module.named_modules())
+        tp_size = self.tensor_parallel_size
+        itemsize = next(module.parameters()).element_size()
+        sharded = sum(p.numel() for e in self._plan for p in modules[e.name].parameters())
+        total = sum(p.numel() for p in module.parameters())
+        width = max((modules[e.name].in_features for e in self._plan if e.style == "colwise"), default=0)
+        return CommVolume(
+            activation_bytes=self._tokens_per_micro_batch(module) * width * itemsize,
+            num_colwise=sum(e.style == "colwise" for e in self._plan),
+            num_rowwise=sum(e.style == "rowwise" for e in self._plan),
+            sharded_grad_bytes=sharded * itemsize // tp_size,
+            replicated_grad_bytes=(total - sharded) * itemsize,
+            micro_batches=micro_batches,
+        )
+
+    def _tokens_per_micro_batch(self, module: nn.Module) -> int:
+        if self._micro_batch_tokens is not None:
+            return self._micro_batch_tokens
+        example = getattr(module, "example_input_array", None)
+        if isinstance(example, torch.Tensor):
+            return example.numel() if not example.is_floating_point() else example[..., 0].numel()
+        if self._plan and self._placement_arg == "auto" and len(self._topology.islands) > 1:
+            rank_zero_warn(f"HybridParallelStrategy: placement='auto' assumes {_DEFAULT_TOKENS} tokens per "
+                           "micro-batch; set micro_batch_tokens (or example_input_array) for a better estimate.")
+        return _DEFAULT_TOKENS
+
+    @override
+    def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
+        ignored = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+        return super()._setup_model(model)
+
+    def _route_clipping(self) -> None:
+        # Lightning clips through the precision plugin with torch's clip_grad_norm_, which fails on a mix of
+        # DTensor and plain gradients; the plugin is the user's (any Precision subclass), so its two clipping
+        # methods are redirected on this instance rather than by subclassing every plugin.
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+            clipping.clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+
+        def clip_grad_by_value(optimizer: Optimizer, clip_val: float) -> None:
+            clipping.clip_grad_value_(plugin.main_params(optimizer), clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+        plugin.clip_grad_by_value = clip_grad_by_value
+
+    @torch.no_grad()
+    def reduce_tensor_parallel_gradients(self, optimizer: Optimizer) -> None:
+        """Sum the tensor-parallel gradients of ``optimizer``'s parameters over ``dp``, divide by the world size."""
+        grads = [p.grad.to_local() for group in optimizer.param_groups for p in group["params"]
+                 if isinstance(p, DTensor) and p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        if self.world_size // self.tensor_parallel_size > 1:
+            dist.all_reduce(flat, group=self.device_mesh.get_group("dp"))
+        flat.div_(self.world_size)
+        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+        def closure_then_reduce() -> Any:
+            result = closure()
+            self.reduce_tensor_parallel_gradients(inner)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=True))
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=True))
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint() has already loaded the weights into the shards
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # load_checkpoint() has already loaded the optimizer states
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if storage_options is not None:
+            raise TypeError("HybridParallelStrategy.save_checkpoint(storage_options=...) is not supported: "
+                            "checkpoints are written by torch.distributed.checkpoint, not a CheckpointIO.")
+        path = Path(self.broadcast(filepath))
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        dcp.save(state, checkpoint_id=path)
+        if self.global_rank == 0:
+            torch.save(checkpoint, path / _METADATA_FILENAME)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not (path.is_dir() and (path / _METADATA_FILENAME).is_file()):
+            raise ValueError(f"ckpt_path={str(path)!r} is not a checkpoint folder written by HybridParallelStrategy "
+                             f"(a torch.distributed.checkpoint folder with {_METADATA_FILENAME}). Pass such a folder.")
+        strict = self.lightning_module.strict_loading
+        model_state = {"state_dict": get_model_state_dict(self.model)}
+        dcp.load(model_state, checkpoint_id=path)
+        set_model_state_dict(self.model, model_state["state_dict"], options=StateDictOptions(strict=strict))
+        for i, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{i}"
+            optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(optim_state, checkpoint_id=path)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key])
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
