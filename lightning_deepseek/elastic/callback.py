@@ -180,7 +180,8 @@ class ElasticTraining(Callback):
                 raise
             rank_zero_info(f"ElasticTraining: resumed from {info.path} (step {info.step}, written at world size "
                            f"{info.world_size}, now {self.world_size}).")
-            self._report(trainer, "resumed", from_step=info.step, from_world_size=info.world_size)
+            self._report(trainer, "resumed", from_step=info.step, from_world_size=info.world_size,
+                         process_age_s=_process_age_s())
         self._apply_restored(trainer)
         self.sampler.set_position(self.epoch, self.consumed_samples, self.steps_in_epoch)
 
@@ -323,3 +324,13 @@ class ElasticTraining(Callback):
         self.steps_in_epoch = state_dict["steps_in_epoch"]
         self.grad_norms.mean = state_dict["grad_norm_mean"]
         self._restored = dict(state_dict)
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux), to tell worker start-up apart from rendezvous in an outage."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")

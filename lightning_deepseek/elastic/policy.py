@@ -7,8 +7,8 @@ One decision for all jobs sharing a pool of workers (``pool_size``), in this ord
 2. a job is **lagging** when its throughput is below ``target_samples_per_s`` or its projected finish
    (elapsed time / fraction done) is past ``deadline_s``; it is **ahead** when it would still meet its
    target or deadline with one worker fewer; jobs without a target are **flexible**;
-3. a waiting job's workers come first from jobs that are ahead, then from flexible jobs above their
-   minimum (never from lagging jobs);
+3. a waiting job's workers come from jobs that are ahead, then from flexible jobs above their minimum;
+   a lagging job may take workers from flexible jobs above their minimum; nobody takes from a lagging job;
 4. free workers go one at a time to lagging jobs (the furthest behind first), then to flexible ones, up to
    each job's ``max_workers``; jobs that are ahead give one worker back per decision;
 5. a job resized less than ``cooldown_s`` ago keeps its size (each resize stops training for a few seconds),
@@ -136,6 +136,13 @@ class ScalingPolicy:
             if kind[job.name] == "ahead" and movable(job) and target[job.name] == job.workers:
                 target[job.name] -= 1
         lagging = sorted((j for j in jobs if kind[j.name] == "lagging"), key=self._behind, reverse=True)
+        for job in lagging:  # a lagging job also takes from flexible jobs (ahead ones already gave one back)
+            if job.name in frozen or not job.healthy:
+                continue
+            for donor in (j for j in jobs if kind[j.name] == "flexible"):
+                while target[job.name] < job.max_workers and donor.workers and movable(donor):
+                    target[donor.name] -= 1
+                    target[job.name] += 1
         flexible = [j for j in jobs if kind[j.name] == "flexible" and target[j.name] > 0]
         for group in (lagging, flexible):
             growing = [j for j in group if j.name not in frozen and j.healthy]

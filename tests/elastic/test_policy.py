@@ -35,12 +35,12 @@ def test_deadline_decides_lagging_and_ahead() -> None:
     assert policy.decide([late, early]) == {"late": 4, "early": 3}
 
 
-def test_waiting_job_takes_workers_from_flexible_jobs_but_never_from_lagging_ones() -> None:
+def test_waiting_and_lagging_jobs_take_workers_from_flexible_jobs_but_never_from_lagging_ones() -> None:
     policy = ScalingPolicy(pool_size=6)
     flexible = job("flex", 4, samples_per_s=100.0)
     lagging = job("lag", 2, samples_per_s=10.0, target_samples_per_s=100.0)
     waiting = job("new", 0, min_workers=2)
-    assert policy.decide([flexible, lagging, waiting]) == {"flex": 2, "lag": 2, "new": 2}
+    assert policy.decide([flexible, lagging, waiting]) == {"flex": 1, "lag": 3, "new": 2}
 
 
 def test_waiting_job_that_cannot_start_leaves_the_others_alone() -> None:
