@@ -1,0 +1,116 @@
+"""Gradient-compression benchmark: 2 emulated hosts (network namespaces, ``tc``) at 1 Gbit and 10 Gbit.
+
+Run as root from the repository root::
+
+    .venv/bin/python benchmarks/compression/bench.py [--points 1gbit:2:64,1gbit:1:16,10gbit:2:64] [--reps 3]
+
+Per link rate, one rank per namespace trains the same GPT under every configuration, interleaved (fresh DDP module
+per configuration and repetition, medians). Communication share = (step - same step under ``no_sync``) / step,
+both measured in the same process one after the other, so compression compute that is not hidden counts as
+communication. Validation loss: the example GPT trained the same number of steps per configuration (2 local ranks;
+numerics do not depend on the link). Kernel throughput: see ``kernels.py``. Prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.testbed import Testbed  # noqa: E402
+
+WORKER = str(Path(__file__).with_name("worker.py"))
+PORT = 29731
+
+
+def run_on_testbed(rate: str, extra: list[str]) -> dict:
+    """Timing workers, one per emulated host, for one link rate."""
+    out = Path(tempfile.mkdtemp()) / "time.json"
+    with Testbed(num_hosts=2, rate=rate, prefix="ldc", subnet="10.213.2") as bed:
+        env = {"MASTER_ADDR": bed.ip(0), "MASTER_PORT": str(PORT), "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT),
+               "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen(bed.command(h, [sys.executable, WORKER, "--mode", "time", "--out", str(out),
+                                                  *extra], env={**env, "RANK": str(h)}), cwd=ROOT)
+                 for h in range(2)]
+        try:
+            codes = [p.wait(timeout=900) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    if any(codes):
+        raise RuntimeError(f"benchmark workers failed at {rate}: exit codes {codes}")
+    return json.loads(out.read_text())
+
+
+def run_local_loss(extra: list[str]) -> dict:
+    out = Path(tempfile.mkdtemp()) / "loss.json"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(PORT + 1), "WORLD_SIZE": "2",
+           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, WORKER, "--mode", "loss", "--out", str(out), *extra],
+                              env={**env, "RANK": str(r)}, cwd=ROOT) for r in range(2)]
+    if any(p.wait(timeout=900) for p in procs):
+        raise RuntimeError("loss workers failed")
+    return json.loads(out.read_text())
+
+
+def physical_limit(c: float, b: float) -> float:
+    """Best step-time ratio when a share ``c`` of the fp32 step is exposed communication and bytes shrink by b."""
+    return (1 - c) + c * b
+
+
+def table(results: dict[str, dict], losses: dict[str, float]) -> str:
+    lines = ["| link | configuration | comm share of step | step time vs fp32 | physical limit | bytes/step vs fp32 "
+             "| final val loss vs fp32 |", "|---|---|---|---|---|---|---|"]
+    for rate, res in results.items():
+        step, local, nbytes = res["step_s"], res["no_comm_s"], res["bytes"]
+        c32 = max(0.0, 1 - local["fp32"] / step["fp32"])
+        for name in step:
+            share = max(0.0, 1 - local[name] / step[name])
+            b = nbytes[name] / nbytes["fp32"]
+            loss_key = name.replace("_nooverlap", "")
+            loss = f"{losses[loss_key] / losses['fp32']:.4f}x" if loss_key in losses else "-"
+            lines.append(f"| {rate} | {name} | {share:.0%} | {step[name] / step['fp32']:.2f}x | "
+                         f"{physical_limit(c32, b):.2f}x | {b:.3f}x | {loss} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--points", default="1gbit:2:64,1gbit:1:16,10gbit:2:64",
+                        help="comma-separated rate:batch_size:sequence_length measurement points")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=16, help="batch of the validation-loss runs")
+    parser.add_argument("--model", default='{"n_layer": 4, "n_embd": 256, "n_head": 4, "block_size": 64}')
+    parser.add_argument("--loss-model", default='{"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 64}',
+                        help="the example model of the validation-loss runs (the 'tiny' preset)")
+    parser.add_argument("--train-steps", type=int, default=200)
+    args = parser.parse_args()
+    results = {}
+    for point in args.points.split(","):
+        rate, batch_size, seq = point.split(":")
+        model = json.dumps({**json.loads(args.model), "block_size": int(seq)})
+        extra = ["--reps", str(args.reps), "--steps", str(args.steps), "--batch-size", batch_size, "--model", model]
+        results[f"{rate}, batch {batch_size}x{seq}"] = run_on_testbed(rate, extra)
+    losses = run_local_loss(["--model", args.loss_model, "--train-steps", str(args.train_steps),
+                             "--batch-size", str(args.batch_size)])["val_loss"]
+    num_params = next(iter(results.values()))["num_params"]
+    print(f"command: {' '.join(sys.argv)}")
+    print(f"model: GPT {args.model} ({num_params / 1e6:.2f} M parameters), 2 ranks (one per emulated host), "
+          f"medians of {args.reps} x {args.steps} steps per configuration (interleaved); validation loss with "
+          f"batch {args.batch_size}\n")
+    print(table(results, losses))
+    print(f"\nfinal validation loss of GPT {args.loss_model} after {args.train_steps} steps:",
+          json.dumps({k: round(v, 4) for k, v in losses.items()}))
+
+
+if __name__ == "__main__":
+    main()

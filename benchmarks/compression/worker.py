@@ -1,0 +1,160 @@
+"""One rank of the gradient-compression benchmark (started by ``bench.py``, one process per emulated host).
+
+``--mode time``: for every configuration, a fresh DDP module of the same GPT, interleaved over repetitions; step
+time, the same step under ``no_sync`` (no communication: the compute-only reference of the same process at the same
+moment), and counted bytes. ``--mode loss``: the same number of training steps of the example GPT on the built-in
+corpus per configuration, final validation loss. Rank 0 writes a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_deepseek import register_compression_hook
+from lightning_deepseek.compression.hook import fp32_allreduce_bytes
+from lightning_deepseek.data.text import read_corpus
+from lightning_deepseek.models import GPT, GPTConfig
+
+CONFIGS = ["fp32", "fp16_hook", "powersgd_r4"] + [
+    f"int{bits}{'_ef' if ef else ''}{'' if overlap else '_nooverlap'}"
+    for bits in (8, 4) for ef in (True, False) for overlap in (True, False)
+]
+
+
+def powersgd_bytes(model: torch.nn.Module, world_size: int, rank: int = 4) -> int:
+    """Bytes of PowerSGD's all-reduces: P and Q for each compressed matrix, the rest uncompressed (ring)."""
+    numel = 0
+    for p in model.parameters():
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        compress = p.dim() > 1 and (n + m) * rank * 2 < n * m  # torch's default min_compression_rate=2
+        numel += (n + m) * rank if compress else p.numel()
+    return fp32_allreduce_bytes(numel, world_size)
+
+
+def wrap(model: torch.nn.Module, name: str, world_size: int) -> tuple[DistributedDataParallel, object]:
+    # torch's PowerSGD issues collectives from future callbacks on DDP's own group: with several buckets their
+    # order differs between ranks and gloo aborts ("collective mismatch"), so it gets a single bucket.
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1024 if name == "powersgd_r4" else 25)
+    state: object = None
+    if name == "fp16_hook":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "powersgd_r4":
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    elif name.startswith("int"):
+        state = register_compression_hook(ddp, bits=int(name[3]), block_size=128, error_feedback="_ef" in name,
+                                          warmup_steps=1, min_bucket_numel=4096, overlap="nooverlap" not in name)
+    return ddp, state
+
+
+def bytes_per_step(name: str, model: torch.nn.Module, state: object, world_size: int) -> int:
+    numel = sum(p.numel() for p in model.parameters())
+    if name == "fp32":
+        return fp32_allreduce_bytes(numel, world_size)
+    if name == "fp16_hook":
+        return fp32_allreduce_bytes(numel, world_size) // 2
+    if name == "powersgd_r4":
+        return powersgd_bytes(model, world_size)
+    return state.bytes_sent  # type: ignore[attr-defined]
+
+
+def batch(data: torch.Tensor, gen: torch.Generator, batch_size: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.randint(0, data.numel() - block - 1, (batch_size,), generator=gen)
+    x = torch.stack([data[i:i + block + 1] for i in idx.tolist()]).long()
+    return x[:, :-1], x[:, 1:]
+
+
+def step(ddp: DistributedDataParallel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = ddp(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    loss.backward()
+    return loss
+
+
+def time_mode(args: argparse.Namespace, rank: int, world_size: int, data: torch.Tensor) -> dict:
+    cfg = GPTConfig(**json.loads(args.model))
+    gen = torch.Generator().manual_seed(rank)
+    x, y = batch(data, gen, args.batch_size, cfg.block_size)
+    times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    local: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    nbytes: dict[str, int] = {}
+    for _ in range(args.reps):
+        for name in CONFIGS:  # interleaved: every configuration sees the same share of the machine's noise
+            torch.manual_seed(0)
+            ddp, state = wrap(GPT(cfg), name, world_size)
+            for i in range(args.steps + 2):  # two untimed steps: DDP's bucket rebuild, hook warm-ups
+                dist.barrier()
+                t0 = time.perf_counter()
+                step(ddp, x, y)
+                elapsed = time.perf_counter() - t0
+                with ddp.no_sync():
+                    t1 = time.perf_counter()
+                    step(ddp, x, y)
+                    no_comm = time.perf_counter() - t1
+                ddp.zero_grad(set_to_none=True)
+                if i >= 2:
+                    times[name].append(elapsed)
+                    local[name].append(no_comm)
+            nbytes[name] = bytes_per_step(name, ddp.module, state, world_size)
+            del ddp, state
+    return {"step_s": {k: statistics.median(v) for k, v in times.items()},
+            "no_comm_s": {k: statistics.median(v) for k, v in local.items()}, "bytes": nbytes,
+            "num_params": sum(p.numel() for p in GPT(cfg).parameters())}
+
+
+def loss_mode(args: argparse.Namespace, rank: int, world_size: int, data: torch.Tensor) -> dict:
+    cfg = GPTConfig(**json.loads(args.model))
+    split = int(0.9 * data.numel())
+    val_gen = torch.Generator().manual_seed(1234)
+    val = [batch(data[split:], val_gen, 16, cfg.block_size) for _ in range(4)]
+    names = ["fp32", "fp16_hook", "powersgd_r4", "int8_ef", "int8", "int4_ef", "int4"]
+    out = {}
+    for name in names:
+        torch.manual_seed(0)
+        ddp, _ = wrap(GPT(cfg), name, world_size)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=2e-3, weight_decay=0.0)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(args.train_steps):
+            step(ddp, *batch(data[:split], gen, args.batch_size, cfg.block_size))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            losses = [F.cross_entropy(ddp.module(x).reshape(-1, 256), y.reshape(-1)) for x, y in val]
+        out[name] = float(torch.stack(losses).mean())
+    return {"val_loss": out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["time", "loss"], required=True)
+    parser.add_argument("--model", default='{"n_layer": 4, "n_embd": 256, "n_head": 4, "block_size": 64}')
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--train-steps", type=int, default=60)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    data = torch.frombuffer(bytearray(read_corpus(None)), dtype=torch.uint8)
+    result = (time_mode if args.mode == "time" else loss_mode)(args, rank, world_size, data)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({**result, "world_size": world_size, "args": vars(args), "pid": os.getpid()}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
