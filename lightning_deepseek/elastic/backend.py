@@ -212,7 +212,7 @@ class LocalBackend(Backend):
     def kill(self, job: JobSpec) -> None:
         """SIGKILL every agent of ``job`` and its workers (in sessions of their own): the cleanup of last resort."""
         for proc in self.agents.get(job.name, []):
-            for pid in [*_descendants(proc.pid), proc.pid]:
+            for pid in [*descendant_pids(proc.pid), proc.pid]:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -227,13 +227,13 @@ class LocalBackend(Backend):
         (job.run_dir / "agents.json").write_text(json.dumps({"job": job.name, "agent_pids": pids}))
 
 
-def _descendants(pid: int) -> list[int]:
+def descendant_pids(pid: int) -> list[int]:
     """Child processes of ``pid``, recursively (Linux ``/proc``)."""
     found = []
     for children in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
             for child in map(int, children.read_text().split()):
-                found += [child, *_descendants(child)]
+                found += [child, *descendant_pids(child)]
         except OSError:
             continue
     return found

@@ -5,10 +5,11 @@ Layout of one checkpoint, ``<dir>/step-00000120/``:
 - the model and optimizer state of ``torch.distributed.checkpoint.state_dict.get_state_dict`` saved with
   ``torch.distributed.checkpoint`` (DCP). DCP stores each tensor's global shape and loads into whatever
   sharding the resuming job has, so a DDP job or a DTensor-sharded one resumes at another world size;
-- ``trainer-rank<r>.pt``: Lightning's own checkpoint dict (``dump_checkpoint``: loops, callbacks' and the
-  datamodule's ``state_dict``, precision plugin, LR schedulers) without the tensors above. Every rank writes
-  its own, so per-rank component state comes back at the same world size; at another world size every rank
-  takes rank 0's, and components whose state depends on the world size must check it themselves;
+- ``trainer.pt``: Lightning's own checkpoint dict (``dump_checkpoint``: loops, callbacks' and the
+  datamodule's ``state_dict``, precision plugin, LR schedulers) without the tensors above. As with
+  Lightning's own checkpoints, every rank builds it (components may gather per-rank state in their
+  ``state_dict``), rank 0 writes it, and every rank loads it on resume; a component whose state depends on
+  the world size checks it in its ``load_state_dict``;
 - ``COMPLETE``: written last, with the step, world size and a fingerprint of the model's parameter names
   and shapes.
 
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
+TRAINER_STATE = "trainer.pt"
 _NAME = re.compile(r"^step-(\d+)$")
 _TENSOR_KEYS = ("state_dict", "optimizer_states")
 
@@ -139,7 +141,8 @@ class ElasticCheckpointer:
         lightning_state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         for key in _TENSOR_KEYS:
             lightning_state.pop(key, None)
-        torch.save(lightning_state, tmp / f"trainer-rank{_rank()}.pt")
+        if _rank() == 0:
+            torch.save(lightning_state, tmp / TRAINER_STATE)
         model_sd, optim_sd = get_state_dict(trainer.lightning_module, trainer.optimizers)
         state = {"model": model_sd, "optim": optim_sd}
         fingerprint = model_fingerprint(trainer.lightning_module)
@@ -201,9 +204,8 @@ class ElasticCheckpointer:
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(info.path), process_group=self._group, no_dist=self._group is None)
         set_state_dict(module, trainer.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        own = info.path / f"trainer-rank{_rank()}.pt"
-        source = own if info.world_size == _world_size() and own.exists() else info.path / "trainer-rank0.pt"
-        lightning_state: dict[str, Any] = torch.load(source, map_location="cpu", weights_only=False)
+        lightning_state: dict[str, Any] = torch.load(info.path / TRAINER_STATE, map_location="cpu",
+                                                     weights_only=False)
         connector = trainer._checkpoint_connector
         connector._loaded_checkpoint = lightning_state
         try:

@@ -10,11 +10,12 @@ import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_deepseek import GPTConfig, LightningGPT, TextDataModule
+from lightning_deepseek import GPTConfig, LightningGPT, StagedPrecision, TextDataModule
 from lightning_deepseek.data import read_corpus
 from lightning_deepseek.elastic import CheckpointMismatchError, ElasticTraining, find_latest
 
 GLOBAL_BATCH = 8
+STAGES = [("32-true", 4, "step"), ("16-mixed", 12, "step"), ("bf16-mixed", None, "step")]
 
 
 class CrashAt(pl.Callback):
@@ -44,7 +45,7 @@ class MutateAfterSave(pl.Callback):
 
 
 def _fit(tmp_path: Path, max_steps: int, *callbacks: pl.Callback, n_embd: int = 32, ddp: bool = False,
-         async_save: bool = False) -> tuple[LightningGPT, ElasticTraining]:
+         async_save: bool = False, staged: bool = False) -> tuple[LightningGPT, ElasticTraining]:
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
         corpus.parent.mkdir(parents=True, exist_ok=True)
@@ -57,17 +58,20 @@ def _fit(tmp_path: Path, max_steps: int, *callbacks: pl.Callback, n_embd: int = 
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          num_sanity_val_steps=0, callbacks=[elastic, *callbacks],
-                         strategy=DDPStrategy(process_group_backend="gloo") if ddp else "auto")
+                         strategy=DDPStrategy(process_group_backend="gloo") if ddp else "auto",
+                         plugins=[StagedPrecision(STAGES)] if staged else None)
     trainer.fit(model, datamodule=data)
     return model, elastic
 
 
-def test_resume_after_a_crash_is_bitwise_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:
-    reference, _ = _fit(tmp_path / "reference", 12)
+@pytest.mark.parametrize("staged", [False, True], ids=["fp32", "StagedPrecision"])
+def test_resume_after_a_crash_is_bitwise_identical_to_an_uninterrupted_run(tmp_path: Path, staged: bool) -> None:
+    # With StagedPrecision the crash falls in its FP16 stage: its stage and loss-scaler state must come back.
+    reference, _ = _fit(tmp_path / "reference", 12, staged=staged)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        _fit(tmp_path / "crashed", 12, CrashAt(step=11))  # crosses an epoch boundary (8 steps per epoch)
+        _fit(tmp_path / "crashed", 12, CrashAt(step=11), staged=staged)  # crosses an epoch boundary (8 per epoch)
     assert find_latest(tmp_path / "crashed" / "ckpt").step == 9  # steps 10-11 are lost, no more
-    resumed, elastic = _fit(tmp_path / "crashed", 12)
+    resumed, elastic = _fit(tmp_path / "crashed", 12, staged=staged)
     assert elastic.epoch == 1 and elastic.consumed_samples == 4 * GLOBAL_BATCH
     for (name, expected), actual in zip(reference.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=name)

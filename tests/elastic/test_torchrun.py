@@ -1,8 +1,9 @@
-"""End to end on real torchrun agents (gloo): shrink 2 -> 1 and grow 1 -> 2 while training, then audit.
+"""End to end on real torchrun agents (gloo): shrink 2 -> 1, grow 1 -> 2, a SIGKILLed worker, then audit.
 
 One job of ``examples/elastic_train.py`` runs under two ``torchrun --nnodes=1:2`` agents started by
 ``LocalBackend``. The second agent is stopped with SIGTERM (the survivor must resume at world size 1 from the
-checkpoint written at the stop), then a new agent is started (the job must grow back to 2). The audit files
+checkpoint written at the stop), then a new agent is started (the job must grow back to 2), then one worker
+is SIGKILLed (the job must resume from its newest complete checkpoint at world size 2). The audit files
 must show every optimizer step trained once with the same global batch, every sample of every epoch exactly
 once, and the final weights must match an uninterrupted single-process run with the same global batch.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from lightning_deepseek.elastic import Reports
-from lightning_deepseek.elastic.backend import JobSpec, LocalBackend
+from lightning_deepseek.elastic import Reports, find_latest
+from lightning_deepseek.elastic.backend import JobSpec, LocalBackend, descendant_pids
 from tests.elastic.audit import final_loss, script_args, steps_trained
 from tests.helpers import free_port
 
-GLOBAL_BATCH, MICRO_BATCH, MAX_STEPS = 8, 2, 60
+GLOBAL_BATCH, MICRO_BATCH, MAX_STEPS, CHECKPOINT_EVERY = 8, 2, 72, 4
 CORPUS_BYTES = 1139  # 64 training windows of 16 bytes: 8 optimizer steps per epoch
 TRAIN_WINDOWS = 64
 
@@ -53,7 +55,7 @@ def test_shrink_and_grow_keep_global_batch_and_see_every_sample_once(tmp_path: P
     run_dir = tmp_path / "elastic"
     (run_dir / "audit").mkdir(parents=True)
     options = dict(max_steps=MAX_STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
-                   checkpoint_every=4, corpus_bytes=CORPUS_BYTES)
+                   checkpoint_every=CHECKPOINT_EVERY, corpus_bytes=CORPUS_BYTES)
     job = JobSpec("test-elastic", script_args(run_dir, step_sleep=0.25, audit_dir=run_dir / "audit", **options),
                   min_workers=1, max_workers=2, run_dir=run_dir)
     reference_dir = tmp_path / "reference"
@@ -72,8 +74,14 @@ def test_shrink_and_grow_keep_global_batch_and_see_every_sample_once(tmp_path: P
         waiter.until(lambda r: r["event"] == "resumed" and r["world_size"] == 1, 90)
         waiter.until(lambda r: r["event"] == "progress" and r["world_size"] == 1, 60)
         backend.scale(job, 2)
-        waiter.until(lambda r: r["event"] == "resumed" and r["world_size"] == 2, 90)
-        waiter.until(lambda r: r["event"] == "done", 90)
+        grown = waiter.until(lambda r: r["event"] == "resumed" and r["world_size"] == 2, 90)
+        # Crash: SIGKILL one worker mid-training. Both agents restart their workers from the newest complete
+        # (possibly asynchronously written) checkpoint; only the steps after it are redone.
+        last = waiter.until(lambda r: r["event"] == "progress" and r["step"] >= grown["step"] + 6, 60)
+        newest_complete = find_latest(run_dir / "checkpoints").step
+        os.kill(descendant_pids(backend.agents[job.name][-1].pid)[0], signal.SIGKILL)
+        crash_resume = waiter.until(lambda r: r["event"] == "resumed", 90)
+        waiter.until(lambda r: r["event"] == "done", 120)
         assert backend.agents[job.name][0].wait(timeout=60) == 0
         assert reference.wait(timeout=60) == 0, reference_log.read_text()[-3000:]
         seen = waiter.seen + waiter.reports.read_new()
@@ -85,14 +93,16 @@ def test_shrink_and_grow_keep_global_batch_and_see_every_sample_once(tmp_path: P
 
     events = [(r["event"], r["world_size"]) for r in seen if r["event"] in ("stopping", "resumed", "resized")]
     assert events == [("stopping", 2), ("resumed", 1), ("resized", 1), ("stopping", 1), ("resumed", 2),
-                      ("resized", 2)], events
+                      ("resized", 2), ("resumed", 2)], events
     resumes = [r for r in seen if r["event"] == "resumed"]
     stops = [r for r in seen if r["event"] == "stopping"]
-    assert [r["from_step"] for r in resumes] == [r["checkpoint_step"] for r in stops]  # no step lost
+    assert [r["from_step"] for r in resumes[:2]] == [r["checkpoint_step"] for r in stops]  # no step lost
+    assert newest_complete <= crash_resume["from_step"] <= last["step"]  # no more lost than since the checkpoint
 
     steps = steps_trained(run_dir / "audit")
     assert sorted(steps) == list(range(1, MAX_STEPS + 1))
-    assert all(s["attempts"] == 1 for s in steps.values())  # signalled resizes redo nothing
+    redone = {step for step, s in steps.items() if s["attempts"] > 1}
+    assert redone and redone <= set(range(crash_resume["from_step"] + 1, MAX_STEPS + 1))  # resizes redo nothing
     assert {len(s["indices"]) for s in steps.values()} == {GLOBAL_BATCH}
     assert {tuple(s["world_size"]) for s in steps.values()} == {(1,), (2,)}
     steps_per_epoch = TRAIN_WINDOWS // GLOBAL_BATCH
