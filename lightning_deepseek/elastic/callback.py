@@ -183,6 +183,8 @@ class ElasticTraining(Callback):
             self._report(trainer, "resumed", from_step=info.step, from_world_size=info.world_size,
                          process_age_s=_process_age_s())
         self._apply_restored(trainer)
+        if self.batch_policy == "lr":
+            self._rescale_lr(trainer, self._actual_global_batch / self.global_batch_size)
         self.sampler.set_position(self.epoch, self.consumed_samples, self.steps_in_epoch)
 
     def _apply_restored(self, trainer: pl.Trainer) -> None:
@@ -209,8 +211,6 @@ class ElasticTraining(Callback):
             tracker.started += delta
             tracker.processed += delta
             tracker.completed += delta
-        if self.batch_policy == "lr":
-            self._rescale_lr(trainer, self._actual_global_batch / self.global_batch_size)
 
     def _rescale_lr(self, trainer: pl.Trainer, scale: float) -> None:
         factor = scale / self.lr_scale
@@ -228,8 +228,6 @@ class ElasticTraining(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.batch_policy == "lr" and self.lr_scale == 1.0:
-            self._rescale_lr(trainer, self._actual_global_batch / self.global_batch_size)
         # Lightning registered its handler just before training; any rank may be signalled here, not only 0.
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self._last_step = trainer.global_step

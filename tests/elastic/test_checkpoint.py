@@ -45,7 +45,7 @@ class MutateAfterSave(pl.Callback):
 
 
 def _fit(tmp_path: Path, max_steps: int, *callbacks: pl.Callback, n_embd: int = 32, ddp: bool = False,
-         async_save: bool = False, staged: bool = False) -> tuple[LightningGPT, ElasticTraining]:
+         async_save: bool = False, staged: bool = False, **elastic_kwargs) -> tuple[LightningGPT, ElasticTraining]:
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
         corpus.parent.mkdir(parents=True, exist_ok=True)
@@ -54,13 +54,15 @@ def _fit(tmp_path: Path, max_steps: int, *callbacks: pl.Callback, n_embd: int = 
     data = TextDataModule(path=str(corpus), block_size=16, batch_size=2, cache_dir=tmp_path)
     model = LightningGPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=n_embd), learning_rate=3e-3,
                          warmup_steps=2)
-    elastic = ElasticTraining(tmp_path / "ckpt", GLOBAL_BATCH, checkpoint_every_n_steps=3, async_save=async_save)
+    elastic = ElasticTraining(tmp_path / "ckpt", elastic_kwargs.pop("global_batch_size", GLOBAL_BATCH),
+                              checkpoint_every_n_steps=3, async_save=async_save, **elastic_kwargs)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          num_sanity_val_steps=0, callbacks=[elastic, *callbacks],
                          strategy=DDPStrategy(process_group_backend="gloo") if ddp else "auto",
                          plugins=[StagedPrecision(STAGES)] if staged else None)
     trainer.fit(model, datamodule=data)
+    model.datamodule_batch_size = data.batch_size
     return model, elastic
 
 
@@ -127,3 +129,17 @@ def test_datamodule_without_sampler_hook_is_refused(tmp_path: Path) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, callbacks=[elastic])
     with pytest.raises(TypeError, match="train_sampler"):
         trainer.fit(LightningGPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)), datamodule=PlainData())
+
+
+@pytest.mark.parametrize("policy", ["micro_batch", "lr"])
+def test_batch_policies_other_than_accumulation(tmp_path: Path, policy: str) -> None:
+    model, elastic = _fit(tmp_path, 2, batch_policy=policy, global_batch_size=16)
+    optimizer = model.trainer.optimizers[0]
+    scheduler = model.trainer.lr_scheduler_configs[0].scheduler
+    if policy == "micro_batch":  # one process, accumulate_grad_batches=1: the micro-batch carries the global batch
+        assert model.datamodule_batch_size == 16 and elastic.accumulate == 1
+        assert scheduler.base_lrs == [3e-3, 3e-3]
+    else:  # per-rank batch kept at 2: the global batch is 2, the learning rate 2/16 of the reference
+        assert model.datamodule_batch_size == 2 and elastic.lr_scale == pytest.approx(2 / 16)
+        assert scheduler.base_lrs == pytest.approx([3e-3 * 2 / 16] * 2)
+        assert optimizer.param_groups[0]["initial_lr"] == pytest.approx(3e-3 * 2 / 16)
