@@ -73,22 +73,33 @@ def fail_stale_trials(study: optuna.Study) -> list[int]:
     return stale
 
 
+def _tell(study: optuna.Study, trial: optuna.Trial, value: float | None = None,
+          state: TrialState | None = None) -> None:
+    try:
+        study.tell(trial, value, state=state)
+    except RuntimeError as exc:
+        # GridSampler.after_trial calls study.stop() once the grid is exhausted, which Optuna only allows inside
+        # study.optimize; the trial is already stored by then, and the loop checks is_exhausted() itself.
+        if "Study.stop" not in str(exc):
+            raise
+
+
 def _finish(study: optuna.Study, trial: optuna.Trial, future: Future) -> str:
     """Tell the study how ``trial`` ended; return a one-line log message."""
     params = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items())
     try:
         value = objective_value(future.result())
     except optuna.TrialPruned as exc:
-        study.tell(trial, state=TrialState.PRUNED)
+        _tell(study, trial, state=TrialState.PRUNED)
         return f"trial {trial.number} PRUNED ({exc}) [{params}]"
     except Exception as exc:  # noqa: BLE001 - any crash of a job is a FAIL, the sweep goes on
         reason = " ".join(str(exc).split())[:500] or type(exc).__name__
         trial.set_user_attr("fail_reason", reason)
-        study.tell(trial, state=TrialState.FAIL)
+        _tell(study, trial, state=TrialState.FAIL)
         if os.environ.get("LDS_DEBUG"):
             traceback.print_exception(exc)
         return f"trial {trial.number} FAIL: {type(exc).__name__}: {reason} [{params}]"
-    study.tell(trial, value)
+    _tell(study, trial, value)
     return f"trial {trial.number} COMPLETE value={value:.5g} [{params}]"
 
 
@@ -125,6 +136,8 @@ def run_trials(study: optuna.Study, space: Mapping[str, BaseDistribution], run_t
                         too_many_failures = True
                         break
                     if sum(counts[s] for s in ("COMPLETE", "PRUNED", "RUNNING", "WAITING")) >= n_trials:
+                        break
+                    if isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study):
                         break
                     trial = study.ask()
                     trial.set_user_attr(OWNER_ATTR, owner)
