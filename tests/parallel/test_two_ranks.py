@@ -1,0 +1,210 @@
+"""Two real gloo processes, one spawn for several scenarios (each a Lightning ``Trainer`` run), checked one by one:
+
+- parity: ``tp=2`` and ``dp=2`` training match one process on the global batch (loss of every step and final
+  weights, fp32, same seed, 20 optimizer steps, 1e-5 relative);
+- DCP reshard: save at ``dp=2, tp=1``, resume at ``tp=2``: exactly the saved weights and momenta, and the
+  same continuation as a resume at ``tp=1``;
+- validation under ``inference_mode`` with ``sync_dist`` logging on a sharded model equals the global loss;
+- mesh-aware gradient norm over mixed DTensor/plain gradients equals the single-process norm (2 and inf).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_deepseek import HybridParallelStrategy
+from lightning_deepseek.parallel import clip_grad_norm_
+from tests.helpers import run_distributed
+from tests.parallel.common import (
+    TinyLM,
+    full_state,
+    lm_loss,
+    loader,
+    make_trainer,
+    max_relative_error,
+    reference_run,
+    token_data,
+)
+
+STEPS, MICRO, TOL = 20, 2, 1e-5
+
+
+def fit_parity(world_size: int, tp: int, steps: int, accumulate: int = 1, clip: float | None = None,
+               **strategy_kwargs: Any) -> dict[str, Any]:
+    """Train TinyLM with the strategy; every rank's losses, rank 0's full weights, the plan and the mesh."""
+    dataset = token_data(steps * accumulate * world_size * MICRO)
+    pl.seed_everything(0, verbose=False)
+    module = TinyLM()
+    strategy = HybridParallelStrategy(tensor_parallel_size=tp, min_shard_params=0, **strategy_kwargs)
+    trainer = make_trainer(world_size, strategy, max_steps=steps, accumulate_grad_batches=accumulate,
+                           gradient_clip_val=clip)
+    trainer.fit(module, loader(dataset, MICRO))
+    losses: list[Any] = [None] * world_size
+    dist.all_gather_object(losses, module.losses)
+    state = full_state(module)
+    return {"losses": losses, "state": state if dist.get_rank() == 0 else None,
+            "plan": [e.name for e in strategy.plan], "mesh": strategy.device_mesh.mesh.tolist()}
+
+
+def check_parity(result: dict[str, Any], world_size: int, steps: int, accumulate: int = 1,
+                 clip: float | None = None) -> list[float]:
+    dataset = token_data(steps * accumulate * world_size * MICRO)
+    ref_losses, ref_state = reference_run(steps, world_size * MICRO, dataset, clip=clip, accumulate=accumulate)
+    per_rank = result["losses"]
+    assert all(len(r) == steps * accumulate for r in per_rank)
+    losses = [sum(r[i] for r in per_rank) / world_size for i in range(steps * accumulate)]
+    for got, want in zip(losses, ref_losses):
+        assert abs(got - want) <= TOL * abs(want), (losses, ref_losses)
+    assert max_relative_error(result["state"], ref_state) <= TOL
+    return ref_losses
+
+
+def _momenta(module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """SGD momentum buffers by parameter name, DTensor shards gathered (collective)."""
+    out = {}
+    for name, param in module.named_parameters():
+        buf = optimizer.state[param]["momentum_buffer"]
+        out[name] = (buf.full_tensor() if hasattr(buf, "full_tensor") else buf).detach().numpy().copy()
+    return out
+
+
+class _RecordLoaded(pl.Callback):
+    """Weights and optimizer state as the resumed run starts (after the strategy loaded the checkpoint)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.state = full_state(pl_module)
+        self.momenta = _momenta(pl_module, trainer.optimizers[0])
+
+
+def _reshard(world_size: int, ckpt: Path) -> dict[str, Any]:
+    """3 steps at dp=2 tp=1 and a DCP save; models seeded differently resume from it at tp=2 and at tp=1."""
+    dataset = token_data(3 * world_size * MICRO)
+    pl.seed_everything(0, verbose=False)
+    first = TinyLM()
+    trainer = make_trainer(world_size, HybridParallelStrategy(tensor_parallel_size=1), max_steps=3)
+    trainer.fit(first, loader(dataset, MICRO))
+    trainer.save_checkpoint(ckpt)
+    saved = {"state": full_state(first), "momenta": _momenta(first, trainer.optimizers[0])}
+    resumed = {}
+    for tp in (2, 1):
+        torch.manual_seed(tp)  # not seed_everything: the global seed is also DistributedSampler's shuffling seed
+        module, record = TinyLM(), _RecordLoaded()
+        strategy = HybridParallelStrategy(tensor_parallel_size=tp, min_shard_params=0)
+        trainer = make_trainer(world_size, strategy, max_steps=6, callbacks=[record])
+        trainer.fit(module, loader(dataset, MICRO), ckpt_path=ckpt)
+        losses: list[Any] = [None] * world_size
+        dist.all_gather_object(losses, module.losses)
+        resumed[tp] = {"losses": losses, "state": full_state(module), "loaded": record.state,
+                       "loaded_momenta": record.momenta, "plan": [e.name for e in strategy.plan]}
+    if dist.get_rank() != 0:
+        return {}
+    return {"saved": saved, "tp2": resumed[2], "tp1": resumed[1], "is_dcp_folder": ckpt.is_dir()}
+
+
+def _validate(world_size: int) -> dict[str, Any]:
+    """``trainer.validate`` on a tp=2 model, then a forward under ``torch.inference_mode`` against the unsharded
+    model (Lightning itself validates under ``no_grad`` on gloo and under ``inference_mode`` on NCCL)."""
+    pl.seed_everything(0, verbose=False)
+    module = TinyLM()
+    unsharded = copy.deepcopy(module.model)
+    trainer = make_trainer(world_size, HybridParallelStrategy(tensor_parallel_size=2, min_shard_params=0))
+    trainer.validate(module, loader(token_data(8, seed=3), MICRO), verbose=False)
+    x, _ = token_data(4, seed=4)[2 * dist.get_rank():2 * dist.get_rank() + 2]
+    with torch.inference_mode():
+        error = (module.model(x) - unsharded(x)).abs().max().item()
+    return {"val_loss": trainer.callback_metrics["val_loss"].item(), "inference_mode_error": error,
+            "sharded": "model.blocks.0.mlp.fc1" in [e.name for e in trainer.strategy.plan]}
+
+
+def _grad_norms(world_size: int) -> dict[str, Any]:
+    """Norms of the same gradients, sharded (tp=2) and full, without clipping them (max_norm = inf)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_deepseek.parallel.plan import apply_plan, auto_plan
+
+    torch.manual_seed(0)
+    module = TinyLM()
+    x, y = token_data(4, seed=5)[:]
+    lm_loss(module.model, (x, y)).backward()
+    full = {n: p.grad.clone() for n, p in module.named_parameters()}
+    expected = {2.0: torch.nn.utils.get_total_norm(list(full.values()), 2.0).item(),
+                float("inf"): torch.nn.utils.get_total_norm(list(full.values()), float("inf")).item()}
+    module.zero_grad()
+    entries, _ = auto_plan(module, 2, 0)
+    apply_plan(module, entries, DeviceMesh("cpu", torch.arange(world_size)))
+    half = slice(dist.get_rank() * 2, dist.get_rank() * 2 + 2)
+    # Shards hold the gradient summed over the tp group's halves, replicated parameters that of the local half;
+    # reduce both as the strategy does, so that both sides see the full-batch gradients.
+    lm_loss(module.model, (x[half], y[half])).backward()
+    for p in module.parameters():
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if not hasattr(p.grad, "to_local"):
+            dist.all_reduce(grad)
+        grad.div_(world_size)
+    got = {norm: clip_grad_norm_(module.parameters(), float("inf"), norm).item() for norm in expected}
+    return {"expected": expected, "got": got}
+
+
+def _two_rank_scenarios(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
+    return {
+        "tp2": fit_parity(world_size, tp=2, steps=STEPS),
+        "dp2": fit_parity(world_size, tp=1, steps=STEPS),
+        "reshard": _reshard(world_size, Path(ckpt)),
+        "validate": _validate(world_size),
+        "grad_norms": _grad_norms(world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    ckpt = tmp_path_factory.mktemp("hybrid") / "resume.ckpt"
+    return run_distributed(_two_rank_scenarios, 2, str(ckpt), timeout=280)[0]
+
+
+def test_tp2_matches_single_process(two_ranks: dict[str, Any]) -> None:
+    result = two_ranks["tp2"]
+    assert {"model.blocks.0.mlp.fc1", "model.blocks.0.mlp.fc2", "model.blocks.1.mlp.fc1"} <= set(result["plan"])
+    ref_losses = check_parity(result, world_size=2, steps=STEPS)
+    assert ref_losses[-1] < 0.8 * ref_losses[0]  # it trained: parity of two frozen models would prove nothing
+
+
+def test_dp2_matches_single_process(two_ranks: dict[str, Any]) -> None:
+    assert two_ranks["dp2"]["plan"] == []
+    check_parity(two_ranks["dp2"], world_size=2, steps=STEPS)
+
+
+def test_dcp_checkpoint_from_dp2_resumes_at_tp2(two_ranks: dict[str, Any]) -> None:
+    result = two_ranks["reshard"]
+    tp2, tp1 = result["tp2"], result["tp1"]
+    assert result["is_dcp_folder"] and "model.blocks.0.mlp.fc1" in tp2["plan"] and tp1["plan"] == []
+    # Exactly the saved weights and momenta, resharded onto tp=2 (the resumed models were seeded differently).
+    assert max_relative_error(tp2["loaded"], result["saved"]["state"]) == 0.0
+    assert max_relative_error(tp2["loaded_momenta"], result["saved"]["momenta"]) == 0.0
+    # And training continues as the same resume at tp=1 does.
+    assert all(len(r) == 3 for r in tp2["losses"])
+    assert tp2["losses"] == [pytest.approx(r, rel=TOL) for r in tp1["losses"]]
+    assert max_relative_error(tp2["state"], tp1["state"]) <= TOL
+
+
+def test_validation_syncs_the_global_loss_and_inference_mode_works(two_ranks: dict[str, Any]) -> None:
+    pl.seed_everything(0, verbose=False)
+    module = TinyLM()
+    dataset = token_data(8, seed=3)
+    with torch.no_grad():
+        expected = sum(lm_loss(module.model, dataset[i:i + 2]).item() for i in range(0, 8, 2)) / 4
+    assert two_ranks["validate"]["sharded"]
+    assert two_ranks["validate"]["inference_mode_error"] < 1e-5
+    assert two_ranks["validate"]["val_loss"] == pytest.approx(expected, rel=TOL)
+
+
+def test_mesh_aware_grad_norm_matches_full_norm(two_ranks: dict[str, Any]) -> None:
+    result = two_ranks["grad_norms"]
+    for norm, expected in result["expected"].items():
+        assert result["got"][norm] == pytest.approx(expected, rel=1e-5)
