@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import torch.distributed
 from hydra.core.plugins import Plugins
 from hydra.core.utils import JobStatus
 from hydra.plugins.sweeper import Sweeper
@@ -147,19 +148,29 @@ class LdsOptunaSweeper(Sweeper):
 
     @contextlib.contextmanager
     def _trial_argv(self, job: list[str]) -> Iterator[None]:
-        """``sys.argv`` = this trial's single-run command line while an in-process job runs (for DDP children)."""
+        """Process state of one in-process (basic launcher) job, restored afterwards.
+
+        ``sys.argv`` becomes this trial's single-run command line (Lightning's DDP launcher re-runs it for ranks
+        > 0); Lightning's DDP launcher leaves ``LOCAL_RANK``/``MASTER_PORT``/``WORLD_SIZE`` in ``os.environ`` and
+        the process group open, which would make the next trial skip launching its ranks and reuse a dead
+        group, so both are undone after the job.
+        """
         from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 
         if not isinstance(self.launcher, BasicLauncher):
             yield
             return
         with self._argv_lock:
-            original = list(sys.argv)
-            sys.argv = [original[0], *_flags(original[1:]), *job]
+            argv, environ = list(sys.argv), dict(os.environ)
+            sys.argv = [argv[0], *_flags(argv[1:]), *job]
             try:
                 yield
             finally:
-                sys.argv = original
+                sys.argv = argv
+                os.environ.clear()
+                os.environ.update(environ)
+                if torch.distributed.is_available() and torch.distributed.is_initialized():
+                    torch.distributed.destroy_process_group()
 
     def _print_best(self, best: dict[str, Any], sweep_dir: Path) -> None:
         states = ", ".join(f"{n} {s}" for s, n in best["trials"].items() if n)

@@ -102,3 +102,24 @@ def test_bad_search_space_and_sampler_fail_fast_with_the_field(tmp_path: Path) -
                   "optim.learning_rate=interval(1e-4, 1e-2)"), capture_output=True, text=True, timeout=120)
     assert bad_sampler.returncode != 0
     assert "hydra.sweeper.sampler._target_='optuna.samplers.TPESamplr' could not be built" in bad_sampler.stderr
+
+
+def test_ddp_trials_run_in_their_folder_and_a_pruned_one_stops_on_both_ranks(tmp_path: Path) -> None:
+    result = subprocess.run(
+        sweep_cmd(tmp_path, "trainer.devices=2", "hydra.sweeper.n_trials=2", "hydra/sweeper/sampler=grid",
+                  "hydra/sweeper/pruner=none", "hydra.sweeper.pruner._target_=optuna.pruners.ThresholdPruner",
+                  "+hydra.sweeper.pruner.upper=5.0", "optim.learning_rate=choice(0.03,0.00001)"),
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    study = load(tmp_path)
+    by_lr = {t.params["optim.learning_rate"]: t for t in study.trials}
+    slow, fast = by_lr[0.00001], by_lr[0.03]
+    # lr=1e-5 is still near ln(256) = 5.5 at the first validation: pruned there, on both ranks (a rank that
+    # kept training would hang rank 0 in the next collective, and the sweep would never reach the next trial).
+    assert slow.state == TrialState.PRUNED and set(slow.intermediate_values) == {2}
+    assert fast.state == TrialState.COMPLETE
+    for trial, steps in ((slow, 2), (fast, 8)):
+        folder = tmp_path / str(trial.number)
+        assert (folder / "train_ddp_process_1.log").exists()  # rank 1 ran this trial, in this trial's folder
+        summary = (folder / "summary.json").read_text()
+        assert f'"steps": {steps},' in summary and '"world_size": 2,' in summary
