@@ -113,7 +113,8 @@ class StagedPrecision(Precision):
         self.fallback_skipped_steps = fallback_skipped_steps
         self.fallback_window = fallback_window
         self.skip_lr_scheduler_on_skipped_step = skip_lr_scheduler_on_skipped_step
-        self.device = device
+        self.requested_device = device
+        self.device = device  # the autocast device type, settled at setup
         self.stage_index = 0
         self.fallbacks: dict[int, str] = {}  # stage index -> precision that replaced its FP16
         self.num_skipped_steps = 0
@@ -163,8 +164,8 @@ class StagedPrecision(Precision):
         Args:
             strategy_device: the strategy's root device type (``"cpu"``, ``"cuda"``).
         """
-        if self.device is not None and self.device != strategy_device:
-            raise StagedPrecisionError(f"StagedPrecision(device={self.device!r}) but the strategy runs on "
+        if self.requested_device is not None and self.requested_device != strategy_device:
+            raise StagedPrecisionError(f"StagedPrecision(device={self.requested_device!r}) but the strategy runs on "
                                        f"{strategy_device!r}. Drop `device` or set it to {strategy_device!r}.")
         for i, stage in enumerate(self.schedule.stages):
             dtype = AUTOCAST_DTYPES[stage.precision]
