@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -47,7 +48,7 @@ class SweepFailedError(RuntimeError):
 
 
 def _log(message: str) -> None:
-    print(f"[hpo] {message}", flush=True)
+    print(f"[hpo] {message}", file=sys.stderr, flush=True)
 
 
 def _pid_alive(pid: int) -> bool:

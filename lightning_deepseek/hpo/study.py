@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -207,7 +208,9 @@ def _plot(study: optuna.Study, out: Path) -> list[str]:
              "intermediate_values.png": ovm.plot_intermediate_values}
     for filename, plot in plots.items():
         try:
-            axes = plot(study)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                axes = plot(study)
         except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. importances need 2+ parameters
             print(f"hpo: skipped {filename}: {exc}", flush=True)
             continue

@@ -34,9 +34,9 @@ def states(study: optuna.Study) -> list[str]:
 def test_sweep_prunes_then_resumes_only_the_remaining_trials(tmp_path: Path) -> None:
     cmd = sweep_cmd(tmp_path, "hydra.sweeper.n_trials=6", "optim.learning_rate=tag(log, interval(1e-5, 3e-1))")
     # First run: killed (like a lost machine) once trial 2 has finished.
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        for line in first.stdout:
+        for line in first.stderr:
             if line.startswith("[hpo] trial 2 "):
                 break
     finally:
