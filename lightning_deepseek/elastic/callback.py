@@ -138,13 +138,15 @@ class ElasticTraining(Callback):
                 "lightning_deepseek.TextDataModule. Add both to your datamodule and call trainer.fit(model, "
                 "datamodule=...)."
             )
-        self.world_size = trainer.world_size
+        # Data shards follow the strategy (a tensor-parallel strategy may place them by mesh coordinate).
+        shard = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        self.world_size = shard["num_replicas"]
         self.accumulate, self.micro_batch_size = self._batch_split(trainer, datamodule.batch_size)
         trainer.accumulate_grad_batches = self.accumulate
         datamodule.batch_size = self.micro_batch_size
         dataset = datamodule.train_dataloader().dataset
         self.sampler = ElasticSampler(dataset, self._actual_global_batch, self.micro_batch_size, self.world_size,
-                                      trainer.global_rank, seed=self.seed, shuffle=self.shuffle)
+                                      shard["rank"], seed=self.seed, shuffle=self.shuffle)
         datamodule.train_sampler = self.sampler
         self.checkpointer.setup()
 
