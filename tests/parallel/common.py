@@ -118,3 +118,11 @@ def max_relative_error(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> fl
     """The largest ``|a - b| / |b|`` (Frobenius norms) over the parameters."""
     assert a.keys() == b.keys()
     return max(float(np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(b[k]), 1e-12)) for k in a)
+
+
+def relative_error(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    """``|a - b| / |b|`` of all parameters as one vector (the per-tensor figure of a near-zero bias is rounding
+    noise over a tiny norm after a few chaotic steps, not a measure of the model)."""
+    assert a.keys() == b.keys()
+    diff = np.sqrt(sum(float(np.sum((a[k] - b[k]) ** 2)) for k in a))
+    return diff / np.sqrt(sum(float(np.sum(b[k] ** 2)) for k in b))
