@@ -8,5 +8,7 @@ from lightning_deepseek.models import GPT, GPTConfig, LightningGPT
 from lightning_deepseek.parallel import HybridParallelStrategy
 from lightning_deepseek.precision import StagedPrecision
 
-__all__ = ["ElasticTraining", "OptunaPruning", "search", "GPT", "GPTConfig", "GradientCompression", "HybridParallelStrategy", "LightningGPT", "StagedPrecision", "TextDataModule",
-           "register_compression_hook"]
+__all__ = [
+    "ElasticTraining", "GPT", "GPTConfig", "GradientCompression", "HybridParallelStrategy", "LightningGPT",
+    "OptunaPruning", "StagedPrecision", "TextDataModule", "register_compression_hook", "search",
+]

@@ -43,7 +43,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return results by rank.
 
-    ``fn`` must be a module-level function (it is pickled into spawned processes) and return picklable data.
+    ``fn`` must be a module-level function (it is pickled into spawned processes) and return plain picklable
+    data: return ``tensor.tolist()``, not tensors, which travel through shared memory that the exiting child
+    may free before the parent reads it.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
