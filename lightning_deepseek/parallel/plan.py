@@ -70,16 +70,22 @@ def find_feed_forward_blocks(module: nn.Module) -> list[FeedForwardBlock]:
     blocks: list[FeedForwardBlock] = []
     for parent_name, parent in module.named_modules():
         prefix = f"{parent_name}." if parent_name else ""
-        pending: list[tuple[str, nn.Linear]] = []
-        for name, linear in _linear_children(parent, prefix):
-            hidden, dim = linear.in_features, linear.out_features  # as the down-projection of a block
-            ups = [(n, m) for n, m in pending if (m.in_features, m.out_features) == (dim, hidden)]
-            if dim != hidden and 1 <= len(ups) <= 2 and not _normalises_over(parent, hidden):
-                num_params = sum(p.numel() for _, m in (*ups, (name, linear)) for p in m.parameters())
-                blocks.append(FeedForwardBlock(tuple(n for n, _ in ups), name, dim, hidden, num_params))
-                pending = []
-            else:
-                pending.append((name, linear))
+        linears = _linear_children(parent, prefix)
+        shapes = {(m.in_features, m.out_features) for _, m in linears}
+        for dim, hidden in sorted(shapes):
+            if dim == hidden or (hidden, dim) not in shapes or _normalises_over(parent, hidden):
+                continue
+            ups = [(n, m) for n, m in linears if (m.in_features, m.out_features) == (dim, hidden)]
+            downs = [(n, m) for n, m in linears if (m.in_features, m.out_features) == (hidden, dim)]
+            per_block = len(ups) // len(downs)
+            first_up_after_down = linears.index(ups[0]) > linears.index(downs[0])  # then (h, d) is the pair
+            if first_up_after_down or per_block not in (1, 2) or per_block * len(downs) != len(ups):
+                continue  # no consistent grouping: leave it to an explicit plan
+            # One block (any order, e.g. Llama's w1, w2, w3), or several in registration order (flat ModuleLists).
+            for i, (down_name, down) in enumerate(downs):
+                group = ups[i * per_block:(i + 1) * per_block]
+                num_params = sum(p.numel() for _, m in (*group, (down_name, down)) for p in m.parameters())
+                blocks.append(FeedForwardBlock(tuple(n for n, _ in group), down_name, dim, hidden, num_params))
     return blocks
 
 
