@@ -116,7 +116,7 @@ class HybridParallelStrategy(DDPStrategy):
         self._min_shard_params = min_shard_params
         self._placement_arg = placement
         self._topology_arg = parse_topology(topology).islands if topology is not None else None
-        self._links = ({k: LinkCost.from_config(link_costs[k], f"link_costs[{k!r}]") for k in ("intra", "inter")}
+        self._links = ({k: LinkCost.from_config(link_costs.get(k), f"link_costs[{k!r}]") for k in ("intra", "inter")}
                        if link_costs is not None else None)
         self._micro_batch_tokens = micro_batch_tokens
         self._topology: Topology | None = None

@@ -1,0 +1,64 @@
+"""Bad settings end in a ``ValueError`` that names the setting, the value and the fix: at construction when the
+value alone is wrong, at setup (on every rank alike, never a hang) when it conflicts with the job."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_deepseek import HybridParallelStrategy
+from tests.helpers import run_distributed
+from tests.parallel.common import TinyLM, loader, make_trainer, token_data
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size=0 must be a positive integer"),
+    (dict(placement="rack_local"), "placement='rack_local' is not a placement policy"),
+    (dict(plan=["fc1"]), "plan=\\['fc1'\\] must be 'auto' or a dict"),
+    (dict(topology="0-1"), "topology='0-1' is not a topology"),
+    (dict(link_costs={"intra": {"bandwidth_gbit": 100}}), "link_costs\\['inter'\\]"),
+])
+def test_bad_arguments_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises((ValueError, TypeError, KeyError), match=message):
+        HybridParallelStrategy(**kwargs)
+
+
+def test_registered_as_hybrid() -> None:
+    trainer = pl.Trainer(strategy="hybrid", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, HybridParallelStrategy)
+
+
+def _setup_errors(rank: int, world_size: int) -> dict[str, str]:
+    cases = {
+        "tp_not_dividing": (dict(tensor_parallel_size=3), {}),
+        "ff_not_divisible": (dict(tensor_parallel_size=2, min_shard_params=0), dict(n_embd=33, n_head=3, mlp_ratio=3)),
+        "pattern_matches_nothing": (dict(tensor_parallel_size=2, plan={"*.ffn.w1": "colwise"}), {}),
+        "topology_mismatch": (dict(tensor_parallel_size=2, topology="0,1,2"), {}),
+    }
+    messages = {}
+    for name, (strategy_kwargs, model_kwargs) in cases.items():
+        trainer = make_trainer(world_size, HybridParallelStrategy(**strategy_kwargs), max_steps=1)
+        try:
+            trainer.fit(TinyLM(**model_kwargs), loader(token_data(8), 2))
+            messages[name] = "no error"
+        except ValueError as exc:
+            messages[name] = str(exc)
+    return messages
+
+
+@pytest.fixture(scope="module")
+def setup_errors() -> list[dict[str, str]]:
+    return run_distributed(_setup_errors, 2, timeout=150)
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("tp_not_dividing", "tensor_parallel_size=3 does not divide the world size 2. Choose one of [1, 2]"),
+    ("ff_not_divisible", "tensor_parallel_size=2 divides none of the feed-forward widths [99]"),
+    ("pattern_matches_nothing", "plan pattern '*.ffn.w1' matches no module"),
+    ("topology_mismatch", "topology declares ranks [0, 1, 2] but the job has world size 2"),
+])
+def test_bad_settings_fail_at_setup_on_every_rank(setup_errors: list[dict[str, str]], case: str, message: str) -> None:
+    for rank_messages in setup_errors:
+        assert message in rank_messages[case]
