@@ -74,6 +74,8 @@ def test_resume_after_a_crash_is_bitwise_identical_to_an_uninterrupted_run(tmp_p
         _fit(tmp_path / "crashed", 12, CrashAt(step=11), staged=staged)  # crosses an epoch boundary (8 per epoch)
     assert find_latest(tmp_path / "crashed" / "ckpt").step == 9  # steps 10-11 are lost, no more
     resumed, elastic = _fit(tmp_path / "crashed", 12, staged=staged)
+    reports = [json.loads(line) for line in (tmp_path / "crashed" / "ckpt" / "reports.jsonl").read_text().splitlines()]
+    assert [r["from_step"] for r in reports if r["event"] == "resumed"] == [9]
     assert elastic.epoch == 1 and elastic.consumed_samples == 4 * GLOBAL_BATCH
     for (name, expected), actual in zip(reference.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=name)
