@@ -40,7 +40,9 @@ class LdsOptunaSweeperConf:
 
 
 _SAMPLERS = {
-    "tpe": {"_target_": "optuna.samplers.TPESampler", "multivariate": True, "seed": None, "n_startup_trials": 5},
+    # constant_liar: trials still running count as bad guesses, so concurrent jobs do not all sample one spot.
+    "tpe": {"_target_": "optuna.samplers.TPESampler", "multivariate": True, "constant_liar": True, "seed": None,
+            "n_startup_trials": 5},
     "gp": {"_target_": "optuna.samplers.GPSampler", "seed": None, "n_startup_trials": 5},
     "cmaes": {"_target_": "optuna.samplers.CmaEsSampler", "seed": None, "n_startup_trials": 1},
     "random": {"_target_": "optuna.samplers.RandomSampler", "seed": None},

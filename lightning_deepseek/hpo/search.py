@@ -13,6 +13,7 @@ the other trials train. Not supported: multi-objective studies.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import socket
@@ -40,6 +41,7 @@ from lightning_deepseek.hpo.study import (
 )
 
 OWNER_ATTR = "lds_owner"
+ORPHAN_AFTER_S = 60
 RunTrial = Callable[[optuna.Trial, dict[str, Any]], Any]
 
 
@@ -64,10 +66,15 @@ def _pid_alive(pid: int) -> bool:
 def fail_stale_trials(study: optuna.Study) -> list[int]:
     """Mark FAIL the RUNNING trials whose owning process on this host is gone; return their numbers."""
     host = socket.gethostname()
+    now = datetime.datetime.now()
     stale = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        owner = trial.user_attrs.get(OWNER_ATTR) or {}
-        if owner.get("host") == host and owner.get("pid") != os.getpid() and not _pid_alive(owner.get("pid", 0)):
+        owner = trial.user_attrs.get(OWNER_ATTR)
+        # A live sweeper records itself milliseconds after ask(); no owner a minute later means it died in between.
+        orphan = owner is None and (now - trial.datetime_start).total_seconds() > ORPHAN_AFTER_S
+        dead = (owner is not None and owner.get("host") == host and owner.get("pid") != os.getpid()
+                and not _pid_alive(owner.get("pid", 0)))
+        if orphan or dead:
             study._storage.set_trial_user_attr(trial._trial_id, "fail_reason", "its sweeper process died")
             study.tell(trial.number, state=TrialState.FAIL)
             stale.append(trial.number)
