@@ -36,6 +36,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -149,6 +150,8 @@ class ElasticTraining(Callback):
                                       shard["rank"], seed=self.seed, shuffle=self.shuffle)
         datamodule.train_sampler = self.sampler
         self.checkpointer.setup()
+        # Lightning cannot see that the position lives in this callback's state and warns on every mid-epoch resume.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
 
     def _batch_split(self, trainer: pl.Trainer, batch_size: int) -> tuple[int, int]:
         """``(accumulate_grad_batches, micro_batch_size)`` for this world size under the batch policy."""
@@ -223,7 +226,11 @@ class ElasticTraining(Callback):
                     if "initial_lr" in group:
                         group["initial_lr"] *= factor
             for config in trainer.lr_scheduler_configs:
-                config.scheduler.base_lrs = [lr * factor for lr in config.scheduler.base_lrs]
+                # In place: the scheduler may be wrapped (StagedPrecision forwards attribute reads, not writes);
+                # ReduceLROnPlateau has no base_lrs and works on the param groups scaled above.
+                base_lrs = getattr(config.scheduler, "base_lrs", None)
+                if base_lrs is not None:
+                    base_lrs[:] = [lr * factor for lr in base_lrs]
             rank_zero_info(f"ElasticTraining: learning rate scaled by {factor:.4g} (global batch "
                            f"{self._actual_global_batch}, reference {self.global_batch_size}).")
         self.lr_scale = scale

@@ -15,7 +15,7 @@ from lightning_deepseek.data import read_corpus
 from lightning_deepseek.elastic import CheckpointMismatchError, ElasticTraining, find_latest
 
 GLOBAL_BATCH = 8
-STAGES = [("32-true", 4, "step"), ("16-mixed", 12, "step"), ("bf16-mixed", None, "step")]
+STAGES = [("32-true", 0.3, "fraction"), ("16-mixed", 0.9, "fraction"), ("bf16-mixed", None, "fraction")]
 
 
 class CrashAt(pl.Callback):
@@ -68,7 +68,8 @@ def _fit(tmp_path: Path, max_steps: int, *callbacks: pl.Callback, n_embd: int = 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["fp32", "StagedPrecision"])
 def test_resume_after_a_crash_is_bitwise_identical_to_an_uninterrupted_run(tmp_path: Path, staged: bool) -> None:
-    # With StagedPrecision the crash falls in its FP16 stage: its stage and loss-scaler state must come back.
+    # With StagedPrecision the checkpoint falls in its FP16 stage and the resumed run crosses into BF16:
+    # its stage and loss-scaler state must come back.
     reference, _ = _fit(tmp_path / "reference", 12, staged=staged)
     with pytest.raises(RuntimeError, match="simulated crash"):
         _fit(tmp_path / "crashed", 12, CrashAt(step=11), staged=staged)  # crosses an epoch boundary (8 per epoch)
@@ -133,9 +134,11 @@ def test_datamodule_without_sampler_hook_is_refused(tmp_path: Path) -> None:
         trainer.fit(LightningGPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)), datamodule=PlainData())
 
 
-@pytest.mark.parametrize("policy", ["micro_batch", "lr"])
-def test_batch_policies_other_than_accumulation(tmp_path: Path, policy: str) -> None:
-    model, elastic = _fit(tmp_path, 2, batch_policy=policy, global_batch_size=16)
+@pytest.mark.parametrize(("policy", "staged"), [("micro_batch", False), ("lr", False), ("lr", True)],
+                         ids=["micro_batch", "lr", "lr-StagedPrecision"])
+def test_batch_policies_other_than_accumulation(tmp_path: Path, policy: str, staged: bool) -> None:
+    # StagedPrecision wraps the LR scheduler: the rescale must reach the wrapped one.
+    model, elastic = _fit(tmp_path, 2, batch_policy=policy, global_batch_size=16, staged=staged)
     optimizer = model.trainer.optimizers[0]
     scheduler = model.trainer.lr_scheduler_configs[0].scheduler
     if policy == "micro_batch":  # one process, accumulate_grad_batches=1: the micro-batch carries the global batch
