@@ -24,9 +24,11 @@ Requirements: the datamodule exposes ``batch_size`` and a ``train_sampler`` attr
 ``train_dataloader`` passes as ``sampler=`` when set (``TextDataModule`` does). Lightning's own SIGTERM
 handling (a broadcast from rank 0 inside the signal handler) is replaced during training, because in an
 elastic job any rank may be the one signalled. Costs: one tiny all-reduce per optimizer step, a gradient-norm
-pass per step, and the checkpoint writes. Not supported: manual optimization, iterable datasets,
-``Trainer(max_epochs=...)`` without ``max_steps`` is fine but ``val_check_interval`` counts micro-batches,
-which change with the world size.
+pass per step, and the checkpoint writes. "World size" here is the number of data-parallel replicas, from the
+strategy's ``distributed_sampler_kwargs`` (the process count for DDP). Not supported: manual optimization,
+iterable datasets, and an integer ``val_check_interval`` (it counts micro-batches, whose number per step
+changes with the world size). We wrote our own resume path because Lightning resumes only through
+``trainer.fit(ckpt_path=...)``, chosen before the job knows which checkpoints are complete.
 """
 
 from __future__ import annotations
@@ -271,7 +273,7 @@ class ElasticTraining(Callback):
         self.steps_in_epoch += 1
         self._health(trainer, outputs)
         self.checkpointer.poll()
-        if self._agree_to_stop():
+        if self._agree_to_stop(trainer):
             self.checkpointer.save(trainer, step, blocking=True)
             self.checkpointer.barrier()
             self._report(trainer, "stopping", checkpoint_step=step)
@@ -280,19 +282,19 @@ class ElasticTraining(Callback):
         if step % self.checkpoint_every_n_steps == 0:
             self.checkpointer.save(trainer, step)
 
-    def _agree_to_stop(self) -> bool:
+    def _agree_to_stop(self, trainer: pl.Trainer) -> bool:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self._sigterm
-        flag = torch.tensor([int(self._sigterm)])
+        flag = torch.tensor([int(self._sigterm)], device=trainer.strategy.root_device)  # NCCL needs a GPU tensor
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def _health(self, trainer: pl.Trainer, outputs: Any) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         # Lightning hands back the loss divided by the accumulation steps.
-        loss = float(loss.detach()) * self.accumulate if isinstance(loss, torch.Tensor) else float("nan")
+        loss = float(loss.detach()) * self.accumulate if isinstance(loss, torch.Tensor) else None
         spike = self.grad_norms.update(self._grad_norm)
-        non_finite = not math.isfinite(loss)
+        non_finite = loss is not None and not math.isfinite(loss)
         step = trainer.global_step
         if spike or non_finite or step % self.report_every_n_steps == 0:
             start, start_step = self._report_clock
