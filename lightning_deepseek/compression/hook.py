@@ -186,9 +186,15 @@ def _completed(value: object, device: torch.device) -> torch.futures.Future:
 def begin_step(state: CompressionState) -> None:
     """Start a synchronising step: zero counters, decide whether last step's residuals survive."""
     state.reset_counters()
+    state._keep = None
     if state._finite_flags:
-        state._keep = torch.stack(state._finite_flags).all()
+        keep = torch.stack(state._finite_flags).all()
         state._finite_flags = []
+        if keep.device.type == "cpu":  # free to read here; on an accelerator it would stall backward
+            if not keep:
+                state.residuals.clear()
+        else:
+            state._keep = keep
     state._issued = None
 
 
@@ -232,9 +238,11 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
     chunk = math.ceil(numel / (ws * cfg.block_size)) * cfg.block_size
     x = torch.cat([t.reshape(-1).float() for t in tensors] + [torch.zeros(ws * chunk - numel, device=device)])
     if cfg.error_feedback and state.residuals:
-        residual = torch.cat([state.residuals[name] if name in state.residuals
-                              else torch.zeros(size, device=device) for name, size in zip(names, sizes)])
-        x[:numel] += residual if state._keep is None else torch.where(state._keep, residual, 0.0)
+        pairs = [(piece, state.residuals[name]) for piece, name in zip(x[:numel].split(sizes), names)
+                 if name in state.residuals]
+        if pairs:  # empty on the first compressed step, when only other buckets have residuals yet
+            residuals = [r if state._keep is None else torch.where(state._keep, r, 0.0) for _, r in pairs]
+            torch._foreach_add_([piece for piece, _ in pairs], residuals)
     if state.generators is None and cfg.stochastic_rounding:
         state.generators = _make_generators(cfg.seed, device)
     gen1, gen2 = state.generators if cfg.stochastic_rounding else (None, None)
@@ -285,10 +293,9 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
             values = dequantize(gathered[:, :code_bytes], scales_all, cfg.bits, cfg.block_size).view(-1)
             torch._foreach_copy_(list(tensors), [v.view_as(t) for v, t in zip(values[:numel].split(sizes), tensors)])
             if residual_new is not None:
-                finite = torch.isfinite(scales_all).all()
-                state._finite_flags.append(finite)
-                kept = torch.where(finite, residual_new[:numel], 0.0)
-                state.residuals.update(zip(names, kept.split(sizes)))
+                # A non-finite bucket leaves NaN residuals: the next step's begin_step drops them all.
+                state._finite_flags.append(torch.isfinite(scales_all).all())
+                state.residuals.update(zip(names, residual_new[:numel].split(sizes)))
             state._add(compressed_bytes(numel, ws, cfg.bits, cfg.block_size), fp32_allreduce_bytes(numel, ws),
                        phase1_seconds + seconds + time.perf_counter() - t0)
             state.num_compressed_buckets += 1
