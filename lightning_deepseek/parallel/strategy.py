@@ -188,7 +188,7 @@ class HybridParallelStrategy(DDPStrategy):
             divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
             raise ValueError(f"tensor_parallel_size={tp_size} does not divide the world size {self.world_size}. "
                              f"Choose one of {divisors}.")
-        self._topology = discover_topology(self.root_device, self._topology_arg)
+        self._topology = discover_topology(self.root_device, self.local_rank, self._topology_arg)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -200,6 +200,8 @@ class HybridParallelStrategy(DDPStrategy):
         if not any(isinstance(p, DTensor) for p in module.parameters()):
             self._parallelize(module, trainer)
         if trainer.state.fn == TrainerFn.FITTING:
+            if self._layer_sync:
+                self.model = self._layer_sync.apply(self.model)
             self.configure_ddp()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -1,11 +1,11 @@
 """Topology discovery: which ranks share a fast interconnect ("islands": a node, or an NVLink domain in it).
 
 Every rank contributes its hostname and local rank (one ``all_gather_object``); ranks on one host form an
-island. On NVIDIA machines with ``nvidia-ml-py`` installed (optional extra ``nvml``), NVML's peer-to-peer NVLink
-status splits a host into NVLink islands. A declared topology overrides discovery: the ``topology`` argument
-or the ``LDS_TOPOLOGY`` environment variable, written as islands separated by ``;`` and ranks by ``,``
-(``"0,1;2,3"`` = two nodes of two ranks). Clusters whose hostnames do not reflect the wiring, and the network
-testbed (every namespace has the same hostname), declare it.
+island, ordered by local rank. On NVIDIA machines with ``nvidia-ml-py`` installed (optional extra ``nvml``),
+NVML's peer-to-peer NVLink status splits a host into NVLink islands. A declared topology overrides discovery:
+the ``topology`` argument or the ``LDS_TOPOLOGY`` environment variable, written as islands separated by ``;``
+and ranks by ``,`` (``"0,1;2,3"`` = two nodes of two ranks). Clusters whose hostnames do not reflect the wiring,
+and the network testbed (every namespace has the same hostname), declare it.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def _nvlink_island(device: torch.device) -> int:
             pass
 
 
-def discover_topology(device: torch.device, declared: str | list[list[int]] | None = None) -> Topology:
+def discover_topology(device: torch.device, local_rank: int, declared: str | list[list[int]] | None = None
+                      ) -> Topology:
     """The job's topology: ``declared`` if given, else ``$LDS_TOPOLOGY``, else hostnames (refined by NVML).
 
     Collective: every rank must call it. Raises ``ValueError`` on all ranks alike when a declared topology does
@@ -110,10 +111,10 @@ def discover_topology(device: torch.device, declared: str | list[list[int]] | No
         validate_topology(topology, world_size, setting)
         return topology
     island = _nvlink_island(device) if device.type == "cuda" else -1
-    entries: list[tuple[str, int] | None] = [None] * world_size
-    dist.all_gather_object(entries, (socket.gethostname(), island))
-    keys: dict[tuple[str, int], list[int]] = {}
-    for rank, key in enumerate(entries):
-        keys.setdefault(key, []).append(rank)
+    entries: list[tuple[str, int, int] | None] = [None] * world_size
+    dist.all_gather_object(entries, (socket.gethostname(), island, local_rank))
+    keys: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for rank, (host, host_island, local) in enumerate(entries):
+        keys.setdefault((host, host_island), []).append((local, rank))
     source = "nvml" if any(key[1] >= 0 for key in keys) else "hostname"
-    return Topology(tuple(tuple(ranks) for ranks in keys.values()), source)
+    return Topology(tuple(tuple(rank for _, rank in sorted(members)) for members in keys.values()), source)
