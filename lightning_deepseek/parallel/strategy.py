@@ -243,15 +243,21 @@ class HybridParallelStrategy(DDPStrategy):
         tp_size = self.tensor_parallel_size
         dp_size = self.world_size // tp_size
         multi_island = len(self._topology.islands) > 1
-        links = self._links or (probe_links(self._topology) if multi_island and self._placement_arg == "auto"
-                                else {"intra": LinkCost(1e11, 1e-6), "inter": LinkCost(1e11, 1e-6)})
+        if self._links is not None:
+            links, link_source = self._links, "configured"
+        elif multi_island and self._placement_arg == "auto":
+            links, link_source = probe_links(self._topology), "probed"
+        else:  # one island (every candidate is equivalent) or a fixed policy: nothing to rank
+            links, link_source = {"intra": LinkCost(1e11, 1e-6), "inter": LinkCost(1e11, 1e-6)}, "not measured"
         volume = self._comm_volume(module, trainer.accumulate_grad_batches)
         self.placement, grid, self.placement_estimates = choose_placement(
             self._placement_arg, self._topology, dp_size, tp_size, volume, links)
         estimates = ", ".join(f"{k}={v * 1e3:.1f} ms" for k, v in self.placement_estimates.items())
+        link_text = ", ".join(f"{k}: {c.bandwidth * 8 / 1e9:.2f} Gbit/s, {c.latency * 1e6:.0f} us"
+                              for k, c in links.items())
         rank_zero_info(f"HybridParallelStrategy placement: {self.placement} (estimated communication per step: "
                        f"{estimates}; topology {self._topology.islands} from {self._topology.source}; "
-                       f"links {links}); mesh (dp x tp) = {grid}")
+                       f"links {link_source}: {link_text}); mesh (dp x tp) = {grid}")
         return DeviceMesh(self.root_device.type, torch.tensor(grid), mesh_dim_names=("dp", "tp"))
 
     def _comm_volume(self, module: nn.Module, micro_batches: int) -> CommVolume:
