@@ -160,6 +160,18 @@ def _train_app(cfg: DictConfig) -> float | None:
     return report.get("val_loss_final")  # the objective that a Hydra sweeper minimises
 
 
+def load_model(path: Path) -> LightningGPT:
+    """``LightningGPT`` from a checkpoint file, or from a sharded DCP folder (``strategy=hybrid``)."""
+    if not path.is_dir():
+        return LightningGPT.load_from_checkpoint(path, map_location="cpu")
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+    checkpoint = _load_distributed_checkpoint(path)  # gathers the shards into full tensors on CPU
+    model = LightningGPT(**checkpoint["hyper_parameters"])
+    model.load_state_dict(checkpoint["state_dict"])
+    return model
+
+
 @_user_errors_exit
 def run_sampling(cfg: DictConfig) -> str:
     """Generate text from ``cfg.ckpt`` after ``cfg.prompt``; returns and prints it."""
@@ -170,7 +182,7 @@ def run_sampling(cfg: DictConfig) -> str:
     if not path.exists():
         raise ConfigError(f"ckpt={cfg.ckpt!r} does not exist. Pass the path of a .ckpt file written by lds-train.")
     torch.manual_seed(cfg.seed)
-    model = LightningGPT.load_from_checkpoint(path, map_location="cpu", weights_only=False).eval()
+    model = load_model(path).eval()
     prompt = cfg.prompt.encode("utf-8") or b"\n"
     idx = torch.tensor([list(prompt)], dtype=torch.long)
     out = model.model.generate(idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k)

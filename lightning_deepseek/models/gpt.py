@@ -145,6 +145,9 @@ class GPT(nn.Module):
         return idx
 
 
+# Checkpoints store the config in their hyper-parameters; a plain dataclass is safe for ``weights_only`` loading.
+torch.serialization.add_safe_globals([GPTConfig])
+
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(block_size=64, n_layer=2, n_head=4, n_embd=64),
     "small": dict(block_size=128, n_layer=4, n_head=4, n_embd=128),
