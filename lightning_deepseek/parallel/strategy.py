@@ -16,12 +16,13 @@ Reused from Lightning: ``DDPStrategy`` (launch, process group, DDP wrapping, ``n
 accumulation, ``reduce`` for ``sync_dist``) and the DCP checkpoint layout of ``ModelParallelStrategy`` (a folder
 of shards plus ``meta.pt``). Lightning's ``ModelParallelStrategy`` itself shards over ``dp`` with FSDP2 and
 expects the user to parallelize in ``configure_model``; this strategy keeps the attention replicated and plans
-the model itself. Checkpoints are torch DCP folders that reload at another ``tp`` or world size.
+the model itself. Checkpoints are torch DCP folders that reload at another ``tp`` or world size, or (with
+``save_distributed_checkpoint=False``) one full file gathered on rank 0; full files, also DDP's, load at any ``tp``.
 
 Costs: per micro-batch and sharded block, two all-gathers and two reduce-scatters of one rank's activations
 over ``tp``; per step, one all-reduce of the replicated gradients (world) and one of the shards (``dp``).
 Not supported: sharding anything but ``nn.Linear``; ranks of a ``tp`` group feeding micro-batches of different
-shapes (the last batch of an epoch must be full or dropped); full-file (non-DCP) checkpoints.
+shapes (the last batch of an epoch must be full or dropped).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class HybridParallelStrategy(DDPStrategy):
             default: measured by a short probe at start-up when there is more than one island.
         micro_batch_tokens: tokens (rows entering a feed-forward layer) per rank and micro-batch, for the cost
             model; default: from ``example_input_array``, else 2048.
+        save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
+            optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
         **ddp_kwargs: passed to torch ``DistributedDataParallel``.
     """
@@ -96,6 +99,7 @@ class HybridParallelStrategy(DDPStrategy):
         topology: str | list[list[int]] | None = None,
         link_costs: dict[str, dict[str, float]] | None = None,
         micro_batch_tokens: int | None = None,
+        save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -119,6 +123,7 @@ class HybridParallelStrategy(DDPStrategy):
         self._links = ({k: LinkCost.from_config(link_costs.get(k), f"link_costs[{k!r}]") for k in ("intra", "inter")}
                        if link_costs is not None else None)
         self._micro_batch_tokens = micro_batch_tokens
+        self._save_distributed_checkpoint = save_distributed_checkpoint
         self._topology: Topology | None = None
         self._mesh: DeviceMesh | None = None
         self._plan: list[PlanEntry] = []
@@ -337,7 +342,8 @@ class HybridParallelStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=True))
+        full = not self._save_distributed_checkpoint
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -345,7 +351,8 @@ class HybridParallelStrategy(DDPStrategy):
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=True))
+        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, optimizer, options=options)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -363,6 +370,12 @@ class HybridParallelStrategy(DDPStrategy):
             raise TypeError("HybridParallelStrategy.save_checkpoint(storage_options=...) is not supported: "
                             "checkpoints are written by torch.distributed.checkpoint, not a CheckpointIO.")
         path = Path(self.broadcast(filepath))
+        if not self._save_distributed_checkpoint:
+            if path.is_dir():
+                raise IsADirectoryError(f"{path} is a folder; save_distributed_checkpoint=False writes one file.")
+            super().save_checkpoint(checkpoint, path)
+            self.barrier()
+            return
         if path.is_file():
             path.unlink()
         path.mkdir(parents=True, exist_ok=True)
@@ -385,10 +398,12 @@ class HybridParallelStrategy(DDPStrategy):
         )
 
         path = Path(self.broadcast(checkpoint_path))
-        if not (path.is_dir() and (path / _METADATA_FILENAME).is_file()):
-            raise ValueError(f"ckpt_path={str(path)!r} is not a checkpoint folder written by HybridParallelStrategy "
-                             f"(a torch.distributed.checkpoint folder with {_METADATA_FILENAME}). Pass such a folder.")
         strict = self.lightning_module.strict_loading
+        if path.is_file():
+            return self._load_full_checkpoint(path, strict, weights_only)
+        if not (path.is_dir() and (path / _METADATA_FILENAME).is_file()):
+            raise ValueError(f"ckpt_path={str(path)!r} is neither a checkpoint file nor a torch.distributed.checkpoint "
+                             f"folder with {_METADATA_FILENAME}. Pass a checkpoint written by Lightning.")
         model_state = {"state_dict": get_model_state_dict(self.model)}
         dcp.load(model_state, checkpoint_id=path)
         set_model_state_dict(self.model, model_state["state_dict"], options=StateDictOptions(strict=strict))
@@ -398,3 +413,21 @@ class HybridParallelStrategy(DDPStrategy):
             dcp.load(optim_state, checkpoint_id=path)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key])
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+    def _load_full_checkpoint(self, path: Path, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+        """A one-file checkpoint (ours with ``save_distributed_checkpoint=False``, or DDP's): every rank reads it
+        and keeps its own shards."""
+        from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        set_model_state_dict(self.model, checkpoint["state_dict"], options=options)
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            state = _rekey_optimizer_state_if_needed(state, self.lightning_module)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
+        return checkpoint

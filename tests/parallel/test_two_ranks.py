@@ -4,6 +4,7 @@
   weights, fp32, same seed, 20 optimizer steps, 1e-5 relative);
 - DCP reshard: save at ``dp=2, tp=1``, resume at ``tp=2``: exactly the saved weights and momenta, and the
   same continuation as a resume at ``tp=1``;
+- full-file checkpoints: Lightning DDP's file resumed at ``tp=2``, and our gathered file at ``tp=1``;
 - validation under ``inference_mode`` with ``sync_dist`` logging on a sharded model equals the global loss;
 - mesh-aware gradient norm over mixed DTensor/plain gradients equals the single-process norm (2 and inf).
 """
@@ -111,6 +112,32 @@ def _reshard(world_size: int, ckpt: Path) -> dict[str, Any]:
     return {"saved": saved, "tp2": resumed[2], "tp1": resumed[1], "is_dcp_folder": ckpt.is_dir()}
 
 
+def _full_files(world_size: int, folder: Path) -> dict[str, Any]:
+    """A plain Lightning DDP checkpoint file resumed at tp=2, which saves a full file, resumed at tp=1."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    dataset = token_data(3 * world_size * MICRO)
+    pl.seed_everything(0, verbose=False)
+    module = TinyLM()
+    trainer = make_trainer(world_size, DDPStrategy(), max_steps=3)
+    trainer.fit(module, loader(dataset, MICRO))
+    trainer.save_checkpoint(folder / "ddp.ckpt")
+    saved = {"ddp": {"state": full_state(module), "momenta": _momenta(module, trainer.optimizers[0])}}
+    loaded = {}
+    for name, tp, source, target in (("tp2", 2, "ddp.ckpt", "hybrid.ckpt"), ("tp1", 1, "hybrid.ckpt", None)):
+        torch.manual_seed(tp)
+        module, record = TinyLM(), _RecordLoaded()
+        strategy = HybridParallelStrategy(tensor_parallel_size=tp, min_shard_params=0,
+                                          save_distributed_checkpoint=False)
+        trainer = make_trainer(world_size, strategy, max_steps=6 if target else 7, callbacks=[record])
+        trainer.fit(module, loader(dataset, MICRO), ckpt_path=folder / source)
+        loaded[name] = {"state": record.state, "momenta": record.momenta}
+        if target:
+            trainer.save_checkpoint(folder / target)
+            saved["hybrid"] = {"state": full_state(module), "momenta": _momenta(module, trainer.optimizers[0])}
+    return {"saved": saved, "loaded": loaded, "file": str(folder / "hybrid.ckpt")} if dist.get_rank() == 0 else {}
+
+
 def _validate(world_size: int) -> dict[str, Any]:
     """``trainer.validate`` on a tp=2 model, then a forward under ``torch.inference_mode`` against the unsharded
     model (Lightning itself validates under ``no_grad`` on gloo and under ``inference_mode`` on NCCL)."""
@@ -177,6 +204,7 @@ def _two_rank_scenarios(rank: int, world_size: int, ckpt: str) -> dict[str, Any]
         "tp2": fit_parity(world_size, tp=2, steps=STEPS),
         "dp2": fit_parity(world_size, tp=1, steps=STEPS),
         "reshard": _reshard(world_size, Path(ckpt)),
+        "full_files": _full_files(world_size, Path(ckpt).parent),
         "validate": _validate(world_size),
         "grad_norms": _grad_norms(world_size),
         "staged": _staged_precision(world_size),
@@ -212,6 +240,18 @@ def test_dcp_checkpoint_from_dp2_resumes_at_tp2(two_ranks: dict[str, Any]) -> No
     assert all(len(r) == 3 for r in tp2["losses"])
     assert tp2["losses"] == [pytest.approx(r, rel=TOL) for r in tp1["losses"]]
     assert max_relative_error(tp2["state"], tp1["state"]) <= TOL
+
+
+def test_full_checkpoint_files_load_across_strategies_and_tp(two_ranks: dict[str, Any]) -> None:
+    result = two_ranks["full_files"]
+    saved, loaded = result["saved"], result["loaded"]
+    for name, source in (("tp2", "ddp"), ("tp1", "hybrid")):  # DDP's file into tp=2, our full file into tp=1
+        assert max_relative_error(loaded[name]["state"], saved[source]["state"]) == 0.0
+        assert max_relative_error(loaded[name]["momenta"], saved[source]["momenta"]) == 0.0
+    # The full file is a plain Lightning checkpoint: load_state_dict on an unsharded module just works.
+    module = TinyLM()
+    module.load_state_dict(torch.load(result["file"], weights_only=False)["state_dict"])
+    assert max_relative_error(full_state(module), saved["hybrid"]["state"]) == 0.0
 
 
 def test_validation_syncs_the_global_loss_and_inference_mode_works(two_ranks: dict[str, Any]) -> None:
