@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 
 from lightning_deepseek.cli import CONFIG_DIR, run_training
@@ -21,15 +20,6 @@ def _train(tmp_path: Path, *overrides: str) -> dict:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[*TINY, f"run_dir={tmp_path}", *overrides])
     return run_training(cfg)
-
-
-@pytest.fixture
-def one_thread():
-    # FP16/BF16 matmuls are emulated on this CPU; with two threads on shared cores they thrash instead of helping.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_staged_config_trains_and_reports_the_stage_timeline(tmp_path, one_thread):

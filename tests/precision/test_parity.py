@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import pytest
-import torch
 
 from lightning_deepseek import GPTConfig, LightningGPT, StagedPrecision, TextDataModule
 from lightning_deepseek.models import PRESETS
@@ -19,15 +18,6 @@ def _val_loss(plugin: StagedPrecision | None, cache_dir) -> float:
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=8, val_check_interval=40)
     trainer.fit(model, data)
     return float(trainer.callback_metrics["val_loss"])
-
-
-@pytest.fixture
-def one_thread():
-    # FP16/BF16 matmuls are emulated on this CPU; with two threads on shared cores they thrash instead of helping.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_default_schedule_matches_fp32_validation_loss(tmp_path, one_thread):
