@@ -24,10 +24,14 @@ from lightning_deepseek.compression.hook import (
 from lightning_deepseek.compression.quantize import qmax
 from tests.helpers import run_distributed
 
+_EXCHANGE_GROUPS: list[dist.ProcessGroup] = []
+
 
 def _state(bits: int, block_size: int, error_feedback: bool = True) -> CompressionState:
     cfg = CompressionConfig(bits=bits, block_size=block_size, error_feedback=error_feedback, warmup_steps=0)
-    return CompressionState(cfg, dist.group.WORLD, _exchange_group(dist.group.WORLD))
+    if not _EXCHANGE_GROUPS:  # one per process: creating gloo groups dominates these small exchanges
+        _EXCHANGE_GROUPS.append(_exchange_group(dist.group.WORLD))
+    return CompressionState(cfg, dist.group.WORLD, _EXCHANGE_GROUPS[0])
 
 
 def _exchange(state: CompressionState, grad: torch.Tensor) -> torch.Tensor:
