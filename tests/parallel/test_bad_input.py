@@ -9,7 +9,6 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_deepseek import HybridParallelStrategy
-from tests.helpers import run_distributed
 from tests.parallel.common import TinyLM, loader, make_trainer, token_data
 
 
@@ -30,7 +29,8 @@ def test_registered_as_hybrid() -> None:
     assert isinstance(trainer.strategy, HybridParallelStrategy)
 
 
-def _setup_errors(rank: int, world_size: int) -> dict[str, str]:
+def setup_errors(world_size: int) -> dict[str, str]:
+    """Message of each bad setting at ``Trainer.fit`` (run on 2 ranks by the ``two_ranks`` fixture)."""
     cases = {
         "tp_not_dividing": (dict(tensor_parallel_size=3), {}),
         "ff_not_divisible": (dict(tensor_parallel_size=2, min_shard_params=0), dict(n_embd=33, n_head=3, mlp_ratio=3)),
@@ -48,17 +48,12 @@ def _setup_errors(rank: int, world_size: int) -> dict[str, str]:
     return messages
 
 
-@pytest.fixture(scope="module")
-def setup_errors() -> list[dict[str, str]]:
-    return run_distributed(_setup_errors, 2, timeout=150)
-
-
 @pytest.mark.parametrize(("case", "message"), [
     ("tp_not_dividing", "tensor_parallel_size=3 does not divide the world size 2. Choose one of [1, 2]"),
     ("ff_not_divisible", "tensor_parallel_size=2 divides none of the feed-forward widths [99]"),
     ("pattern_matches_nothing", "plan pattern '*.ffn.w1' matches no module"),
     ("topology_mismatch", "topology declares ranks [0, 1, 2] but the job has world size 2"),
 ])
-def test_bad_settings_fail_at_setup_on_every_rank(setup_errors: list[dict[str, str]], case: str, message: str) -> None:
-    for rank_messages in setup_errors:
+def test_bad_settings_fail_at_setup_on_every_rank(two_ranks: dict[str, Any], case: str, message: str) -> None:
+    for rank_messages in two_ranks["setup_errors"]:
         assert message in rank_messages[case]

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.parallel import clip_grad_norm_
-from tests.helpers import run_distributed
 from tests.parallel.common import (
     TinyLM,
     full_state,
@@ -199,8 +198,14 @@ def _staged_precision(world_size: int) -> dict[str, Any]:
     return {"losses": losses, "events": [e for _, e in plugin.events()], "sharded": bool(strategy.plan)}
 
 
-def _two_rank_scenarios(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
+def two_rank_scenarios(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
+    """Every 2-process scenario of ``tests/parallel`` in one spawn (the ``two_ranks`` fixture of conftest.py)."""
+    from tests.parallel.test_bad_input import setup_errors
+
+    errors: list[Any] = [None] * world_size
+    dist.all_gather_object(errors, setup_errors(world_size))
     return {
+        "setup_errors": errors,
         "tp2": fit_parity(world_size, tp=2, steps=STEPS),
         "dp2": fit_parity(world_size, tp=1, steps=STEPS),
         "reshard": _reshard(world_size, Path(ckpt)),
@@ -209,12 +214,6 @@ def _two_rank_scenarios(rank: int, world_size: int, ckpt: str) -> dict[str, Any]
         "grad_norms": _grad_norms(world_size),
         "staged": _staged_precision(world_size),
     }
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    ckpt = tmp_path_factory.mktemp("hybrid") / "resume.ckpt"
-    return run_distributed(_two_rank_scenarios, 2, str(ckpt), timeout=280)[0]
 
 
 def test_tp2_matches_single_process(two_ranks: dict[str, Any]) -> None:
