@@ -246,13 +246,17 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
     if state.generators is None and cfg.stochastic_rounding:
         state.generators = _make_generators(cfg.seed, device)
     gen1, gen2 = state.generators if cfg.stochastic_rounding else (None, None)
-    codes, scales = quantize(x, cfg.bits, cfg.block_size, gen1)
+    work = torch.empty_like(x)  # quantize's scratch, then Q(x); x itself becomes the residual
+    codes, scales = quantize(x, cfg.bits, cfg.block_size, gen1, work=work)
     send = _pack(codes, scales, ws)
-    residual_new = x - dequantize(codes, scales, cfg.bits, cfg.block_size) if cfg.error_feedback else None
-    if state.track_error:
-        state.input_sq.append(x.square().sum())
-        state.error_sq.append((residual_new if residual_new is not None else
-                               x - dequantize(codes, scales, cfg.bits, cfg.block_size)).square().sum())
+    residual = None
+    if cfg.error_feedback or state.track_error:
+        if state.track_error:
+            state.input_sq.append(x.square().sum())
+        residual = x.sub_(dequantize(codes, scales, cfg.bits, cfg.block_size, out=work))
+        if state.track_error:
+            state.error_sq.append(residual.square().sum())
+    residual_new = residual if cfg.error_feedback else None
     recv = torch.empty_like(send)
     a2a = dist.all_to_all_single(recv, send, group=state.process_group, async_op=True).get_future()
     phase1_seconds = time.perf_counter() - start
@@ -270,10 +274,11 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
             parts = dequantize(recv[:, :code_bytes], recv[:, code_bytes:].contiguous().view(torch.bfloat16),
                                cfg.bits, cfg.block_size)
             average = parts.sum(dim=0).div_(ws)
-            codes2, scales2 = quantize(average, cfg.bits, cfg.block_size, gen2)
+            scratch = parts[0]  # consumed by the sum: reused as quantize's scratch and for Q(average)
+            codes2, scales2 = quantize(average, cfg.bits, cfg.block_size, gen2, work=scratch)
             if residual_new is not None:
                 own = residual_new[state.rank * chunk:(state.rank + 1) * chunk]
-                own.add_(average.sub_(dequantize(codes2, scales2, cfg.bits, cfg.block_size)), alpha=ws)
+                own.add_(average.sub_(dequantize(codes2, scales2, cfg.bits, cfg.block_size, out=scratch)), alpha=ws)
             send2 = _pack(codes2, scales2, 1).view(-1)
             gathered = torch.empty(ws * send2.numel(), dtype=torch.uint8, device=send2.device)
             work = _all_gather_single(gathered, send2, group=state.exchange_group, async_op=True)

@@ -80,3 +80,65 @@ def test_non_finite_values_propagate_to_their_block(bits: int) -> None:
 def test_bad_settings_raise_with_the_setting_name(bits: object, block_size: object) -> None:
     with pytest.raises(QuantizationConfigError, match="bits" if block_size == 128 else "block_size"):
         validate(bits, block_size)  # type: ignore[arg-type]
+
+
+def _reference_quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Generator | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain formulation (|x| temporary, fresh tensors, stack-based int4 packing) the fast path must match."""
+    limit = qmax(bits)
+    blocks = x.float().view(-1, block_size)
+    scales = (blocks.abs().amax(dim=1) / limit).to(torch.bfloat16)
+    step = scales.float()
+    y = blocks * torch.where(step > 0, step.reciprocal(), torch.zeros_like(step)).unsqueeze(1)
+    if generator is None:
+        y = y.round()
+    else:
+        y = (y + torch.rand(y.shape, generator=generator)).floor()
+    y = y.clamp(-limit, limit).nan_to_num(0.0)
+    if bits == 8:
+        return y.to(torch.int8).view(torch.uint8).view(-1), scales
+    codes = (y.view(-1, 2) + 8).to(torch.uint8)
+    return codes[:, 0] | (codes[:, 1] << 4), scales
+
+
+def _reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    lead = codes.shape[:-1]
+    if bits == 8:
+        values = codes.view(torch.int8).float()
+    else:
+        values = torch.stack((codes & 0x0F, codes >> 4), dim=-1).float() - 8.0
+    return (values.view(*lead, -1, block_size) * scales.float().unsqueeze(-1)).view(*lead, -1)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, except that any NaN equals any NaN (the sign bit of a NaN scale carries no meaning)."""
+    a, b = a.float(), b.float()
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("case", ["wide_range", "non_finite", "bfloat16_input", "stochastic"])
+def test_fast_path_is_bitwise_equal_to_the_reference(bits: int, case: str) -> None:
+    block_size, blocks = 64, 97
+    gen = torch.Generator().manual_seed(3)
+    # 1e-30 .. 1e30 per block: tiny scales (bf16 subnormal territory) and huge ones, where clamping matters.
+    x = torch.randn(blocks * block_size, generator=gen) * torch.logspace(-30, 30, blocks).repeat_interleave(block_size)
+    if case == "non_finite":
+        x[3], x[5 * block_size], x[7 * block_size + 1] = float("inf"), float("nan"), float("-inf")
+        x[9 * block_size:10 * block_size] = 0.0
+    if case == "bfloat16_input":
+        x = x.bfloat16()
+    stochastic = case == "stochastic"
+    ref = _reference_quantize(x, bits, block_size, torch.Generator().manual_seed(5) if stochastic else None)
+    fast = quantize(x, bits, block_size, torch.Generator().manual_seed(5) if stochastic else None,
+                    work=torch.full((x.numel(),), 123.0))
+    assert _same(ref[1], fast[1])
+    assert torch.equal(ref[0], fast[0])
+    out = torch.full((x.numel(),), 123.0)
+    assert _same(_reference_dequantize(*ref, bits, block_size), dequantize(*fast, bits, block_size, out=out))
+    assert _same(out, _reference_dequantize(*ref, bits, block_size))
+    # Batched rows from a strided (non-contiguous) view, as phase 2 reads them out of the receive buffer.
+    wire = torch.cat((fast[0].view(blocks, -1), torch.zeros(blocks, 3, dtype=torch.uint8)), dim=1)
+    codes_rows = wire[:, :-3]
+    assert _same(_reference_dequantize(codes_rows, fast[1].view(blocks, -1), bits, block_size),
+                 dequantize(codes_rows, fast[1].view(blocks, -1), bits, block_size))
