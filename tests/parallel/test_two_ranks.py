@@ -198,6 +198,42 @@ def _staged_precision(world_size: int) -> dict[str, Any]:
     return {"losses": losses, "events": [e for _, e in plugin.events()], "sharded": bool(strategy.plan)}
 
 
+def _foreign_models(world_size: int) -> dict[str, Any]:
+    """Outputs and full gradients of a torch TransformerEncoderLayer and a Llama-style SwiGLU under the automatic
+    plan at tp=2 (each rank its own half batch), against the unsharded modules on the whole batch."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_deepseek.parallel.plan import apply_plan, auto_plan
+    from tests.parallel.test_plan import SwiGLU
+
+    rank, errors = dist.get_rank(), {}
+    for name, make in (("encoder_layer", lambda: torch.nn.TransformerEncoderLayer(16, 2, 64, 0.0, batch_first=True)),
+                       ("swiglu", lambda: SwiGLU(16, 64))):
+        torch.manual_seed(0)
+        reference, sharded = make(), make()
+        sharded.load_state_dict(reference.state_dict())
+        x = torch.randn(4, 5, 16, generator=torch.Generator().manual_seed(1))
+        # Cubed, not squared: a post-norm output has a constant mean square, so that loss has no real gradient.
+        reference(x).pow(3).mean().backward()
+        entries, _ = auto_plan(sharded, 2, 0)
+        apply_plan(sharded, entries, DeviceMesh("cpu", torch.arange(world_size)))
+        out = sharded(x[2 * rank:2 * rank + 2])
+        out.pow(3).mean().backward()
+        state = {}
+        for pname, p in sharded.named_parameters():
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if not hasattr(p.grad, "to_local"):
+                dist.all_reduce(grad)
+            grad.div_(world_size)  # the strategy's reduction at dp=1
+            state[pname] = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        errors[name] = {
+            "styles": sorted((e.name, e.style) for e in entries),
+            "output": (out - reference(x)[2 * rank:2 * rank + 2]).abs().max().item(),
+            "grad": max(((state[n] - p.grad).norm() / p.grad.norm()).item() for n, p in reference.named_parameters()),
+        }
+    return errors
+
+
 def two_rank_scenarios(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
     """Every 2-process scenario of ``tests/parallel`` in one spawn (the ``two_ranks`` fixture of conftest.py)."""
     from tests.parallel.test_bad_input import setup_errors
@@ -212,6 +248,7 @@ def two_rank_scenarios(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
         "full_files": _full_files(world_size, Path(ckpt).parent),
         "validate": _validate(world_size),
         "grad_norms": _grad_norms(world_size),
+        "foreign_models": _foreign_models(world_size),
         "staged": _staged_precision(world_size),
     }
 
@@ -278,3 +315,11 @@ def test_staged_precision_trains_with_the_strategy(two_ranks: dict[str, Any]) ->
     ref_losses, _ = reference_run(12, 2 * MICRO, token_data(12 * 2 * MICRO), clip=1.0)
     # Half-precision stages round differently; the trajectory stays within a few percent of the FP32 one.
     assert losses == pytest.approx(ref_losses, rel=0.03) and losses[-1] < losses[0]
+
+
+def test_automatic_plan_is_exact_on_torch_encoder_layer_and_swiglu(two_ranks: dict[str, Any]) -> None:
+    result = two_ranks["foreign_models"]
+    assert result["encoder_layer"]["styles"] == [("linear1", "colwise"), ("linear2", "rowwise")]
+    assert result["swiglu"]["styles"] == [("w1", "colwise"), ("w2", "rowwise"), ("w3", "colwise")]
+    for name in ("encoder_layer", "swiglu"):
+        assert result[name]["output"] < 1e-5 and result[name]["grad"] < 1e-5, (name, result[name])
