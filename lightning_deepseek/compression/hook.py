@@ -246,14 +246,13 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
     if state.generators is None and cfg.stochastic_rounding:
         state.generators = _make_generators(cfg.seed, device)
     gen1, gen2 = state.generators if cfg.stochastic_rounding else (None, None)
-    work = torch.empty_like(x)  # quantize's scratch, then Q(x); x itself becomes the residual
-    codes, scales = quantize(x, cfg.bits, cfg.block_size, gen1, work=work)
+    codes, scales = quantize(x, cfg.bits, cfg.block_size, gen1)
     send = _pack(codes, scales, ws)
     residual = None
     if cfg.error_feedback or state.track_error:
         if state.track_error:
             state.input_sq.append(x.square().sum())
-        residual = x.sub_(dequantize(codes, scales, cfg.bits, cfg.block_size, out=work))
+        residual = x.sub_(dequantize(codes, scales, cfg.bits, cfg.block_size))  # x becomes the residual
         if state.track_error:
             state.error_sq.append(residual.square().sum())
     residual_new = residual if cfg.error_feedback else None
@@ -274,11 +273,10 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
             parts = dequantize(recv[:, :code_bytes], recv[:, code_bytes:].contiguous().view(torch.bfloat16),
                                cfg.bits, cfg.block_size)
             average = parts.sum(dim=0).div_(ws)
-            scratch = parts[0]  # consumed by the sum: reused as quantize's scratch and for Q(average)
-            codes2, scales2 = quantize(average, cfg.bits, cfg.block_size, gen2, work=scratch)
+            codes2, scales2 = quantize(average, cfg.bits, cfg.block_size, gen2)
             if residual_new is not None:
                 own = residual_new[state.rank * chunk:(state.rank + 1) * chunk]
-                own.add_(average.sub_(dequantize(codes2, scales2, cfg.bits, cfg.block_size, out=scratch)), alpha=ws)
+                own.add_(average.sub_(dequantize(codes2, scales2, cfg.bits, cfg.block_size)), alpha=ws)
             send2 = _pack(codes2, scales2, 1).view(-1)
             gathered = torch.empty(ws * send2.numel(), dtype=torch.uint8, device=send2.device)
             work = _all_gather_single(gathered, send2, group=state.exchange_group, async_op=True)

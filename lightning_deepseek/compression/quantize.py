@@ -2,20 +2,20 @@
 
 Supports: ``bits`` 8 (values in [-127, 127], one byte each) and 4 (values in [-7, 7], two per byte), blocks of
 ``block_size`` consecutive values sharing one scale ``absmax / qmax`` stored as bfloat16, round-to-nearest or
-stochastic rounding. Every operation is a whole-tensor torch op (no Python loop over blocks), so it runs on CPU
+stochastic rounding. Every operation is a vectorised torch op (no Python loop over blocks), so it runs on CPU
 and CUDA alike.
 
-Costs: the payload is ``numel * bits / 8`` bytes plus 2 bytes per block. Compute is eager PyTorch written for
-few passes and no temporaries: absmax as ``max(amax, -amin)`` (two read-only passes, no ``|x|`` copy), one scaling
-``mul`` into a caller-provided fp32 scratch (``work``), in-place ``round_``/``clamp_``/``nan_to_num_``, one narrowing
-copy to int8; dequantize is one int8 -> fp32 copy into ``out`` plus one in-place ``mul_``. int4 packs and unpacks
-with one shift and one or on an int16 view of the byte pairs instead of strided nibble arithmetic. Fresh large
-tensors cost as much as the arithmetic on CPU (glibc serves >32 MiB from ``mmap``, so every call page-faults them
-in), hence ``work``/``out``. On one core of the development CPU an int8 round trip runs at ~0.3x of a memory copy
-(int4 ~0.2x), against ~0.04x for the original ten-pass formulation (``benchmarks/compression/kernels.py``).
-``torch.compile`` (inductor C++) was measured and not adopted: ~22 s of compile per process and no faster than
-this path on CPU (its row-wise absmax and bf16 cast are not vectorised better than ATen's). The results are
-bitwise equal to the plain formulation (``test_fast_path_is_bitwise_equal_to_the_reference``).
+Costs: the payload is ``numel * bits / 8`` bytes plus 2 bytes per block. Compute is eager PyTorch arranged so that
+each value crosses DRAM about once: on CPU the tensor is processed in tiles of ``TILE_VALUES`` values (a Python loop
+over tiles of thousands of blocks, never over blocks); per tile, absmax as ``max(amax, -amin)`` (no ``|x|``
+temporary), one scaling ``mul`` into a tile-sized scratch, in-place ``round_``/``clamp_``/``nan_to_num_`` and one
+narrowing copy into the codes all run out of cache. Dequantize is one int8 -> fp32 copy plus one in-place ``mul_``
+per tile, into ``out`` when given (fresh >32 MiB tensors are ``mmap``-ed and page-faulted on every call on CPU).
+The untiled formulation made about ten DRAM passes and ran at ~0.04x of a memory copy on one core of the development
+CPU; this one reaches ~0.3x for int8 and ~0.2x for int4 (strided nibble packing), see
+``benchmarks/compression/kernels.py``. ``torch.compile`` (inductor C++) was measured and not adopted: seconds to
+~20 s of compile per process on a busy machine and slower than this path on CPU. Results are bitwise equal to the
+plain formulation (``tests/compression/test_quantize.py::test_fast_path_is_bitwise_equal_to_the_reference``).
 
 Why bfloat16 scales and not float16: gradients span from ~1e-10 (unscaled, late in training) to ~1e7 (multiplied
 by a loss scaler); a float16 scale underflows to 0 or overflows to inf at both ends. bfloat16 keeps the fp32 range;
@@ -36,6 +36,7 @@ MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 4096
 SCALE_DTYPE = torch.bfloat16
 SCALE_BYTES = 2
+TILE_VALUES = 1 << 19  # 2 MiB of fp32 per tile: fits this CPU's L2 + L3 share, amortises per-op overhead
 
 
 class QuantizationConfigError(ValueError):
@@ -65,8 +66,14 @@ def payload_bytes(numel: int, bits: int, block_size: int) -> int:
     return numel * bits // 8 + (numel // block_size) * SCALE_BYTES
 
 
+def _tile_rows(x: torch.Tensor, num_blocks: int, block_size: int) -> int:
+    # On CPU, work through TILE_VALUES values at a time so that every pass after the first read of a tile runs out of
+    # cache instead of DRAM; accelerators get one tile (launch count, not cache, is what matters there).
+    return num_blocks if x.device.type != "cpu" else max(1, min(num_blocks, TILE_VALUES // block_size))
+
+
 def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Generator | None = None,
-             work: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a flat float tensor whose length is a multiple of ``block_size``.
 
     Args:
@@ -75,8 +82,6 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
         block_size: values per scale (even).
         generator: if given, stochastic rounding with this generator (unbiased: ``E[dequantize] == x``);
             otherwise round to nearest.
-        work: optional float32 scratch of ``x.numel()`` values (e.g. the buffer that :func:`dequantize` fills
-            next); saves allocating and page-faulting a fresh one per call.
 
     Returns:
         ``(codes, scales)``: ``codes`` is uint8 of ``numel`` bytes (int8 bit patterns) or ``numel / 2`` bytes
@@ -84,26 +89,37 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
     """
     limit = qmax(bits)
     blocks = x.float().view(-1, block_size)
-    # max(max, -min) == max(|x|) (NaN included) without materialising |x|: two read-only passes.
-    absmax = blocks.amax(dim=1)
-    torch.maximum(absmax, blocks.amin(dim=1).neg_(), out=absmax)
-    scales = absmax.div_(limit).to(SCALE_DTYPE)
-    step = scales.float()
-    # A zero block has scale 0; a non-finite block has scale inf/NaN and 1/scale of 0/NaN: its codes are
-    # meaningless but its dequantized values are non-finite either way (0 * inf, q * NaN).
-    inverse = torch.where(step > 0, step.reciprocal(), torch.zeros_like(step))
-    y = torch.mul(blocks, inverse.unsqueeze(1), out=None if work is None else work.view(-1, block_size))
-    if generator is None:
-        y.round_()
-    else:
-        y.add_(torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)).floor_()
-    y.clamp_(-limit, limit).nan_to_num_(0.0)
-    if bits == 8:
-        return torch.empty(y.shape, dtype=torch.int8, device=y.device).copy_(y).view(torch.uint8).view(-1), scales
-    # Offset codes 1..15, one byte each; read as little-endian int16 pairs ``lo | hi << 8``, ``w | w >> 4`` holds
-    # ``lo | hi << 4`` in its low byte, which the int16 -> uint8 cast keeps: one shift, one or, one narrowing copy.
-    wide = torch.empty(y.shape, dtype=torch.uint8, device=y.device).copy_(y.add_(8.0)).view(torch.int16)
-    return wide.bitwise_or(wide >> 4).to(torch.uint8).view(-1), scales
+    num_blocks, device = blocks.shape[0], blocks.device
+    rows = _tile_rows(x, num_blocks, block_size)
+    scales = torch.empty(num_blocks, dtype=SCALE_DTYPE, device=device)
+    codes = torch.empty(num_blocks, block_size * bits // 8, dtype=torch.uint8, device=device)
+    work = torch.empty(rows, block_size, device=device)
+    absmax, negmin = torch.empty(rows, device=device), torch.empty(rows, device=device)
+    if bits == 4:  # a tile's packed bytes, still in fp32
+        packed = torch.empty(rows, block_size // 2, device=device)
+    for first in range(0, num_blocks, rows):
+        tile = blocks[first:first + rows]
+        n = tile.shape[0]
+        y, top, bottom, tile_scales = work[:n], absmax[:n], negmin[:n], scales[first:first + n]
+        # max(max, -min) == max(|x|) (NaN included) without materialising |x|.
+        torch.maximum(torch.amax(tile, dim=1, out=top), torch.amin(tile, dim=1, out=bottom).neg_(), out=top)
+        step = tile_scales.copy_(top.div_(limit)).float()
+        # A zero block has scale 0; a non-finite block has scale inf/NaN and 1/scale of 0/NaN: its codes are
+        # meaningless but its dequantized values are non-finite either way (0 * inf, q * NaN).
+        inverse = torch.where(step > 0, step.reciprocal(), torch.zeros_like(step))
+        torch.mul(tile, inverse.unsqueeze(1), out=y)
+        if generator is None:
+            y.round_()
+        else:
+            y.add_(torch.rand(y.shape, generator=generator, device=device, dtype=y.dtype)).floor_()
+        y.clamp_(-limit, limit).nan_to_num_(0.0)
+        if bits == 8:
+            codes[first:first + n].view(torch.int8).copy_(y)
+            continue
+        # Pack in fp32 (exact for these small integers): (lo + 8) | (hi + 8) << 4 == lo + 16 * hi + 136.
+        pairs = torch.add(y[:, 0::2], y[:, 1::2], alpha=16, out=packed[:n]).add_(136.0)
+        codes[first:first + n].copy_(pairs)
+    return codes.view(-1), scales
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
@@ -114,19 +130,28 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size:
     ``(k, n * block_size)``, which dequantizes ``k`` payloads (one per rank) in one call.
 
     Args:
+        codes: as returned by :func:`quantize`, optionally with leading dimensions (rows may be strided).
+        scales: bfloat16 scales with the same leading dimensions.
+        bits: 8 or 4.
+        block_size: values per scale.
         out: optional contiguous float32 tensor of the result's shape to write into.
     """
     lead = codes.shape[:-1]
-    if bits == 8:
-        values = codes.view(torch.int8)
-    else:
-        # Inverse of the packing in quantize: ``(p | p << 4) & 0x0F0F`` as int16 holds lo, hi in its two bytes.
-        wide = codes.to(torch.int16)
-        values = wide.bitwise_or_(wide << 4).bitwise_and_(0x0F0F).view(torch.int8).sub_(8)
+    code_blocks = codes.reshape(-1, block_size * bits // 8)
+    steps = scales.reshape(-1).float().unsqueeze(1)
+    num_blocks = steps.shape[0]
     if out is None:
-        out = torch.empty(*lead, values.shape[-1], dtype=torch.float32, device=codes.device)
-    # Copy (int8 -> fp32 is a cheap conversion) then an fp32 in-place multiply: a mixed-dtype ``mul`` takes a
-    # slow casting path on CPU, and ``.float()`` would allocate and page-fault a temporary.
-    out.copy_(values)
-    out.view(*lead, -1, block_size).mul_(scales.float().unsqueeze(-1))
-    return out.view(*lead, -1)
+        out = torch.empty(*lead, scales.shape[-1] * block_size, device=codes.device)
+    values = out.view(num_blocks, block_size)
+    rows = _tile_rows(codes, num_blocks, block_size)
+    for first in range(0, num_blocks, rows):
+        tile, chunk = code_blocks[first:first + rows], values[first:first + rows]
+        if bits == 8:
+            chunk.copy_(tile.view(torch.int8))
+        else:
+            # Inverse of the packing: ``(p | p << 4) & 0x0F0F`` as int16 holds lo, hi in its two bytes.
+            wide = tile.to(torch.int16)
+            chunk.copy_(wide.bitwise_or_(wide << 4).bitwise_and_(0x0F0F).view(torch.int8).sub_(8))
+        # Copy then an fp32 in-place multiply: a mixed int8 * fp32 ``mul`` takes a slow casting path on CPU.
+        chunk.mul_(steps[first:first + rows])
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_deepseek.compression import quantize as quantize_module
 from lightning_deepseek.compression.quantize import (
     QuantizationConfigError,
     dequantize,
@@ -118,8 +119,12 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("case", ["wide_range", "non_finite", "bfloat16_input", "stochastic"])
-def test_fast_path_is_bitwise_equal_to_the_reference(bits: int, case: str) -> None:
+@pytest.mark.parametrize("tile_blocks", [None, 5])
+def test_fast_path_is_bitwise_equal_to_the_reference(bits: int, case: str, tile_blocks: int | None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     block_size, blocks = 64, 97
+    if tile_blocks is not None:  # many tiles and a ragged last one (97 = 19 * 5 + 2), as for large buckets
+        monkeypatch.setattr(quantize_module, "TILE_VALUES", tile_blocks * block_size)
     gen = torch.Generator().manual_seed(3)
     # 1e-30 .. 1e30 per block: tiny scales (bf16 subnormal territory) and huge ones, where clamping matters.
     x = torch.randn(blocks * block_size, generator=gen) * torch.logspace(-30, 30, blocks).repeat_interleave(block_size)
@@ -130,8 +135,7 @@ def test_fast_path_is_bitwise_equal_to_the_reference(bits: int, case: str) -> No
         x = x.bfloat16()
     stochastic = case == "stochastic"
     ref = _reference_quantize(x, bits, block_size, torch.Generator().manual_seed(5) if stochastic else None)
-    fast = quantize(x, bits, block_size, torch.Generator().manual_seed(5) if stochastic else None,
-                    work=torch.full((x.numel(),), 123.0))
+    fast = quantize(x, bits, block_size, torch.Generator().manual_seed(5) if stochastic else None)
     assert _same(ref[1], fast[1])
     assert torch.equal(ref[0], fast[0])
     out = torch.full((x.numel(),), 123.0)
