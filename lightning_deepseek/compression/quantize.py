@@ -12,7 +12,7 @@ temporary), one scaling ``mul`` into a tile-sized scratch, in-place ``round_``/`
 narrowing copy into the codes all run out of cache. Dequantize is one int8 -> fp32 copy plus one in-place ``mul_``
 per tile, into ``out`` when given (fresh >32 MiB tensors are ``mmap``-ed and page-faulted on every call on CPU).
 The untiled formulation made about ten DRAM passes and ran at ~0.04x of a memory copy on one core of the development
-CPU; this one reaches ~0.3x for int8 and ~0.2x for int4 (strided nibble packing), see
+CPU; this one reaches ~0.3x for int8 and ~0.25x for int4, see
 ``benchmarks/compression/kernels.py``. ``torch.compile`` (inductor C++) was measured and not adopted: seconds to
 ~20 s of compile per process on a busy machine and slower than this path on CPU. Results are bitwise equal to the
 plain formulation (``tests/compression/test_quantize.py::test_fast_path_is_bitwise_equal_to_the_reference``).
@@ -69,7 +69,7 @@ def payload_bytes(numel: int, bits: int, block_size: int) -> int:
 def _tile_rows(x: torch.Tensor, num_blocks: int, block_size: int) -> int:
     # On CPU, work through TILE_VALUES values at a time so that every pass after the first read of a tile runs out of
     # cache instead of DRAM; accelerators get one tile (launch count, not cache, is what matters there).
-    return num_blocks if x.device.type != "cpu" else max(1, min(num_blocks, TILE_VALUES // block_size))
+    return max(1, num_blocks if x.device.type != "cpu" else min(num_blocks, TILE_VALUES // block_size))
 
 
 def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Generator | None = None,
@@ -95,8 +95,8 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
     codes = torch.empty(num_blocks, block_size * bits // 8, dtype=torch.uint8, device=device)
     work = torch.empty(rows, block_size, device=device)
     absmax, negmin = torch.empty(rows, device=device), torch.empty(rows, device=device)
-    if bits == 4:  # a tile's packed bytes, still in fp32
-        packed = torch.empty(rows, block_size // 2, device=device)
+    if bits == 4:  # a tile's codes, one per byte, before packing
+        unpacked = torch.empty(rows, block_size, dtype=torch.int8, device=device)
     for first in range(0, num_blocks, rows):
         tile = blocks[first:first + rows]
         n = tile.shape[0]
@@ -116,9 +116,11 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
         if bits == 8:
             codes[first:first + n].view(torch.int8).copy_(y)
             continue
-        # Pack in fp32 (exact for these small integers): (lo + 8) | (hi + 8) << 4 == lo + 16 * hi + 136.
-        pairs = torch.add(y[:, 0::2], y[:, 1::2], alpha=16, out=packed[:n]).add_(136.0)
-        codes[first:first + n].copy_(pairs)
+        # Pack without strided ops (fp32 -> int8 is a fast conversion, fp32 -> uint8 and stride-2 reads are not):
+        # the tile's int8 codes read as little-endian int16 pairs, masked to both nibbles, the high one folded down
+        # (| >> 4), the low byte kept by the narrowing copy; XOR 0x88 then adds the offset 8 to both nibbles.
+        pairs = unpacked[:n].copy_(y).view(torch.int16).bitwise_and_(0x0F0F)
+        codes[first:first + n].copy_(pairs.bitwise_or_(pairs >> 4)).bitwise_xor_(0x88)
     return codes.view(-1), scales
 
 
@@ -149,7 +151,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size:
         if bits == 8:
             chunk.copy_(tile.view(torch.int8))
         else:
-            # Inverse of the packing: ``(p | p << 4) & 0x0F0F`` as int16 holds lo, hi in its two bytes.
+            # Unpack: ``(p | p << 4) & 0x0F0F`` as an int16 holds lo, hi in its two bytes (little-endian, as on
+            # every CPU and GPU torch runs on); viewed as int8 and offset back, one copy converts both to fp32.
             wide = tile.to(torch.int16)
             chunk.copy_(wide.bitwise_or_(wide << 4).bitwise_and_(0x0F0F).view(torch.int8).sub_(8))
         # Copy then an fp32 in-place multiply: a mixed int8 * fp32 ``mul`` takes a slow casting path on CPU.
