@@ -31,6 +31,8 @@ def test_two_process_training_lowers_validation_loss(trained_run) -> None:
     assert summary["val_loss_final"] < summary["val_loss_first"] < 5.6
     assert summary["tokens_per_s"] > 0
     assert "run summary" in result.stdout and "val_loss_final" in result.stdout
+    # The suite's components are the defaults and report their own figures.
+    assert summary["hybrid_mesh"].startswith("dp=1 x tp=2") and summary["compression"].startswith("int8")
 
 
 def test_run_folder_has_plot_logs_and_checkpoint(trained_run) -> None:

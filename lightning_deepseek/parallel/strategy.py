@@ -165,6 +165,20 @@ class HybridParallelStrategy(DDPStrategy):
         """The DDP wrapper of the replicated parameters while fitting (register comm hooks on it)."""
         return self.model if isinstance(self.model, DistributedDataParallel) else None
 
+    def summary(self) -> dict[str, object]:
+        """Mesh, placement and parameter memory per rank against DDP, for ``lds-train``'s run summary."""
+        if self._mesh is None:
+            return {}
+        params = list(self.lightning_module.parameters())
+        full = sum(p.numel() * p.element_size() for p in params)
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
+        dp_size = self.world_size // self.tensor_parallel_size
+        return {
+            "hybrid_mesh": f"dp={dp_size} x tp={self.tensor_parallel_size} ({self.placement})",
+            "hybrid_sharded_layers": len(self._plan),
+            "hybrid_param_bytes_vs_ddp": round(local / max(full, 1), 3),
+        }
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
