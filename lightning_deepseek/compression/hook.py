@@ -246,16 +246,15 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
     if state.generators is None and cfg.stochastic_rounding:
         state.generators = _make_generators(cfg.seed, device)
     gen1, gen2 = state.generators if cfg.stochastic_rounding else (None, None)
-    codes, scales = quantize(x, cfg.bits, cfg.block_size, gen1)
+    if state.track_error:
+        state.input_sq.append(x.square().sum())
+    keep_residual = cfg.error_feedback or state.track_error
+    # x is not needed once quantized: it becomes the residual x - Q(x) in the same pass over each tile.
+    codes, scales = quantize(x, cfg.bits, cfg.block_size, gen1, residual=x if keep_residual else None)
     send = _pack(codes, scales, ws)
-    residual = None
-    if cfg.error_feedback or state.track_error:
-        if state.track_error:
-            state.input_sq.append(x.square().sum())
-        residual = x.sub_(dequantize(codes, scales, cfg.bits, cfg.block_size))  # x becomes the residual
-        if state.track_error:
-            state.error_sq.append(residual.square().sum())
-    residual_new = residual if cfg.error_feedback else None
+    if state.track_error:
+        state.error_sq.append(x.square().sum())
+    residual_new = x if cfg.error_feedback else None
     recv = torch.empty_like(send)
     a2a = dist.all_to_all_single(recv, send, group=state.process_group, async_op=True).get_future()
     phase1_seconds = time.perf_counter() - start
@@ -273,10 +272,10 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
             parts = dequantize(recv[:, :code_bytes], recv[:, code_bytes:].contiguous().view(torch.bfloat16),
                                cfg.bits, cfg.block_size)
             average = parts.sum(dim=0).div_(ws)
-            codes2, scales2 = quantize(average, cfg.bits, cfg.block_size, gen2)
+            codes2, scales2 = quantize(average, cfg.bits, cfg.block_size, gen2,
+                                       residual=average if residual_new is not None else None)
             if residual_new is not None:
-                own = residual_new[state.rank * chunk:(state.rank + 1) * chunk]
-                own.add_(average.sub_(dequantize(codes2, scales2, cfg.bits, cfg.block_size)), alpha=ws)
+                residual_new[state.rank * chunk:(state.rank + 1) * chunk].add_(average, alpha=ws)
             send2 = _pack(codes2, scales2, 1).view(-1)
             gathered = torch.empty(ws * send2.numel(), dtype=torch.uint8, device=send2.device)
             work = _all_gather_single(gathered, send2, group=state.exchange_group, async_op=True)

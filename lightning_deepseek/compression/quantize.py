@@ -73,7 +73,7 @@ def _tile_rows(x: torch.Tensor, num_blocks: int, block_size: int) -> int:
 
 
 def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Generator | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a flat float tensor whose length is a multiple of ``block_size``.
 
     Args:
@@ -82,6 +82,8 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
         block_size: values per scale (even).
         generator: if given, stochastic rounding with this generator (unbiased: ``E[dequantize] == x``);
             otherwise round to nearest.
+        residual: if given, a float32 tensor of ``x``'s size (``x`` itself is allowed) that receives
+            ``x - dequantize(codes, scales)``, bitwise, computed while each tile is still in cache (error feedback).
 
     Returns:
         ``(codes, scales)``: ``codes`` is uint8 of ``numel`` bytes (int8 bit patterns) or ``numel / 2`` bytes
@@ -115,12 +117,14 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
         y.clamp_(-limit, limit).nan_to_num_(0.0)
         if bits == 8:
             codes[first:first + n].view(torch.int8).copy_(y)
-            continue
-        # Pack without strided ops (fp32 -> int8 is a fast conversion, fp32 -> uint8 and stride-2 reads are not):
-        # the tile's int8 codes read as little-endian int16 pairs, masked to both nibbles, the high one folded down
-        # (| >> 4), the low byte kept by the narrowing copy; XOR 0x88 then adds the offset 8 to both nibbles.
-        pairs = unpacked[:n].copy_(y).view(torch.int16).bitwise_and_(0x0F0F)
-        codes[first:first + n].copy_(pairs.bitwise_or_(pairs >> 4)).bitwise_xor_(0x88)
+        else:
+            # Pack without strided ops (fp32 -> int8 is a fast conversion, fp32 -> uint8 and stride-2 reads are
+            # not): the tile's int8 codes read as little-endian int16 pairs, masked to both nibbles, the high one
+            # folded down (| >> 4), the low byte kept by the narrowing copy; XOR 0x88 adds the offset 8 to both.
+            pairs = unpacked[:n].copy_(y).view(torch.int16).bitwise_and_(0x0F0F)
+            codes[first:first + n].copy_(pairs.bitwise_or_(pairs >> 4)).bitwise_xor_(0x88)
+        if residual is not None:  # y * step is exactly what dequantize computes from the codes
+            torch.sub(tile, y.mul_(step.unsqueeze(1)), out=residual.view(-1, block_size)[first:first + n])
     return codes.view(-1), scales
 
 

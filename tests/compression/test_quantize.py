@@ -138,6 +138,12 @@ def test_fast_path_is_bitwise_equal_to_the_reference(bits: int, case: str, tile_
     fast = quantize(x, bits, block_size, torch.Generator().manual_seed(5) if stochastic else None)
     assert _same(ref[1], fast[1])
     assert torch.equal(ref[0], fast[0])
+    # The fused error-feedback residual, also written over the input itself as the hook does.
+    residual = x.float().clone()
+    again = quantize(residual, bits, block_size, torch.Generator().manual_seed(5) if stochastic else None,
+                     residual=residual)
+    assert torch.equal(again[0], fast[0])
+    assert _same(residual, x.float() - _reference_dequantize(*ref, bits, block_size))
     out = torch.full((x.numel(),), 123.0)
     assert _same(_reference_dequantize(*ref, bits, block_size), dequantize(*fast, bits, block_size, out=out))
     assert _same(out, _reference_dequantize(*ref, bits, block_size))
