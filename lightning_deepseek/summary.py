@@ -105,7 +105,7 @@ class RunSummary(Callback):
         width = max(len(k) for k in report)
         lines = ["run summary", "-" * (width + 24)]
         for key, value in report.items():
-            shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+            shown = f"{value:.5g}" if isinstance(value, float) else str(value)
             lines.append(f"{key:<{width}}  {shown}")
         return "\n".join(lines)
 
