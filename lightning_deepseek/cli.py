@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 import lightning.pytorch as pl
@@ -37,7 +37,7 @@ class ConfigError(ValueError):
     """A setting has a bad value; the message names the setting, the value and the fix."""
 
 
-def _fail(exc: BaseException) -> None:
+def exit_on_user_error(exc: BaseException) -> NoReturn:
     """Print one paragraph for a user error and exit 2 (``LDS_DEBUG=1`` re-raises instead)."""
     if os.environ.get("LDS_DEBUG"):
         raise exc
@@ -54,7 +54,7 @@ def _user_errors_exit(fn: Callable[[DictConfig], Any]) -> Callable[[DictConfig],
         try:
             return fn(cfg)
         except _USER_ERRORS as exc:
-            _fail(exc)
+            exit_on_user_error(exc)
 
     wrapped.__name__ = fn.__name__
     wrapped.__doc__ = fn.__doc__

@@ -39,6 +39,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_deepseek.cli import exit_on_user_error
 from lightning_deepseek.hpo.search import SweepFailedError, run_trials
 from lightning_deepseek.hpo.space import SearchSpaceError, build_space, parse_overrides, to_overrides
 from lightning_deepseek.hpo.study import StudyConfigError, create_study, mask_url, write_report
@@ -75,11 +76,7 @@ class LdsOptunaSweeper(Sweeper):
         try:
             return self._sweep(arguments)
         except (SearchSpaceError, StudyConfigError, SweepFailedError) as exc:
-            if os.environ.get("LDS_DEBUG"):
-                raise
-            message = " ".join(str(exc).split())
-            print(f"lds-train: error: {message}\n(set LDS_DEBUG=1 for the full traceback)", file=sys.stderr, flush=True)
-            sys.exit(2)
+            exit_on_user_error(exc)
 
     def _sweep(self, arguments: list[str]) -> optuna.Study:
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
