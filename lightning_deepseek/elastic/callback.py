@@ -52,6 +52,7 @@ from typing_extensions import override
 from lightning_deepseek.elastic.checkpoint import CheckpointMismatchError, ElasticCheckpointer
 from lightning_deepseek.elastic.report import GradNormMonitor, write_report
 from lightning_deepseek.elastic.sampler import ElasticSampler
+from lightning_deepseek.parallel.clipping import total_grad_norm
 
 log = logging.getLogger(__name__)
 
@@ -255,13 +256,8 @@ class ElasticTraining(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        squares = torch.zeros((), dtype=torch.float64)
-        for param in pl_module.parameters():
-            if param.grad is not None:
-                norm = param.grad.detach().norm()
-                norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-                squares += norm.double() ** 2
-        self._grad_norm = math.sqrt(squares.item())
+        # Shared with clipping: accumulates on the gradients' device, one all-reduce per shard group (not per DTensor).
+        self._grad_norm = float(total_grad_norm(pl_module.parameters()))
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
