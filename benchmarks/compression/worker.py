@@ -42,7 +42,7 @@ def powersgd_bytes(model: torch.nn.Module, world_size: int, rank: int = 4) -> in
     return fp32_allreduce_bytes(numel, world_size)
 
 
-def wrap(model: torch.nn.Module, name: str, world_size: int) -> tuple[DistributedDataParallel, object]:
+def wrap(model: torch.nn.Module, name: str) -> tuple[DistributedDataParallel, object]:
     # torch's PowerSGD issues collectives from future callbacks on DDP's own group: with several buckets their
     # order differs between ranks and gloo aborts ("collective mismatch"), so it gets a single bucket.
     ddp = DistributedDataParallel(model, bucket_cap_mb=1024 if name == "powersgd_r4" else 25)
@@ -92,7 +92,7 @@ def time_mode(args: argparse.Namespace, rank: int, world_size: int, data: torch.
     for _ in range(args.reps):
         for name in CONFIGS:  # interleaved: every configuration sees the same share of the machine's noise
             torch.manual_seed(0)
-            ddp, state = wrap(GPT(cfg), name, world_size)
+            ddp, state = wrap(GPT(cfg), name)
             for i in range(args.steps + 2):  # two untimed steps: DDP's bucket rebuild, hook warm-ups
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -122,7 +122,7 @@ def loss_mode(args: argparse.Namespace, rank: int, world_size: int, data: torch.
     out = {}
     for name in names:
         torch.manual_seed(0)
-        ddp, _ = wrap(GPT(cfg), name, world_size)
+        ddp, _ = wrap(GPT(cfg), name)
         opt = torch.optim.AdamW(ddp.parameters(), lr=2e-3, weight_decay=0.0)
         gen = torch.Generator().manual_seed(100 + rank)
         for _ in range(args.train_steps):
