@@ -1,6 +1,6 @@
 """Progress and health reports from a training job to its controller, as a JSON-lines file.
 
-Rank 0 of the job appends one JSON object per line (``write``); the controller tails the file (``Reports``).
+Rank 0 of the job appends one JSON object per line (``write_report``); the controller tails the file (``Reports``).
 A file on storage both can read is the whole transport: it survives a restart of either side, needs no
 open port, and a person can ``tail -f`` it. Each line is written with one ``write`` call on a file opened
 in append mode, so a reader never sees half a record from a live writer (a record cut by a crash is skipped).
