@@ -1,4 +1,5 @@
-"""Reading what an elastic job did: the audit files of ``examples/elastic_train.py`` and its final weights."""
+"""Reading what an elastic job did: the audit files of ``examples/elastic_train.py`` and its final weights; the
+small corpus the elastic tests train on."""
 
 from __future__ import annotations
 
@@ -12,11 +13,20 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from lightning_deepseek import GPTConfig, LightningGPT
+from lightning_deepseek.data import read_corpus
 from lightning_deepseek.elastic import find_latest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "elastic_train.py"
 BLOCK_SIZE = 16
+CORPUS_BYTES = 1139  # 64 training windows of 16 bytes: 8 optimizer steps per epoch
+
+
+def write_corpus(path: Path) -> Path:
+    """Write the first ``CORPUS_BYTES`` of the built-in corpus to ``path`` (parents created); return ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(read_corpus(None)[:CORPUS_BYTES])
+    return path
 
 
 def script_args(run_dir: Path, **options: object) -> list[str]:

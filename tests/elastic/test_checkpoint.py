@@ -11,8 +11,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_deepseek import GPTConfig, LightningGPT, StagedPrecision, TextDataModule
-from lightning_deepseek.data import read_corpus
 from lightning_deepseek.elastic import CheckpointMismatchError, ElasticTraining, find_latest
+from tests.elastic.audit import write_corpus
 
 GLOBAL_BATCH = 8
 STAGES = [("32-true", 0.3, "fraction"), ("16-mixed", 0.9, "fraction"), ("bf16-mixed", None, "fraction")]
@@ -48,8 +48,7 @@ def _fit(tmp_path: Path, max_steps: int, *callbacks: pl.Callback, n_embd: int = 
          async_save: bool = False, staged: bool = False, **elastic_kwargs) -> tuple[LightningGPT, ElasticTraining]:
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
-        corpus.parent.mkdir(parents=True, exist_ok=True)
-        corpus.write_bytes(read_corpus(None)[:1139])  # 64 windows of 16: 8 steps per epoch
+        write_corpus(corpus)
     pl.seed_everything(0, verbose=False)
     data = TextDataModule(path=str(corpus), block_size=16, batch_size=2, cache_dir=tmp_path)
     model = LightningGPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=n_embd), learning_rate=3e-3,

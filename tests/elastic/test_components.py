@@ -20,8 +20,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.tensor import DTensor
 
 from lightning_deepseek import GPTConfig, GradientCompression, HybridParallelStrategy, LightningGPT, TextDataModule
-from lightning_deepseek.data import read_corpus
 from lightning_deepseek.elastic import ElasticTraining
+from tests.elastic.audit import write_corpus
 from tests.helpers import run_distributed
 
 GLOBAL_BATCH = 8
@@ -74,8 +74,7 @@ def _resumed_from(run_dir: Path) -> list[int]:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     root = tmp_path_factory.mktemp("components")
     for name in ("tp2", "int8-ref", "int8"):
-        (root / name).mkdir()
-        (root / name / "corpus.txt").write_bytes(read_corpus(None)[:1139])
+        write_corpus(root / name / "corpus.txt")
     return root, run_distributed(_two_ranks, 2, str(root), timeout=280)[0]
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 
 from lightning_deepseek import GPTConfig, LightningGPT, TextDataModule
-from lightning_deepseek.data import read_corpus
 from lightning_deepseek.elastic import ElasticTraining, GradNormMonitor, Reports, write_report
+from tests.elastic.audit import write_corpus
 
 
 def test_grad_norm_spikes_and_non_finite_norms_are_flagged() -> None:
@@ -42,8 +42,7 @@ class DivergingGPT(LightningGPT):
 
 
 def test_non_finite_loss_is_reported_at_once(tmp_path: Path) -> None:
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(read_corpus(None)[:1139])
+    corpus = write_corpus(tmp_path / "corpus.txt")
     data = TextDataModule(path=str(corpus), block_size=16, batch_size=2, cache_dir=tmp_path)
     model = DivergingGPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
     elastic = ElasticTraining(tmp_path / "ckpt", global_batch_size=8, report_every_n_steps=100)

@@ -22,11 +22,10 @@ import pytest
 
 from lightning_deepseek.elastic import Reports, find_latest
 from lightning_deepseek.elastic.backend import JobSpec, LocalBackend, descendant_pids
-from tests.elastic.audit import final_loss, script_args, steps_trained
+from tests.elastic.audit import CORPUS_BYTES, final_loss, script_args, steps_trained
 from tests.helpers import free_port
 
 GLOBAL_BATCH, MICRO_BATCH, MAX_STEPS, CHECKPOINT_EVERY = 8, 2, 72, 4
-CORPUS_BYTES = 1139  # 64 training windows of 16 bytes: 8 optimizer steps per epoch
 TRAIN_WINDOWS = 64
 
 
