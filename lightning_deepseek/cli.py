@@ -180,7 +180,8 @@ def run_sampling(cfg: DictConfig) -> str:
                           "(for example outputs/<date>/<time>/checkpoints/last.ckpt).")
     path = Path(cfg.ckpt)
     if not path.exists():
-        raise ConfigError(f"ckpt={cfg.ckpt!r} does not exist. Pass the path of a .ckpt file written by lds-train.")
+        raise ConfigError(f"ckpt={cfg.ckpt!r} does not exist. Pass a checkpoint written by lds-train "
+                          "(a .ckpt file, or the folder that strategy=hybrid writes).")
     torch.manual_seed(cfg.seed)
     model = load_model(path).eval()
     prompt = cfg.prompt.encode("utf-8") or b"\n"
