@@ -42,10 +42,10 @@ def powersgd_bytes(model: torch.nn.Module, world_size: int, rank: int = 4) -> in
     return fp32_allreduce_bytes(numel, world_size)
 
 
-def wrap(model: torch.nn.Module, name: str) -> tuple[DistributedDataParallel, object]:
+def wrap(model: torch.nn.Module, name: str, bucket_mb: float = 25.0) -> tuple[DistributedDataParallel, object]:
     # torch's PowerSGD issues collectives from future callbacks on DDP's own group: with several buckets their
     # order differs between ranks and gloo aborts ("collective mismatch"), so it gets a single bucket.
-    ddp = DistributedDataParallel(model, bucket_cap_mb=1024 if name == "powersgd_r4" else 25)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1024 if name == "powersgd_r4" else bucket_mb)
     state: object = None
     if name == "fp16_hook":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -92,7 +92,7 @@ def time_mode(args: argparse.Namespace, rank: int, world_size: int, data: torch.
     for _ in range(args.reps):
         for name in CONFIGS:  # interleaved: every configuration sees the same share of the machine's noise
             torch.manual_seed(0)
-            ddp, state = wrap(GPT(cfg), name)
+            ddp, state = wrap(GPT(cfg), name, args.bucket_mb)
             for i in range(args.steps + 2):  # two untimed steps: DDP's bucket rebuild, hook warm-ups
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -143,6 +143,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--train-steps", type=int, default=60)
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb of every configuration")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)

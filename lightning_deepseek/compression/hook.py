@@ -34,6 +34,7 @@ and it crashes on gloo), PowerSGD is low-rank (biased without warm start, not by
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations against real classes.
+import bisect
 import math
 import threading
 import time
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_deepseek.compression.quantize import dequantize, payload_bytes, quantize, validate
+from lightning_deepseek.compression.quantize import TILE_VALUES, dequantize, payload_bytes, quantize, validate
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -98,7 +99,8 @@ class CompressionState:
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.step = 0
-        self.residuals: dict[str, torch.Tensor] = {}
+        self.residuals: dict[str, torch.Tensor] = {}  # views into the plans' residual buffers
+        self.plans: dict[tuple[str, ...], _Plan] = {}
         self.param_names: dict[int, str] = {}
         self.param_order: dict[int, int] = {}
         self.generators: tuple[torch.Generator, torch.Generator] | None = None
@@ -108,7 +110,6 @@ class CompressionState:
         self.reset_counters()
         self._lock = threading.Lock()
         self._finite_flags: list[torch.Tensor] = []
-        self._keep: torch.Tensor | None = None
         self._issued: torch.futures.Future | None = None
         self.track_error = False
 
@@ -142,6 +143,7 @@ class CompressionState:
     def load_state_dict(self, state: dict, device: torch.device) -> None:
         self.step = int(state["step"])
         self.residuals = {k: v.to(device) for k, v in state["residuals"].items()}
+        self.plans = {}  # rebuilt on first use, from the loaded residuals
         if state.get("generators") is not None:
             self.generators = _make_generators(self.config.seed, device)
             for gen, gen_state in zip(self.generators, state["generators"]):
@@ -186,15 +188,18 @@ def _completed(value: object, device: torch.device) -> torch.futures.Future:
 def begin_step(state: CompressionState) -> None:
     """Start a synchronising step: zero counters, decide whether last step's residuals survive."""
     state.reset_counters()
-    state._keep = None
     if state._finite_flags:
         keep = torch.stack(state._finite_flags).all()
         state._finite_flags = []
+        buffers = [plan.residual for plan in state.plans.values() if plan.residual is not None]
         if keep.device.type == "cpu":  # free to read here; on an accelerator it would stall backward
             if not keep:
-                state.residuals.clear()
+                for buffer in buffers:
+                    buffer.zero_()
         else:
-            state._keep = keep
+            dropped = keep.logical_not()
+            for buffer in buffers:
+                buffer.masked_fill_(dropped, 0.0)
     state._issued = None
 
 
@@ -220,45 +225,145 @@ def allreduce_average(state: CompressionState, flat: torch.Tensor) -> torch.futu
     return fut.then(record_finite)
 
 
+class _Layout:
+    """Where each gradient of one bucket lies in the bucket's canonical (parameter-order) flat layout.
+
+    The exchange works on a padded flat vector of ``world_size * chunk`` values that never exists in full outside
+    the residual buffer: each tile is gathered from the gradients right before it is quantized and scattered back
+    right after it is dequantized, while it is in cache.
+    """
+
+    def __init__(self, sizes: Sequence[int], world_size: int, block_size: int) -> None:
+        self.sizes = list(sizes)
+        self.offsets = [0]
+        for size in self.sizes:
+            self.offsets.append(self.offsets[-1] + size)
+        self.numel = self.offsets[-1]
+        self.chunk = math.ceil(self.numel / (world_size * block_size)) * block_size
+
+    def segments(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """``(tensor index, start in the tensor, start in [lo, hi), length)`` of every piece overlapping."""
+        out = []
+        for i in range(bisect.bisect_right(self.offsets, lo) - 1, len(self.sizes)):
+            start = self.offsets[i]
+            if start >= hi:
+                break
+            a, b = max(lo, start), min(hi, self.offsets[i + 1])
+            if b > a:
+                out.append((i, a - start, a - lo, b - a))
+        return out
+
+    def gather(self, flats: Sequence[torch.Tensor], lo: int, hi: int, dst: torch.Tensor, add: bool) -> None:
+        """``dst (+)= values [lo, hi)`` of the canonical vector; the padding past ``numel`` reads as zero."""
+        if not add and hi > self.numel:
+            dst[max(0, self.numel - lo):].zero_()
+        for i, src, pos, n in self.segments(lo, hi):
+            piece = dst[pos:pos + n]
+            if add:
+                piece.add_(flats[i][src:src + n])
+            else:
+                piece.copy_(flats[i][src:src + n])
+
+    def scatter(self, src: torch.Tensor, lo: int, hi: int, flats: Sequence[torch.Tensor]) -> None:
+        """Write ``src`` (values ``[lo, hi)`` of the canonical vector) back into the gradients."""
+        for i, dst, pos, n in self.segments(lo, hi):
+            flats[i][dst:dst + n].copy_(src[pos:pos + n])
+
+
+@dataclass
+class _Plan:
+    """One bucket's persistent buffers: its layout, residual (the error-feedback memory) and message buffers.
+
+    Buffers are reused every step (a fresh >32 MiB tensor is mmap-ed and page-faulted on every CPU allocation).
+    """
+
+    layout: _Layout
+    residual: torch.Tensor | None  # padded fp32, canonical order; None without error feedback
+    send: torch.Tensor  # (W, row bytes): per destination chunk, its codes then its scales
+    recv: torch.Tensor
+    send2: torch.Tensor  # (row bytes,): the re-quantized own chunk
+    gathered: torch.Tensor  # (W, row bytes)
+    code_bytes: int
+
+    def codes(self, buffer: torch.Tensor, lo: int, hi: int, bits: int) -> torch.Tensor:
+        return buffer[..., lo * bits // 8:hi * bits // 8]
+
+    def scales(self, buffer: torch.Tensor, lo: int, hi: int, block_size: int) -> torch.Tensor:
+        return buffer[..., self.code_bytes:].view(torch.bfloat16)[..., lo // block_size:hi // block_size]
+
+
+def _plan(state: CompressionState, names: Sequence[str], sizes: Sequence[int], device: torch.device) -> _Plan:
+    """The bucket's plan, made on first use (or after DDP rebuilt its buckets, or after a state load)."""
+    key = tuple(names)
+    plan = state.plans.get(key)
+    if plan is not None and plan.layout.sizes == list(sizes):
+        return plan
+    cfg, ws = state.config, state.world_size
+    layout = _Layout(sizes, ws, cfg.block_size)
+    residual = None
+    if cfg.error_feedback:
+        residual = torch.zeros(ws * layout.chunk, device=device)
+        for name, lo, size in zip(names, layout.offsets, sizes):
+            old = state.residuals.get(name)
+            if old is not None:
+                if old.numel() != size:
+                    raise ValueError(f"GradientCompression: the saved error-feedback residual of {name!r} has "
+                                     f"{old.numel()} values, the parameter has {size}: the checkpoint is from a "
+                                     "different model. Resume from a checkpoint of this model.")
+                residual[lo:lo + size].copy_(old.reshape(-1))
+            state.residuals[name] = residual[lo:lo + size]
+    for other in [k for k in state.plans if set(k) & set(key)]:
+        del state.plans[other]  # DDP rebuilt its buckets: the residuals moved into the new plan above
+    row = payload_bytes(layout.chunk, cfg.bits, cfg.block_size)
+    plan = _Plan(layout, residual, torch.empty(ws, row, dtype=torch.uint8, device=device),
+                 torch.empty(ws, row, dtype=torch.uint8, device=device),
+                 torch.empty(row, dtype=torch.uint8, device=device),
+                 torch.empty(ws, row, dtype=torch.uint8, device=device), layout.chunk * cfg.bits // 8)
+    state.plans[key] = plan
+    return plan
+
+
+def _tiles(length: int, device: torch.device, block_size: int) -> list[tuple[int, int]]:
+    step = length if device.type != "cpu" else max(block_size, TILE_VALUES // block_size * block_size)
+    return [(a, min(a + step, length)) for a in range(0, length, step)]
+
+
 def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor], names: Sequence[str],
                        out: torch.Tensor) -> torch.futures.Future:
     """Average ``tensors`` over the group in compressed form, in place; the future's value is ``out``.
 
     Args:
         state: the hook state (residuals are read and written under ``names``).
-        tensors: gradients (any float dtype) in a canonical order, laid end to end before quantization, so the
-            blocks do not depend on how DDP happened to order them in its bucket.
+        tensors: contiguous gradients (any float dtype) in a canonical order, laid end to end before quantization,
+            so the blocks do not depend on how DDP happened to order them in its bucket.
         names: one name per tensor, the key of its residual.
         out: what the future returns once ``tensors`` hold the average (the bucket buffer for DDP).
     """
-    cfg, ws = state.config, state.world_size
+    cfg, ws, bits, bs = state.config, state.world_size, state.config.bits, state.config.block_size
     start = time.perf_counter()
-    sizes = [t.numel() for t in tensors]
-    numel, device = sum(sizes), out.device
-    chunk = math.ceil(numel / (ws * cfg.block_size)) * cfg.block_size
-    x = torch.cat([t.reshape(-1).float() for t in tensors] + [torch.zeros(ws * chunk - numel, device=device)])
-    if cfg.error_feedback and state.residuals:
-        pairs = [(piece, state.residuals[name]) for piece, name in zip(x[:numel].split(sizes), names)
-                 if name in state.residuals]
-        if pairs:  # empty on the first compressed step, when only other buckets have residuals yet
-            residuals = [r if state._keep is None else torch.where(state._keep, r, 0.0) for _, r in pairs]
-            torch._foreach_add_([piece for piece, _ in pairs], residuals)
+    device = out.device
+    flats = [t.view(-1) for t in tensors]
+    plan = _plan(state, names, [f.numel() for f in flats], device)
+    layout, chunk, numel = plan.layout, plan.layout.chunk, plan.layout.numel
     if state.generators is None and cfg.stochastic_rounding:
         state.generators = _make_generators(cfg.seed, device)
     gen1, gen2 = state.generators if cfg.stochastic_rounding else (None, None)
-    if state.track_error:
-        state.input_sq.append(x.square().sum())
-    keep_residual = cfg.error_feedback or state.track_error
-    # x is not needed once quantized: it becomes the residual x - Q(x) in the same pass over each tile.
-    codes, scales = quantize(x, cfg.bits, cfg.block_size, gen1, residual=x if keep_residual else None)
-    send = _pack(codes, scales, ws)
-    if state.track_error:
-        state.error_sq.append(x.square().sum())
-    residual_new = x if cfg.error_feedback else None
-    recv = torch.empty_like(send)
-    a2a = dist.all_to_all_single(recv, send, group=state.process_group, async_op=True).get_future()
+    tiles = _tiles(chunk, device, bs)
+    scratch = torch.empty(tiles[0][1], device=device)
+    for r in range(ws):  # phase 1: gather a tile (+ residual), quantize it into destination r's row of `send`
+        for a, b in tiles:
+            lo, hi = r * chunk + a, r * chunk + b
+            x = plan.residual[lo:hi] if plan.residual is not None else scratch[:b - a]
+            layout.gather(flats, lo, hi, x, add=plan.residual is not None)
+            if state.track_error:
+                state.input_sq.append(x.square().sum())
+            keep_residual = plan.residual is not None or state.track_error
+            quantize(x, bits, bs, gen1, residual=x if keep_residual else None,
+                     codes=plan.codes(plan.send[r], a, b, bits), scales=plan.scales(plan.send[r], a, b, bs))
+            if state.track_error:
+                state.error_sq.append(x.square().sum())
+    a2a = dist.all_to_all_single(plan.recv, plan.send, group=state.process_group, async_op=True).get_future()
     phase1_seconds = time.perf_counter() - start
-    code_bytes = codes.numel() // ws
 
     result = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
     issued = torch.futures.Future()
@@ -269,36 +374,45 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
         try:
             a2a.value()
             t0 = time.perf_counter()
-            parts = dequantize(recv[:, :code_bytes], recv[:, code_bytes:].contiguous().view(torch.bfloat16),
-                               cfg.bits, cfg.block_size)
-            average = parts.sum(dim=0).div_(ws)
-            codes2, scales2 = quantize(average, cfg.bits, cfg.block_size, gen2,
-                                       residual=average if residual_new is not None else None)
-            if residual_new is not None:
-                residual_new[state.rank * chunk:(state.rank + 1) * chunk].add_(average, alpha=ws)
-            send2 = _pack(codes2, scales2, 1).view(-1)
-            gathered = torch.empty(ws * send2.numel(), dtype=torch.uint8, device=send2.device)
-            work = _all_gather_single(gathered, send2, group=state.exchange_group, async_op=True)
+            acc = torch.empty(tiles[0][1], device=device)
+            own = state.rank * chunk
+            for a, b in tiles:  # dequantize and sum every rank's codes for this chunk, re-quantize, per tile
+                total = acc[:b - a]
+                for r in range(ws):
+                    dequantize(plan.codes(plan.recv[r], a, b, bits), plan.scales(plan.recv[r], a, b, bs), bits, bs,
+                               out=total, accumulate=r > 0)
+                total.div_(ws)
+                quantize(total, bits, bs, gen2, residual=total if plan.residual is not None else None,
+                         codes=plan.codes(plan.send2, a, b, bits), scales=plan.scales(plan.send2, a, b, bs))
+                if plan.residual is not None:
+                    plan.residual[own + a:own + b].add_(total, alpha=ws)
+            work = _all_gather_single(plan.gathered.view(-1), plan.send2, group=state.exchange_group,
+                                      async_op=True)
             seconds = time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
             issued.set_result(None)
             result.set_exception(exc)
             return
         issued.set_result(None)
-        work.get_future().then(lambda f: finish(f, gathered.view(ws, -1), seconds))
+        work.get_future().then(lambda f: finish(f, seconds))
 
-    def finish(fut: torch.futures.Future, gathered: torch.Tensor, seconds: float) -> None:
+    def finish(fut: torch.futures.Future, seconds: float) -> None:
         try:
             fut.value()
             t0 = time.perf_counter()
-            scales_all = gathered[:, code_bytes:].contiguous().view(torch.bfloat16)
-            values = dequantize(gathered[:, :code_bytes], scales_all, cfg.bits, cfg.block_size).view(-1)
-            torch._foreach_copy_(list(tensors), [v.view_as(t) for v, t in zip(values[:numel].split(sizes), tensors)])
-            if residual_new is not None:
-                # A non-finite bucket leaves NaN residuals: the next step's begin_step drops them all.
-                state._finite_flags.append(torch.isfinite(scales_all).all())
-                state.residuals.update(zip(names, residual_new[:numel].split(sizes)))
-            state._add(compressed_bytes(numel, ws, cfg.bits, cfg.block_size), fp32_allreduce_bytes(numel, ws),
+            values = torch.empty(tiles[0][1], device=device)
+            for r in range(ws):
+                for a, b in tiles:
+                    lo = r * chunk + a
+                    if lo >= numel:
+                        break
+                    dequantize(plan.codes(plan.gathered[r], a, b, bits), plan.scales(plan.gathered[r], a, b, bs),
+                               bits, bs, out=values[:b - a])
+                    layout.scatter(values[:b - a], lo, min(r * chunk + b, numel), flats)
+            if plan.residual is not None:
+                # A non-finite bucket leaves NaN residuals: the next step's begin_step zeroes them all.
+                state._finite_flags.append(torch.isfinite(plan.scales(plan.gathered, 0, chunk, bs)).all())
+            state._add(compressed_bytes(numel, ws, bits, bs), fp32_allreduce_bytes(numel, ws),
                        phase1_seconds + seconds + time.perf_counter() - t0)
             state.num_compressed_buckets += 1
         except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
@@ -308,11 +422,6 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
 
     torch.futures.collect_all([a2a, previous]).then(reduce_chunk)
     return result
-
-
-def _pack(codes: torch.Tensor, scales: torch.Tensor, num_chunks: int) -> torch.Tensor:
-    """One uint8 row per destination: that chunk's codes followed by its scales' bytes."""
-    return torch.cat((codes.view(num_chunks, -1), scales.view(num_chunks, -1).view(torch.uint8)), dim=1)
 
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -73,7 +73,8 @@ def _tile_rows(x: torch.Tensor, num_blocks: int, block_size: int) -> int:
 
 
 def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Generator | None = None,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             residual: torch.Tensor | None = None, codes: torch.Tensor | None = None,
+             scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a flat float tensor whose length is a multiple of ``block_size``.
 
     Args:
@@ -84,6 +85,8 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
             otherwise round to nearest.
         residual: if given, a float32 tensor of ``x``'s size (``x`` itself is allowed) that receives
             ``x - dequantize(codes, scales)``, bitwise, computed while each tile is still in cache (error feedback).
+        codes: optional contiguous uint8 output of ``numel * bits / 8`` bytes (a slice of a send buffer).
+        scales: optional contiguous bfloat16 output of ``numel / block_size`` values.
 
     Returns:
         ``(codes, scales)``: ``codes`` is uint8 of ``numel`` bytes (int8 bit patterns) or ``numel / 2`` bytes
@@ -93,8 +96,10 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
     blocks = x.float().view(-1, block_size)
     num_blocks, device = blocks.shape[0], blocks.device
     rows = _tile_rows(x, num_blocks, block_size)
-    scales = torch.empty(num_blocks, dtype=SCALE_DTYPE, device=device)
-    codes = torch.empty(num_blocks, block_size * bits // 8, dtype=torch.uint8, device=device)
+    if scales is None:
+        scales = torch.empty(num_blocks, dtype=SCALE_DTYPE, device=device)
+    codes = (torch.empty(num_blocks, block_size * bits // 8, dtype=torch.uint8, device=device) if codes is None
+             else codes.view(num_blocks, -1))
     work = torch.empty(rows, block_size, device=device)
     absmax, negmin = torch.empty(rows, device=device), torch.empty(rows, device=device)
     if bits == 4:  # a tile's codes, one per byte, before packing
@@ -129,7 +134,7 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """Inverse of :func:`quantize`: float32 tensor of ``scales.numel() * block_size`` values.
 
     Leading dimensions are kept: ``codes`` of shape ``(k, m)`` and ``scales`` of shape ``(k, n)`` give
@@ -141,17 +146,24 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size:
         bits: 8 or 4.
         block_size: values per scale.
         out: optional contiguous float32 tensor of the result's shape to write into.
+        accumulate: add the dequantized values to ``out`` (required then) instead of overwriting it; summing
+            several ranks' payloads this way keeps each tile in cache.
     """
     lead = codes.shape[:-1]
     code_blocks = codes.reshape(-1, block_size * bits // 8)
     steps = scales.reshape(-1).float().unsqueeze(1)
     num_blocks = steps.shape[0]
     if out is None:
+        if accumulate:
+            raise ValueError("dequantize(accumulate=True) needs `out`, the tensor to add to.")
         out = torch.empty(*lead, scales.shape[-1] * block_size, device=codes.device)
     values = out.view(num_blocks, block_size)
     rows = _tile_rows(codes, num_blocks, block_size)
+    scratch = torch.empty(min(rows, num_blocks), block_size, device=codes.device) if accumulate else None
     for first in range(0, num_blocks, rows):
         tile, chunk = code_blocks[first:first + rows], values[first:first + rows]
+        if scratch is not None:
+            target, chunk = chunk, scratch[:tile.shape[0]]
         if bits == 8:
             chunk.copy_(tile.view(torch.int8))
         else:
@@ -160,5 +172,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size:
             wide = tile.to(torch.int16)
             chunk.copy_(wide.bitwise_or_(wide << 4).bitwise_and_(0x0F0F).view(torch.int8).sub_(8))
         # Copy then an fp32 in-place multiply: a mixed int8 * fp32 ``mul`` takes a slow casting path on CPU.
-        chunk.mul_(steps[first:first + rows])
+        if scratch is None:
+            chunk.mul_(steps[first:first + rows])
+        else:
+            target.addcmul_(chunk, steps[first:first + rows])
     return out
