@@ -8,7 +8,7 @@ and CUDA alike.
 Costs: the payload is ``numel * bits / 8`` bytes plus 2 bytes per block. Compute is eager PyTorch arranged so that
 each value crosses DRAM about once: on CPU the tensor is processed in tiles of ``TILE_VALUES`` values (a Python loop
 over tiles of thousands of blocks, never over blocks); per tile, absmax as ``max(amax, -amin)`` (no ``|x|``
-temporary), one scaling ``mul`` into a tile-sized scratch, in-place ``round_``/``clamp_``/``nan_to_num_`` and one
+temporary), one scaling ``mul`` into a tile-sized scratch, in-place ``round_``/``clamp_`` and one
 narrowing copy into the codes all run out of cache. Dequantize is one int8 -> fp32 copy plus one in-place ``mul_``
 per tile, into ``out`` when given (fresh >32 MiB tensors are ``mmap``-ed and page-faulted on every call on CPU).
 The untiled formulation made about ten DRAM passes and ran at ~0.04x of a memory copy on one core of the development
@@ -112,14 +112,15 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
         torch.maximum(torch.amax(tile, dim=1, out=top), torch.amin(tile, dim=1, out=bottom).neg_(), out=top)
         step = tile_scales.copy_(top.div_(limit)).float()
         # A zero block has scale 0; a non-finite block has scale inf/NaN and 1/scale of 0/NaN: its codes are
-        # meaningless but its dequantized values are non-finite either way (0 * inf, q * NaN).
+        # unspecified (NaN narrowed to int8; no ``nan_to_num_`` pass spent on them) but its dequantized values
+        # are non-finite either way (q * NaN, q * inf with q = 0 included).
         inverse = torch.where(step > 0, step.reciprocal(), torch.zeros_like(step))
         torch.mul(tile, inverse.unsqueeze(1), out=y)
         if generator is None:
             y.round_()
         else:
             y.add_(torch.rand(y.shape, generator=generator, device=device, dtype=y.dtype)).floor_()
-        y.clamp_(-limit, limit).nan_to_num_(0.0)
+        y.clamp_(-limit, limit)
         if bits == 8:
             codes[first:first + n].view(torch.int8).copy_(y)
         else:

