@@ -129,8 +129,10 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
             # folded down (| >> 4), the low byte kept by the narrowing copy; XOR 0x88 adds the offset 8 to both.
             pairs = unpacked[:n].copy_(y).view(torch.int16).bitwise_and_(0x0F0F)
             codes[first:first + n].copy_(pairs.bitwise_or_(pairs >> 4)).bitwise_xor_(0x88)
-        if residual is not None:  # y * step is exactly what dequantize computes from the codes
-            torch.sub(tile, y.mul_(step.unsqueeze(1)), out=residual.view(-1, block_size)[first:first + n])
+        if residual is not None:
+            # x - y * step in one pass; y * step (7-bit integer times 8-bit bfloat16 mantissa) is exact in fp32, so
+            # a fused multiply-add gives bitwise what dequantize's y * step followed by a subtraction gives.
+            torch.addcmul(tile, y, step.unsqueeze(1), value=-1, out=residual.view(-1, block_size)[first:first + n])
     return codes.view(-1), scales
 
 
