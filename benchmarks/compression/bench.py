@@ -2,13 +2,17 @@
 
 Run as root from the repository root::
 
-    .venv/bin/python benchmarks/compression/bench.py [--points 1gbit:2:64,1gbit:1:16,10gbit:2:64] [--reps 3]
+    .venv/bin/python benchmarks/compression/bench.py [--points 1gbit:8:64,1gbit:2:64,...] [--reps 3] [--seeds 4]
 
 Per link rate, one rank per namespace trains the same GPT under every configuration, interleaved (fresh DDP module
-per configuration and repetition, medians). Communication share = (step - same step under ``no_sync``) / step,
-both measured in the same process one after the other, so compression compute that is not hidden counts as
-communication. Validation loss: the example GPT trained the same number of steps per configuration (2 local ranks;
-numerics do not depend on the link). Kernel throughput: see ``kernels.py``. Prints markdown tables.
+per configuration and repetition, medians). Every configuration uses the same DDP buckets (``--bucket-mb``, 4 MB: a
+3.3 M-parameter model then has four buckets, so exchanges can overlap with backward; with DDP's 25 MB default it
+has one, and nothing can). Communication share = (step - same step under ``no_sync``) / step, both measured in the
+same process one after the other, so compression compute that is not hidden counts as communication. The default
+points: 1 Gbit at batch 8x64 (fp32 communicates about a third of the step), 2x64 and 1x16 (communication-bound),
+10 Gbit at 2x64. Validation loss: the example GPT trained the same number of steps per configuration and seed
+(2 local ranks; numerics do not depend on the link), reported as the mean over seeds of the ratio to fp32 of the
+same seed. Kernel throughput: see ``kernels.py``. Prints markdown tables.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,9 +71,15 @@ def physical_limit(c: float, b: float) -> float:
     return (1 - c) + c * b
 
 
-def table(results: dict[str, dict], losses: dict[str, float]) -> str:
+def loss_ratios(losses: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per seed, each configuration's final validation loss over fp32's of the same seed."""
+    return {name: [v / f for v, f in zip(values, losses["fp32"])] for name, values in losses.items()}
+
+
+def table(results: dict[str, dict], losses: dict[str, list[float]]) -> str:
+    ratios = loss_ratios(losses) if losses else {}
     lines = ["| link | configuration | comm share of step | step time vs fp32 | physical limit | bytes/step vs fp32 "
-             "| final val loss vs fp32 |", "|---|---|---|---|---|---|---|"]
+             "| final val loss vs fp32 (mean of seeds) |", "|---|---|---|---|---|---|---|"]
     for rate, res in results.items():
         step, local, nbytes = res["step_s"], res["no_comm_s"], res["bytes"]
         c32 = max(0.0, 1 - local["fp32"] / step["fp32"])
@@ -76,15 +87,25 @@ def table(results: dict[str, dict], losses: dict[str, float]) -> str:
             share = max(0.0, 1 - local[name] / step[name])
             b = nbytes[name] / nbytes["fp32"]
             loss_key = name.replace("_nooverlap", "")
-            loss = f"{losses[loss_key] / losses['fp32']:.4f}x" if loss_key in losses else "-"
+            loss = f"{statistics.mean(ratios[loss_key]):.4f}x" if loss_key in ratios else "-"
             lines.append(f"| {rate} | {name} | {share:.0%} | {step[name] / step['fp32']:.2f}x | "
                          f"{physical_limit(c32, b):.2f}x | {b:.3f}x | {loss} |")
     return "\n".join(lines)
 
 
+def loss_table(losses: dict[str, list[float]]) -> str:
+    """Final validation loss over fp32, per configuration: mean, standard error, median and worst seed."""
+    lines = ["| configuration | mean | standard error | median | worst seed | seeds |", "|---|---|---|---|---|---|"]
+    for name, values in loss_ratios(losses).items():
+        sem = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+        lines.append(f"| {name} | {statistics.mean(values) - 1:+.2%} | {sem:.2%} | "
+                     f"{statistics.median(values) - 1:+.2%} | {max(values) - 1:+.2%} | {len(values)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--points", default="1gbit:2:64,1gbit:1:16,10gbit:2:64",
+    parser.add_argument("--points", default="1gbit:8:64,1gbit:2:64,1gbit:1:16,10gbit:2:64",
                         help="comma-separated rate:batch_size:sequence_length measurement points")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
@@ -93,23 +114,34 @@ def main() -> None:
     parser.add_argument("--loss-model", default='{"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 64}',
                         help="the example model of the validation-loss runs (the 'tiny' preset)")
     parser.add_argument("--train-steps", type=int, default=200)
+    parser.add_argument("--seeds", type=int, default=4, help="validation-loss runs per configuration")
+    parser.add_argument("--bucket-mb", type=float, default=4.0,
+                        help="DDP bucket_cap_mb of every configuration (several buckets, so that overlap can happen)")
+    parser.add_argument("--configs", help="comma-separated subset of the configurations (fp32 included); default all")
+    parser.add_argument("--skip-loss", action="store_true", help="timing only")
     args = parser.parse_args()
     results = {}
     for point in args.points.split(","):
         rate, batch_size, seq = point.split(":")
         model = json.dumps({**json.loads(args.model), "block_size": int(seq)})
-        extra = ["--reps", str(args.reps), "--steps", str(args.steps), "--batch-size", batch_size, "--model", model]
+        extra = ["--reps", str(args.reps), "--steps", str(args.steps), "--batch-size", batch_size, "--model", model,
+                 "--bucket-mb", str(args.bucket_mb)] + (["--configs", args.configs] if args.configs else [])
         results[f"{rate}, batch {batch_size}x{seq}"] = run_on_testbed(rate, extra)
-    losses = run_local_loss(["--model", args.loss_model, "--train-steps", str(args.train_steps),
-                             "--batch-size", str(args.batch_size)])["val_loss"]
+    losses = {}
+    if not args.skip_loss:
+        losses = run_local_loss(["--model", args.loss_model, "--train-steps", str(args.train_steps),
+                                 "--batch-size", str(args.batch_size), "--seeds", str(args.seeds)])["val_loss"]
     num_params = next(iter(results.values()))["num_params"]
     print(f"command: {' '.join(sys.argv)}")
     print(f"model: GPT {args.model} ({num_params / 1e6:.2f} M parameters), 2 ranks (one per emulated host), "
           f"medians of {args.reps} x {args.steps} steps per configuration (interleaved); validation loss with "
           f"batch {args.batch_size}\n")
     print(table(results, losses))
-    print(f"\nfinal validation loss of GPT {args.loss_model} after {args.train_steps} steps:",
-          json.dumps({k: round(v, 4) for k, v in losses.items()}))
+    if losses:
+        print(f"\nfinal validation loss over fp32, GPT {args.loss_model} after {args.train_steps} steps, seeds "
+              f"0..{args.seeds - 1}:\n")
+        print(loss_table(losses))
+        print("\nraw:", json.dumps({k: [round(v, 4) for v in vs] for k, vs in losses.items()}))
 
 
 if __name__ == "__main__":
