@@ -1,0 +1,62 @@
+"""The hook's CUDA path (NCCL, device futures, on-device residual reset): runs where a GPU is, skipped elsewhere.
+
+One GPU is enough: a world of one process still runs the whole exchange (quantize, ``all_to_all``, re-quantize,
+``all_gather``, dequantize) through NCCL, with CUDA tensors, streams and futures. Run by
+``benchmarks/gpu_checks.sh`` on the device machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_deepseek.compression.hook import register_compression_hook
+from lightning_deepseek.compression.quantize import dequantize, quantize
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_quantizer_on_cuda_matches_cpu_bitwise() -> None:
+    x = torch.randn(1 << 20) * torch.logspace(-6, 3, 1 << 20)
+    for bits, block_size in [(8, 128), (4, 64)]:
+        cpu = quantize(x, bits, block_size)
+        gpu = quantize(x.cuda(), bits, block_size)
+        assert torch.equal(cpu[0], gpu[0].cpu()) and torch.equal(cpu[1], gpu[1].cpu())
+        assert torch.equal(dequantize(*cpu, bits, block_size), dequantize(*gpu, bits, block_size).cpu())
+
+
+def test_hook_on_nccl_within_the_error_bound_and_resets_on_overflow(tmp_path: Path) -> None:
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)).cuda()
+    reference = [p.detach().clone() for p in model.parameters()]
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.25)
+    state = register_compression_hook(ddp, bits=8, block_size=128, warmup_steps=1, min_bucket_numel=1024)
+    ref_model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)).cuda()
+    with torch.no_grad():
+        for p, r in zip(ref_model.parameters(), reference):
+            p.copy_(r)
+    for step in range(4):
+        x = torch.randn(32, 256, device="cuda")
+        ddp(x).square().mean().backward()
+        ref_model(x).square().mean().backward()
+        got = torch.cat([p.grad.view(-1) for p in ddp.parameters()])
+        exact = torch.cat([p.grad.view(-1) for p in ref_model.parameters()])
+        rel = float((got - exact).norm() / exact.norm())
+        assert rel < (1e-6 if step == 0 else 0.02), (step, rel)
+        for p in list(ddp.parameters()) + list(ref_model.parameters()):
+            p.grad = None
+    assert state.num_compressed_buckets >= 1 and state.residuals
+    x = torch.randn(32, 256, device="cuda")
+    x[0, 0] = float("inf")
+    ddp(x).square().mean().backward()
+    assert not all(torch.isfinite(p.grad).all() for p in ddp.parameters())
+    for p in ddp.parameters():
+        p.grad = None
+    ddp(torch.randn(32, 256, device="cuda")).square().mean().backward()  # residuals reset on the device, no sync
+    assert all(torch.isfinite(r).all() for r in state.residuals.values())
+    assert all(torch.isfinite(p.grad).all() for p in ddp.parameters())
