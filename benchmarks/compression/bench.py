@@ -97,8 +97,9 @@ def loss_table(losses: dict[str, list[float]]) -> str:
     """Final validation loss over fp32, per configuration: mean, standard error, median and worst seed."""
     lines = ["| configuration | mean | standard error | median | worst seed | seeds |", "|---|---|---|---|---|---|"]
     for name, values in loss_ratios(losses).items():
-        sem = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
-        lines.append(f"| {name} | {statistics.mean(values) - 1:+.2%} | {sem:.2%} | "
+        n, mean = len(values), statistics.fmean(values)
+        sem = (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
+        lines.append(f"| {name} | {mean - 1:+.2%} | {sem:.2%} | "
                      f"{statistics.median(values) - 1:+.2%} | {max(values) - 1:+.2%} | {len(values)} |")
     return "\n".join(lines)
 
