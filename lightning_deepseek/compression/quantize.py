@@ -36,6 +36,7 @@ MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 4096
 SCALE_DTYPE = torch.bfloat16
 SCALE_BYTES = 2
+_FLOAT_MAX = torch.finfo(torch.float32).max
 TILE_VALUES = 1 << 19  # 2 MiB of fp32 per tile: fits this CPU's L2 + L3 share, amortises per-op overhead
 
 
@@ -114,7 +115,9 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
         # A zero block has scale 0; a non-finite block has scale inf/NaN and 1/scale of 0/NaN: its codes are
         # unspecified (NaN narrowed to int8; no ``nan_to_num_`` pass spent on them) but its dequantized values
         # are non-finite either way (q * NaN, q * inf with q = 0 included).
-        inverse = torch.where(step > 0, step.reciprocal(), torch.zeros_like(step))
+        # A subnormal scale (absmax below ~1.5e-36) has no finite reciprocal: capping it keeps its block's codes
+        # finite (0 * inf would be NaN and poison the error-feedback residual); they come out a little small.
+        inverse = torch.where(step > 0, step.reciprocal(), torch.zeros_like(step)).clamp_(max=_FLOAT_MAX)
         torch.mul(tile, inverse.unsqueeze(1), out=y)
         if generator is None:
             y.round_()
