@@ -362,7 +362,7 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
         state.generators = _make_generators(cfg.seed, device)
     gen1, gen2 = state.generators if cfg.stochastic_rounding else (None, None)
     tiles = _tiles(chunk, device, bs)
-    scratch = torch.empty(tiles[0][1], device=device)
+    scratch = torch.empty(tiles[0][1], device=device) if plan.residual is None else None
     for r in range(ws):  # phase 1: gather a tile (+ residual), quantize it into destination r's row of `send`
         for a, b in tiles:
             lo, hi = r * chunk + a, r * chunk + b
