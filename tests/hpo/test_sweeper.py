@@ -44,7 +44,9 @@ def test_sweep_prunes_then_resumes_only_the_remaining_trials(tmp_path: Path) -> 
         first.kill()
         first.wait(timeout=30)
     before = {t.number: t.datetime_complete for t in load(tmp_path).get_trials(deepcopy=False) if t.state.is_finished()}
-    assert set(before) == {0, 1, 2}
+    # Usually trials 0-2 are done and 3 is cut off; a trial pruned at its first report can finish before the kill
+    # lands, and then the next one is the one cut off (or none had started).
+    assert set(before) == set(range(len(before))) and len(before) >= 3, sorted(before)
 
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
@@ -54,9 +56,11 @@ def test_sweep_prunes_then_resumes_only_the_remaining_trials(tmp_path: Path) -> 
     # Trials of the first run were kept as they were, not re-run; a trial cut off by the kill is FAIL.
     for number, completed_at in before.items():
         assert study.trials[number].datetime_complete == completed_at
-    assert study.trials[3].state == TrialState.FAIL
-    assert study.trials[3].user_attrs["fail_reason"] == "its sweeper process died"
-    assert len(study.trials) == 7  # 3 kept + 1 cut off + the 3 still missing
+    failed = [t for t in study.trials if t.state == TrialState.FAIL]
+    assert [t.number for t in failed] in ([len(before)], [])  # the one cut off by the kill, if one was running
+    assert all(t.user_attrs["fail_reason"] == "its sweeper process died" for t in failed)
+    assert len(failed) == 1 or len(before) > 3  # trial 3 was running when its folder appeared: it was cut off
+    assert len(study.trials) == 6 + len(failed)  # the kept ones + the cut-off one + the ones still missing
     assert {"COMPLETE", "PRUNED"} <= set(states(study))
     pruned = [t for t in study.trials if t.state == TrialState.PRUNED]
     assert all(max(t.intermediate_values) < 8 for t in pruned)  # stopped before max_steps
