@@ -25,8 +25,7 @@ pass; phase 2 dequantizes and sums every rank's tile into one cache-resident acc
 dequantized one tile at a time and scattered into the gradients. No full-size fp32 temporary exists: about five
 fp32 passes over the bucket reach DRAM (read gradient and residual, write residual and result, the owned chunk's
 residual once more) instead of about fifteen for the straightforward formulation (concatenate, add, quantize,
-pack, dequantize all ranks, sum, re-quantize, dequantize, copy back). On accelerators one tile
-spans the chunk.
+pack, dequantize all ranks, sum, re-quantize, dequantize, copy back). On accelerators one tile spans the chunk.
 
 Costs per bucket and rank: ``2 * (W - 1) * (N / W * bits / 8 + 2 * N / (W * block_size))`` bytes sent, against
 ``2 * (W - 1) / W * 4 * N`` for a ring fp32 all-reduce (0.254x for int8 at ``block_size=128``, 0.133x for int4 at
@@ -254,7 +253,7 @@ class _Layout:
         self.numel = self.offsets[-1]
         self.chunk = math.ceil(self.numel / (world_size * block_size)) * block_size
 
-    def segments(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    def segments(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
         """``(tensor index, start in the tensor, start in [lo, hi), length)`` of every piece overlapping."""
         out = []
         for i in range(bisect.bisect_right(self.offsets, lo) - 1, len(self.sizes)):
@@ -296,13 +295,17 @@ class _Plan:
     recv: torch.Tensor
     send2: torch.Tensor  # (row bytes,): the re-quantized own chunk
     gathered: torch.Tensor  # (W, row bytes)
-    code_bytes: int
+    bits: int
+    block_size: int
 
-    def codes(self, buffer: torch.Tensor, lo: int, hi: int, bits: int) -> torch.Tensor:
-        return buffer[..., lo * bits // 8:hi * bits // 8]
+    def codes(self, buffer: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """The codes of values ``[lo, hi)`` of a chunk, in a message row (or rows)."""
+        return buffer[..., lo * self.bits // 8:hi * self.bits // 8]
 
-    def scales(self, buffer: torch.Tensor, lo: int, hi: int, block_size: int) -> torch.Tensor:
-        return buffer[..., self.code_bytes:].view(torch.bfloat16)[..., lo // block_size:hi // block_size]
+    def scales(self, buffer: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """The bfloat16 scales of values ``[lo, hi)`` of a chunk; they follow the chunk's codes in a row."""
+        code_bytes = self.layout.chunk * self.bits // 8
+        return buffer[..., code_bytes:].view(torch.bfloat16)[..., lo // self.block_size:hi // self.block_size]
 
 
 def _plan(state: CompressionState, names: Sequence[str], sizes: Sequence[int], device: torch.device) -> _Plan:
@@ -331,7 +334,7 @@ def _plan(state: CompressionState, names: Sequence[str], sizes: Sequence[int], d
     plan = _Plan(layout, residual, torch.empty(ws, row, dtype=torch.uint8, device=device),
                  torch.empty(ws, row, dtype=torch.uint8, device=device),
                  torch.empty(row, dtype=torch.uint8, device=device),
-                 torch.empty(ws, row, dtype=torch.uint8, device=device), layout.chunk * cfg.bits // 8)
+                 torch.empty(ws, row, dtype=torch.uint8, device=device), cfg.bits, cfg.block_size)
     state.plans[key] = plan
     return plan
 
@@ -363,6 +366,7 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
     gen1, gen2 = state.generators if cfg.stochastic_rounding else (None, None)
     tiles = _tiles(chunk, device, bs)
     scratch = torch.empty(tiles[0][1], device=device) if plan.residual is None else None
+    keep_residual = plan.residual is not None or state.track_error
     for r in range(ws):  # phase 1: gather a tile (+ residual), quantize it into destination r's row of `send`
         for a, b in tiles:
             lo, hi = r * chunk + a, r * chunk + b
@@ -370,9 +374,8 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
             layout.gather(flats, lo, hi, x, add=plan.residual is not None)
             if state.track_error:
                 state.input_sq.append(x.square().sum())
-            keep_residual = plan.residual is not None or state.track_error
             quantize(x, bits, bs, gen1, residual=x if keep_residual else None,
-                     codes=plan.codes(plan.send[r], a, b, bits), scales=plan.scales(plan.send[r], a, b, bs))
+                     codes=plan.codes(plan.send[r], a, b), scales=plan.scales(plan.send[r], a, b))
             if state.track_error:
                 state.error_sq.append(x.square().sum())
     a2a = dist.all_to_all_single(plan.recv, plan.send, group=state.process_group, async_op=True).get_future()
@@ -392,11 +395,11 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
             for a, b in tiles:  # dequantize and sum every rank's codes for this chunk, re-quantize, per tile
                 total = acc[:b - a]
                 for r in range(ws):
-                    dequantize(plan.codes(plan.recv[r], a, b, bits), plan.scales(plan.recv[r], a, b, bs), bits, bs,
+                    dequantize(plan.codes(plan.recv[r], a, b), plan.scales(plan.recv[r], a, b), bits, bs,
                                out=total, accumulate=r > 0)
                 total.div_(ws)
                 quantize(total, bits, bs, gen2, residual=total if plan.residual is not None else None,
-                         codes=plan.codes(plan.send2, a, b, bits), scales=plan.scales(plan.send2, a, b, bs))
+                         codes=plan.codes(plan.send2, a, b), scales=plan.scales(plan.send2, a, b))
                 if plan.residual is not None:
                     plan.residual[own + a:own + b].add_(total, alpha=ws)
             work = _all_gather_single(plan.gathered.view(-1), plan.send2, group=state.exchange_group,
@@ -419,12 +422,12 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
                     lo = r * chunk + a
                     if lo >= numel:
                         break
-                    dequantize(plan.codes(plan.gathered[r], a, b, bits), plan.scales(plan.gathered[r], a, b, bs),
-                               bits, bs, out=values[:b - a])
+                    dequantize(plan.codes(plan.gathered[r], a, b), plan.scales(plan.gathered[r], a, b), bits, bs,
+                               out=values[:b - a])
                     layout.scatter(values[:b - a], lo, min(r * chunk + b, numel), flats)
             if plan.residual is not None:
                 # A non-finite bucket leaves NaN residuals: the next step's begin_step zeroes them all.
-                state._finite_flags.append(torch.isfinite(plan.scales(plan.gathered, 0, chunk, bs)).all())
+                state._finite_flags.append(torch.isfinite(plan.scales(plan.gathered, 0, chunk)).all())
             state._add(compressed_bytes(numel, ws, bits, bs), fp32_allreduce_bytes(numel, ws),
                        phase1_seconds + seconds + time.perf_counter() - t0)
             state.num_compressed_buckets += 1
