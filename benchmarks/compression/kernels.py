@@ -4,15 +4,17 @@ Runs on CUDA when available (``--device cuda``), otherwise on CPU with one threa
 
     .venv/bin/python benchmarks/compression/kernels.py [--device cuda] [--numel 16777216] [--compile]
 
-Throughput is fp32 input bytes per second of a full round trip (quantize then dequantize); the copy is
-``dst.copy_(src)`` of the same fp32 tensor. Interleaved repetitions, medians; the table reports the ratio.
-Dequantize writes into a preallocated ``out``. ``--compile`` adds ``torch.compile`` (inductor) of the plain
-formulation, with its one-off compile time.
+Throughput is fp32 input bytes per second of a full round trip (quantize with the error-feedback residual, then
+dequantize; int8 at block 128, int4 at block 64, the presets); the copy is ``dst.copy_(src)`` of the same fp32
+tensor. On CPU the native kernels (``native.py``) and the eager torch path are measured side by side.
+Interleaved repetitions, medians; the table reports the ratio. Dequantize writes into a preallocated ``out``.
+``--compile`` adds ``torch.compile`` (inductor) of the plain formulation, with its one-off compile time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -22,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from lightning_deepseek.compression import native  # noqa: E402
 from lightning_deepseek.compression.quantize import dequantize, quantize  # noqa: E402
 
 
@@ -58,14 +61,20 @@ def main() -> None:
     dst = torch.empty_like(x)
     out = torch.empty_like(x)
 
-    def round_trip(bits: int, gen: torch.Generator | None = None) -> None:
-        dequantize(*quantize(x, bits, 128, gen), bits, 128, out=out)
+    residual = torch.empty_like(x)
+
+    def round_trip(bits: int, gen: torch.Generator | None = None, eager: bool = False) -> None:
+        os.environ["LDS_NATIVE_KERNELS"] = "0" if eager else "1"
+        block = 128 if bits == 8 else 64  # the presets
+        dequantize(*quantize(x, bits, block, gen, residual=residual), bits, block, out=out)
 
     gen = torch.Generator(device=device).manual_seed(0)
-    cases = {"memory copy": lambda: dst.copy_(x),
-             "int8 quantize+dequantize (RTN)": lambda: round_trip(8),
-             "int4 quantize+dequantize (RTN)": lambda: round_trip(4),
-             "int8 quantize+dequantize (stochastic)": lambda: round_trip(8, gen)}
+    cases = {"memory copy": lambda: dst.copy_(x)}
+    for bits in (8, 4):
+        if device.type == "cpu" and native.library() is not None:
+            cases[f"int{bits} quantize+dequantize (RTN), native kernels"] = lambda bits=bits: round_trip(bits)
+        cases[f"int{bits} quantize+dequantize (RTN), eager torch"] = lambda bits=bits: round_trip(bits, eager=True)
+    cases["int8 quantize+dequantize (stochastic), eager torch"] = lambda: round_trip(8, gen)
     if args.compile:
         start = time.perf_counter()
         compiled = torch.compile(_plain_round_trip, dynamic=False)

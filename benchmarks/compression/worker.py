@@ -30,6 +30,8 @@ CONFIGS = ["fp32", "fp16_hook", "powersgd_r4"] + [
     f"int{bits}{'_ef' if ef else ''}{'' if overlap else '_nooverlap'}"
     for bits in (8, 4) for ef in (True, False) for overlap in (True, False)
 ]
+# Also accepted: any of ours with an "_eager" suffix runs the eager torch quantizer instead of the native CPU
+# kernels (same numerics), e.g. "int8_ef_eager", to measure what the kernels buy side by side.
 
 
 def powersgd_bytes(model: torch.nn.Module, world_size: int, rank: int = 4) -> int:
@@ -95,6 +97,7 @@ def time_mode(args: argparse.Namespace, rank: int, world_size: int, data: torch.
     for _ in range(args.reps):
         for name in configs:  # interleaved: every configuration sees the same share of the machine's noise
             torch.manual_seed(0)
+            os.environ["LDS_NATIVE_KERNELS"] = "0" if name.endswith("_eager") else "1"
             ddp, state = wrap(GPT(cfg), name, args.bucket_mb)
             for i in range(args.steps + 2):  # two untimed steps: DDP's bucket rebuild, hook warm-ups
                 dist.barrier()

@@ -2,20 +2,23 @@
 
 Supports: ``bits`` 8 (values in [-127, 127], one byte each) and 4 (values in [-7, 7], two per byte), blocks of
 ``block_size`` consecutive values sharing one scale ``absmax / qmax`` stored as bfloat16, round-to-nearest or
-stochastic rounding. Every operation is a vectorised torch op (no Python loop over blocks), so it runs on CPU
-and CUDA alike.
+stochastic rounding. The reference path is vectorised torch ops (no Python loop over blocks) and runs on CPU and
+CUDA alike; on CPU, native kernels take over where they can (below).
 
-Costs: the payload is ``numel * bits / 8`` bytes plus 2 bytes per block. Compute is eager PyTorch arranged so that
-each value crosses DRAM about once: on CPU the tensor is processed in tiles of ``TILE_VALUES`` values (a Python loop
-over tiles of thousands of blocks, never over blocks); per tile, absmax as ``max(amax, -amin)`` (no ``|x|``
-temporary), one scaling ``mul`` into a tile-sized scratch, in-place ``round_``/``clamp_`` and one
-narrowing copy into the codes all run out of cache. Dequantize is one int8 -> fp32 copy plus one in-place ``mul_``
-per tile, into ``out`` when given (fresh >32 MiB tensors are ``mmap``-ed and page-faulted on every call on CPU).
-The untiled formulation made about ten DRAM passes and ran at ~0.04x of a memory copy on one core of the development
-CPU; this one reaches ~0.3x for int8 and ~0.25x for int4, see
-``benchmarks/compression/kernels.py``. ``torch.compile`` (inductor C++) was measured and not adopted: seconds to
-~20 s of compile per process on a busy machine and slower than this path on CPU. Results are bitwise equal to the
-plain formulation (``tests/compression/test_quantize.py::test_fast_path_is_bitwise_equal_to_the_reference``).
+Costs: the payload is ``numel * bits / 8`` bytes plus 2 bytes per block. Compute: on CPU, round-to-nearest on
+contiguous float32 tensors runs in the native kernels of ``native.py`` (one pass over memory per call; an int8
+round trip with the error-feedback residual at ~0.55x of a memory copy on one core of the development CPU, int4
+~0.45x). Everything else (stochastic rounding, other dtypes, strided views, accelerators, no C compiler, or
+``LDS_NATIVE_KERNELS=0``) runs the eager PyTorch formulation below, which gives bitwise the same codes, scales and
+residuals (signed zeros of all-zero blocks aside; ``tests/compression/test_quantize.py`` runs every test on both).
+The eager path is arranged so that each value crosses DRAM about once: on CPU the tensor is processed in tiles of
+``TILE_VALUES`` values (a Python loop over tiles of thousands of blocks, never over blocks); per tile, absmax as
+``max(amax, -amin)`` (no ``|x|`` temporary), one scaling ``mul`` into a tile-sized scratch, in-place
+``round_``/``clamp_`` and one narrowing copy into the codes all run out of cache (~0.28x of a memory copy for the
+int8 round trip). Dequantize is one int8 -> fp32 copy plus one in-place ``mul_`` per tile, into ``out`` when given
+(fresh >32 MiB tensors are ``mmap``-ed and page-faulted on every call on CPU). ``torch.compile`` (inductor C++) of
+the plain formulation runs at ~0.12x and compiles for seconds per process. See
+``benchmarks/compression/kernels.py``.
 
 Why bfloat16 scales and not float16: gradients span from ~1e-10 (unscaled, late in training) to ~1e7 (multiplied
 by a loss scaler); a float16 scale underflows to 0 or overflows to inf at both ends. bfloat16 keeps the fp32 range;
@@ -30,6 +33,8 @@ values, so a loss scaler downstream still sees the overflow. Not supported: othe
 from __future__ import annotations
 
 import torch
+
+from lightning_deepseek.compression import native
 
 SUPPORTED_BITS = (4, 8)
 MIN_BLOCK_SIZE = 16
@@ -93,6 +98,13 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
         ``(codes, scales)``: ``codes`` is uint8 of ``numel`` bytes (int8 bit patterns) or ``numel / 2`` bytes
         (two int4 codes per byte, offset by 8); ``scales`` is bfloat16 of ``numel / block_size``.
     """
+    if generator is None and x.dtype == torch.float32 and native.usable(x, residual, codes, scales):
+        lib = native.library()
+        if lib is not None:
+            codes = torch.empty(x.numel() * bits // 8, dtype=torch.uint8) if codes is None else codes
+            scales = torch.empty(x.numel() // block_size, dtype=SCALE_DTYPE) if scales is None else scales
+            native.quantize(x, residual, codes, scales, bits, block_size)
+            return codes.view(-1), scales
     limit = qmax(bits)
     blocks = x.float().view(-1, block_size)
     num_blocks, device = blocks.shape[0], blocks.device
@@ -163,6 +175,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size:
         if accumulate:
             raise ValueError("dequantize(accumulate=True) needs `out`, the tensor to add to.")
         out = torch.empty(*lead, scales.shape[-1] * block_size, device=codes.device)
+    if native.usable(codes, scales, out) and native.library() is not None:
+        native.dequantize(codes, scales, out, bits, block_size, accumulate)
+        return out
     values = out.view(num_blocks, block_size)
     rows = _tile_rows(codes, num_blocks, block_size)
     scratch = torch.empty(min(rows, num_blocks), block_size, device=codes.device) if accumulate else None

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_deepseek.compression import native
 from lightning_deepseek.compression.hook import (
     CompressionConfig,
     CompressionState,
@@ -120,6 +123,26 @@ def _check_resume(rank: int, ws: int) -> dict:
             "had_residuals": bool(saved[0]["residuals"]), "step": state2.step}
 
 
+def _check_native_matches_eager(rank: int, ws: int) -> dict:
+    """The same training under the native CPU kernels and under eager torch: the quantizer is bitwise equal, so
+    the parameters must be too (int8 and int4, error feedback, several buckets, non-aligned tiles)."""
+    out = {}
+    for bits, block_size in ((8, 128), (4, 32)):
+        params = {}
+        for mode in ("1", "0"):
+            os.environ["LDS_NATIVE_KERNELS"] = mode
+            torch.manual_seed(0)
+            ddp = DistributedDataParallel(_Net(), bucket_cap_mb=0.02)
+            register_compression_hook(ddp, bits=bits, block_size=block_size, warmup_steps=1, min_bucket_numel=256)
+            _run_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), rank, range(5))
+            params[mode] = [p.detach().clone() for p in ddp.parameters()]
+        os.environ.pop("LDS_NATIVE_KERNELS")
+        out[bits] = {"native_built": native.library() is not None,
+                     "equal": all(torch.equal(a, b) for a, b in zip(params["1"], params["0"])),
+                     "moved": any(not torch.equal(a, b) for a, b in zip(params["1"], _Net().parameters()))}
+    return out
+
+
 def _check_rebuild(rank: int, ws: int) -> dict:
     """DDP regroups parameters into new buckets: each residual must follow its parameter into the new plan."""
     state = _state(8, 64)
@@ -146,6 +169,7 @@ def _check_all(rank: int, ws: int) -> dict:
     if ws == 2:
         out["ddp"] = _check_ddp(rank, ws)
         out["resume"] = _check_resume(rank, ws)
+        out["native"] = _check_native_matches_eager(rank, ws)
     return out
 
 
@@ -293,3 +317,13 @@ def test_register_rejects_bad_input() -> None:
         CompressionConfig(bits=5)
     with pytest.raises(ValueError, match="warmup_steps=-1"):
         CompressionConfig(warmup_steps=-1)
+
+
+def test_native_kernels_train_bit_identically_to_eager_torch(gloo_results: tuple[int, list[dict]]) -> None:
+    ws, results = gloo_results
+    if ws != 2:
+        return  # runs in the 2-process run only
+    for res in (r["native"] for r in results):
+        for bits, check in res.items():
+            assert check["native_built"] or shutil.which("cc") is None, "a C compiler is here: the kernels must build"
+            assert check["equal"] and check["moved"], (bits, check)

@@ -1,10 +1,16 @@
-"""Block-wise quantizer: round-trip error bounds, int4 packing, stochastic rounding, non-finite values, bad input."""
+"""Block-wise quantizer: round-trip error bounds, int4 packing, stochastic rounding, non-finite values, bad input.
+
+Every test runs twice: on the native CPU kernels (``native.py``) and on the eager PyTorch path.
+"""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 
+from lightning_deepseek.compression import native
 from lightning_deepseek.compression import quantize as quantize_module
 from lightning_deepseek.compression.quantize import (
     QuantizationConfigError,
@@ -14,6 +20,18 @@ from lightning_deepseek.compression.quantize import (
     quantize,
     validate,
 )
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "torch":
+        monkeypatch.setenv("LDS_NATIVE_KERNELS", "0")
+    else:
+        if shutil.which("cc") is None:
+            pytest.skip("no C compiler on PATH: the native kernels cannot be built here")
+        monkeypatch.delenv("LDS_NATIVE_KERNELS", raising=False)
+        assert native.library() is not None
+    return request.param
 
 
 def _blocks_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -45,6 +63,19 @@ def test_int4_packs_two_codes_per_byte_exactly() -> None:
     assert torch.equal(scales.float(), torch.ones(4))
     assert torch.equal(dequantize(codes, scales, 4, 16), x)
     assert codes[0].item() == (-7 + 8) | ((-6 + 8) << 4)
+
+
+def test_ties_round_half_to_even_in_codes_and_scales() -> None:
+    # Scale 1: the halves must go to the even neighbour (torch.round's rule), not away from zero.
+    x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.0] * 2)
+    codes, scales = quantize(x, 8, 16)
+    assert torch.equal(codes.view(torch.int8)[:8], torch.tensor([127, 0, 2, 2, 0, -2, -2, 3], dtype=torch.int8))
+    # absmax / 127 == 1.00390625, exactly halfway between two bfloat16 values: round to the even one, as torch does.
+    tie = torch.zeros(16)
+    tie[0] = 127.49609375
+    scale = quantize(tie, 8, 16)[1]
+    assert scale.view(torch.int16).item() == torch.tensor(1.00390625).to(torch.bfloat16).view(torch.int16).item()
+    assert scale.item() == 1.0
 
 
 def test_zero_block_and_batched_dequantize() -> None:
