@@ -25,7 +25,9 @@ pass; phase 2 dequantizes and sums every rank's tile into one cache-resident acc
 dequantized one tile at a time and scattered into the gradients. No full-size fp32 temporary exists: about five
 fp32 passes over the bucket reach DRAM (read gradient and residual, write residual and result, the owned chunk's
 residual once more) instead of about fifteen for the straightforward formulation (concatenate, add, quantize,
-pack, dequantize all ranks, sum, re-quantize, dequantize, copy back). On accelerators one tile spans the chunk.
+pack, dequantize all ranks, sum, re-quantize, dequantize, copy back). The tile-sized work buffers come from a
+small per-state pool (fresh ones were page-faulted on every call). On CPU the quantizer runs in native kernels
+(``native.py``). On accelerators one tile spans the chunk.
 
 Costs per bucket and rank: ``2 * (W - 1) * (N / W * bits / 8 + 2 * N / (W * block_size))`` bytes sent, against
 ``2 * (W - 1) / W * 4 * N`` for a ring fp32 all-reduce (0.254x for int8 at ``block_size=128``, 0.133x for int4 at
@@ -47,10 +49,11 @@ and it crashes on gloo), PowerSGD is low-rank (biased without warm start, not by
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations against real classes.
 import bisect
+import contextlib
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +124,7 @@ class CompressionState:
         self.total_bytes_fp32 = 0
         self.reset_counters()
         self._lock = threading.Lock()
+        self._spare: list[torch.Tensor] = []  # CPU work buffers, see scratch()
         self._finite_flags: list[torch.Tensor] = []
         self._issued: torch.futures.Future | None = None
         self.track_error = False
@@ -160,6 +164,28 @@ class CompressionState:
             self.generators = _make_generators(self.config.seed, device)
             for gen, gen_state in zip(self.generators, state["generators"]):
                 gen.set_state(gen_state)
+
+    @contextlib.contextmanager
+    def scratch(self, numel: int, device: torch.device) -> Iterator[torch.Tensor]:
+        """A float32 work buffer of ``numel`` values for the duration of the ``with`` block.
+
+        On CPU buffers are reused across buckets and steps: a fresh tile-sized (2 MiB) tensor is ``mmap``-ed and
+        page-faulted on every allocation, which cost more than the kernels that use it. The pool holds as many
+        buffers as phases ever ran at once (about three). On accelerators the caching allocator already does this.
+        """
+        if device.type != "cpu":
+            yield torch.empty(numel, device=device)
+            return
+        with self._lock:
+            fits = [i for i, b in enumerate(self._spare) if b.numel() >= numel]
+            buffer = self._spare.pop(fits[0]) if fits else None
+        if buffer is None:
+            buffer = torch.empty(numel)
+        try:
+            yield buffer[:numel]
+        finally:
+            with self._lock:
+                self._spare.append(buffer)
 
     def _add(self, bytes_sent: int, bytes_fp32: int, seconds: float) -> None:
         with self._lock:
@@ -297,7 +323,6 @@ class _Plan:
     gathered: torch.Tensor  # (W, row bytes)
     bits: int
     block_size: int
-
     def codes(self, buffer: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """The codes of values ``[lo, hi)`` of a chunk, in a message row (or rows)."""
         return buffer[..., lo * self.bits // 8:hi * self.bits // 8]
@@ -365,19 +390,19 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
         state.generators = _make_generators(cfg.seed, device)
     gen1, gen2 = state.generators if cfg.stochastic_rounding else (None, None)
     tiles = _tiles(chunk, device, bs)
-    scratch = torch.empty(tiles[0][1], device=device) if plan.residual is None else None
     keep_residual = plan.residual is not None or state.track_error
-    for r in range(ws):  # phase 1: gather a tile (+ residual), quantize it into destination r's row of `send`
-        for a, b in tiles:
-            lo, hi = r * chunk + a, r * chunk + b
-            x = plan.residual[lo:hi] if plan.residual is not None else scratch[:b - a]
-            layout.gather(flats, lo, hi, x, add=plan.residual is not None)
-            if state.track_error:
-                state.input_sq.append(x.square().sum())
-            quantize(x, bits, bs, gen1, residual=x if keep_residual else None,
-                     codes=plan.codes(plan.send[r], a, b), scales=plan.scales(plan.send[r], a, b))
-            if state.track_error:
-                state.error_sq.append(x.square().sum())
+    with state.scratch(tiles[0][1], device) if plan.residual is None else contextlib.nullcontext() as scratch:
+        for r in range(ws):  # phase 1: gather a tile (+ residual), quantize it into destination r's row of `send`
+            for a, b in tiles:
+                lo, hi = r * chunk + a, r * chunk + b
+                x = plan.residual[lo:hi] if plan.residual is not None else scratch[:b - a]
+                layout.gather(flats, lo, hi, x, add=plan.residual is not None)
+                if state.track_error:
+                    state.input_sq.append(x.square().sum())
+                quantize(x, bits, bs, gen1, residual=x if keep_residual else None,
+                         codes=plan.codes(plan.send[r], a, b), scales=plan.scales(plan.send[r], a, b))
+                if state.track_error:
+                    state.error_sq.append(x.square().sum())
     a2a = dist.all_to_all_single(plan.recv, plan.send, group=state.process_group, async_op=True).get_future()
     phase1_seconds = time.perf_counter() - start
 
@@ -390,18 +415,18 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
         try:
             a2a.value()
             t0 = time.perf_counter()
-            acc = torch.empty(tiles[0][1], device=device)
             own = state.rank * chunk
-            for a, b in tiles:  # dequantize and sum every rank's codes for this chunk, re-quantize, per tile
-                total = acc[:b - a]
-                for r in range(ws):
-                    dequantize(plan.codes(plan.recv[r], a, b), plan.scales(plan.recv[r], a, b), bits, bs,
-                               out=total, accumulate=r > 0)
-                total.div_(ws)
-                quantize(total, bits, bs, gen2, residual=total if plan.residual is not None else None,
-                         codes=plan.codes(plan.send2, a, b), scales=plan.scales(plan.send2, a, b))
-                if plan.residual is not None:
-                    plan.residual[own + a:own + b].add_(total, alpha=ws)
+            with state.scratch(tiles[0][1], device) as acc:
+                for a, b in tiles:  # dequantize and sum every rank's codes for this chunk, re-quantize, per tile
+                    total = acc[:b - a]
+                    for r in range(ws):
+                        dequantize(plan.codes(plan.recv[r], a, b), plan.scales(plan.recv[r], a, b), bits, bs,
+                                   out=total, accumulate=r > 0)
+                    total.div_(ws)
+                    quantize(total, bits, bs, gen2, residual=total if plan.residual is not None else None,
+                             codes=plan.codes(plan.send2, a, b), scales=plan.scales(plan.send2, a, b))
+                    if plan.residual is not None:
+                        plan.residual[own + a:own + b].add_(total, alpha=ws)
             work = _all_gather_single(plan.gathered.view(-1), plan.send2, group=state.exchange_group,
                                       async_op=True)
             seconds = time.perf_counter() - t0
@@ -416,15 +441,15 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
         try:
             fut.value()
             t0 = time.perf_counter()
-            values = torch.empty(tiles[0][1], device=device)
-            for r in range(ws):
-                for a, b in tiles:
-                    lo = r * chunk + a
-                    if lo >= numel:
-                        break
-                    dequantize(plan.codes(plan.gathered[r], a, b), plan.scales(plan.gathered[r], a, b), bits, bs,
-                               out=values[:b - a])
-                    layout.scatter(values[:b - a], lo, min(r * chunk + b, numel), flats)
+            with state.scratch(tiles[0][1], device) as values:
+                for r in range(ws):
+                    for a, b in tiles:
+                        lo = r * chunk + a
+                        if lo >= numel:
+                            break
+                        dequantize(plan.codes(plan.gathered[r], a, b), plan.scales(plan.gathered[r], a, b), bits,
+                                   bs, out=values[:b - a])
+                        layout.scatter(values[:b - a], lo, min(r * chunk + b, numel), flats)
             if plan.residual is not None:
                 # A non-finite bucket leaves NaN residuals: the next step's begin_step zeroes them all.
                 state._finite_flags.append(torch.isfinite(plan.scales(plan.gathered, 0, chunk)).all())
