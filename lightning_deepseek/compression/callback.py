@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_deepseek.compression import native
 from lightning_deepseek.compression.hook import CompressionConfig, CompressionState, register_compression_hook
 
 
@@ -100,6 +101,8 @@ class GradientCompression(Callback):
         if ddp_module is None:
             return
         self._device = pl_module.device
+        if self._device.type == "cpu":
+            native.library()  # build the CPU kernels (or warn) now, not inside the first compressed step
         try:
             self.hook_state = register_compression_hook(ddp_module, self.config)
         except RuntimeError as exc:

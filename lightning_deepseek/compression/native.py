@@ -126,8 +126,10 @@ def library() -> ctypes.CDLL | None:
                 except (NativeKernelsUnavailable, OSError) as exc:
                     warnings.warn(f"lightning_deepseek: the native CPU quantization kernels are unavailable ({exc}). "
                                   "Gradient compression falls back to eager PyTorch, which gives the same results "
-                                  "about twice as slowly on CPU. Install a C compiler (gcc or clang), or set "
-                                  "LDS_NATIVE_KERNELS=0 to choose the eager path and silence this warning.",
+                                  "about twice as slowly on CPU. Install a C compiler (gcc or clang; or point CC "
+                                  "at one), point LDS_KERNEL_CACHE at a writable directory if the cache could not be "
+                                  "written, or set LDS_NATIVE_KERNELS=0 to choose the eager path and silence this "
+                                  "warning.",
                                   RuntimeWarning, stacklevel=3)
                 _tried = True
     return _library
