@@ -150,6 +150,8 @@ class GradientCompression(Callback):
         cfg = self.config
         return {
             "compression": f"int{cfg.bits} block={cfg.block_size} ef={cfg.error_feedback}",
+            "compression_kernels": "native CPU" if self._device.type == "cpu" and native.library() is not None
+            else "torch",
             "compression_bytes_ratio": round(state.total_bytes_sent / max(1, state.total_bytes_fp32), 4),
             "compression_rel_error": self._last_rel_error,
             "compression_exposed_comm_ms_median": round(statistics.median(self._exposed_ms), 2)

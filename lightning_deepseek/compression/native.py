@@ -14,6 +14,7 @@ rejects it) into ``$LDS_KERNEL_CACHE`` (default ``~/.cache/lightning_deepseek``)
 compiler and CPU, written atomically so that ranks starting together share it. Loaded with ``ctypes``, which
 releases the GIL during a call. ``LDS_NATIVE_KERNELS=0`` turns them off. Without a working compiler the eager path
 runs and a warning says so once per process; nothing else changes. CPU only: accelerators run the eager ops.
+``python -m lightning_deepseek.compression`` builds them ahead of time and prints the library's path.
 """
 
 from __future__ import annotations
@@ -156,3 +157,14 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bit
     assert lib is not None and out.dtype == torch.float32
     lib.lds_dequantize(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), scales.numel(), block_size, bits,
                        int(accumulate))
+
+
+def main() -> None:
+    """``python -m lightning_deepseek.compression``: build the kernels now (for example in a container image
+    or once per node before training) and print where they are; exit 1 with the reason if they cannot be built."""
+    try:
+        path = build()
+    except NativeKernelsUnavailable as exc:
+        raise SystemExit(f"lightning_deepseek: cannot build the native CPU kernels: {exc}") from None
+    _load(path)
+    print(path)

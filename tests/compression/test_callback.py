@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,7 @@ def test_hook_runs_under_lightning_ddp_on_cpu_with_loss_parity(lightning_results
         # Parity with fp32 DDP after the same steps (a few hundredths of a nat of the ~2.8 loss at this point).
         assert abs(res["loss"] - res["fp32_loss"]) / res["fp32_loss"] < 0.01, res
         assert res["summary"]["compression"].startswith("int8")
+        assert res["summary"]["compression_kernels"] == ("native CPU" if shutil.which("cc") else "torch")
 
 
 def test_checkpoint_resume_restores_residuals_and_continues(lightning_results: list[dict]) -> None:

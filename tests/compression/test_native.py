@@ -6,6 +6,7 @@ runs on both paths).
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -86,3 +87,15 @@ def test_non_contiguous_or_non_fp32_inputs_take_the_eager_path(fresh: Path) -> N
     assert torch.equal(codes, ref_codes) and torch.equal(scales.float(), ref_scales.float())
     half = quantize(x.contiguous().half(), 8, 16)
     assert torch.equal(half[1].float(), quantize(x.contiguous().half().float(), 8, 16)[1].float())
+
+
+def test_prebuild_command_prints_the_library_or_fails_with_the_reason(fresh: Path) -> None:
+    cmd = [sys.executable, "-m", "lightning_deepseek.compression"]
+    env = {**os.environ, "CC": "no-such-compiler-lds"}
+    failed = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert failed.returncode == 1 and "no-such-compiler-lds" in failed.stderr
+    if shutil.which("cc") is None:
+        return
+    built = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    assert Path(built.stdout.strip()).parent == fresh and Path(built.stdout.strip()).exists()
