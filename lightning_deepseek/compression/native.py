@@ -23,6 +23,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -67,14 +68,14 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
-def _compile(compiler: str, out: Path) -> None:
+def _compile(compiler: list[str], out: Path) -> None:
     errors = []
     for extra in (("-march=native",), ()):
-        cmd = [compiler, *FLAGS, *extra, str(SOURCE), "-o", str(out)]
+        cmd = [*compiler, *FLAGS, *extra, str(SOURCE), "-o", str(out)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise NativeKernelsUnavailable(f"could not run the C compiler {compiler!r}: {exc}") from exc
+            raise NativeKernelsUnavailable(f"could not run the C compiler {shlex.join(compiler)!r}: {exc}") from exc
         if done.returncode == 0:
             return
         errors.append(f"$ {' '.join(cmd)}\n{done.stderr.strip()[-2000:]}")
@@ -83,12 +84,15 @@ def _compile(compiler: str, out: Path) -> None:
 
 def build() -> Path:
     """Compile ``kernels.c`` unless the cache already holds it; return the shared library's path."""
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        raise NativeKernelsUnavailable(f"no C compiler: {compiler!r} is not on PATH (install gcc or clang, or set "
-                                       "CC to one)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, compiler, version, _cpu_signature()]).encode())
+    compiler = shlex.split(os.environ.get("CC", "cc")) or ["cc"]  # CC may carry a launcher or flags: "ccache gcc"
+    if shutil.which(compiler[0]) is None:
+        raise NativeKernelsUnavailable(f"no C compiler: {compiler[0]!r} is not on PATH (install gcc or clang, or "
+                                       "set CC to one)")
+    try:
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NativeKernelsUnavailable(f"could not run the C compiler {shlex.join(compiler)!r}: {exc}") from exc
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *compiler, version, _cpu_signature()]).encode())
     target = cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
