@@ -423,10 +423,11 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
                         dequantize(plan.codes(plan.recv[r], a, b), plan.scales(plan.recv[r], a, b), bits, bs,
                                    out=total, accumulate=r > 0)
                     total.div_(ws)
-                    quantize(total, bits, bs, gen2, residual=total if plan.residual is not None else None,
-                             codes=plan.codes(plan.send2, a, b), scales=plan.scales(plan.send2, a, b))
-                    if plan.residual is not None:
-                        plan.residual[own + a:own + b].add_(total, alpha=ws)
+                    # The owner's re-quantization residual enters the next average once, through the owner.
+                    quantize(total, bits, bs, gen2,
+                             residual=plan.residual[own + a:own + b] if plan.residual is not None else None,
+                             codes=plan.codes(plan.send2, a, b), scales=plan.scales(plan.send2, a, b),
+                             residual_alpha=ws)
             work = _all_gather_single(plan.gathered.view(-1), plan.send2, group=state.exchange_group,
                                       async_op=True)
             seconds = time.perf_counter() - t0

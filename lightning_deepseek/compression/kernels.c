@@ -13,6 +13,12 @@
 #define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: (v + M) - M rounds half to even for |v| < 2^22 */
 #define FLOAT_MAX 3.40282347e+38f
 
+#ifdef __FMA__ /* torch's vectorised add_(b, alpha=a) is one fused multiply-add per value where the CPU has one */
+#define MULADD(a, b, c) __builtin_fmaf((a), (b), (c))
+#else
+#define MULADD(a, b, c) ((a) * (b) + (c))
+#endif
+
 typedef int32_t vi32 __attribute__((vector_size(4 * LANES)));
 
 static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's float -> bfloat16 */
@@ -61,10 +67,11 @@ static inline float block_absmax(const float *x, int n) {
     return out;
 }
 
-/* x: nblocks * block floats. residual: NULL or nblocks * block floats (may be x itself), receives x - q * scale.
- * codes: nblocks * block * bits / 8 bytes. scales: nblocks bfloat16 bit patterns. */
+/* x: nblocks * block floats. residual: NULL or nblocks * block floats (may be x itself), receives x - q * scale,
+ * or, with accumulate, residual += alpha * (x - q * scale) (as torch's add_(e, alpha=...), fused when the CPU has
+ * FMA). codes: nblocks * block * bits / 8 bytes. scales: nblocks bfloat16 bit patterns. */
 void lds_quantize(const float *x, float *residual, uint8_t *codes, uint16_t *scales, int64_t nblocks, int32_t block,
-                  int32_t bits) {
+                  int32_t bits, int32_t accumulate, float alpha) {
     const float limit = (float)((1 << (bits - 1)) - 1);
     float y[MAX_BLOCK];
     int8_t q[MAX_BLOCK];
@@ -98,9 +105,12 @@ void lds_quantize(const float *x, float *residual, uint8_t *codes, uint16_t *sca
                 out[j] = (uint8_t)((pair | (pair >> 4)) ^ 0x88);
             }
         }
-        if (residual) {
+        if (residual && !accumulate) {
             float *rb = residual + b * block;
             for (int j = 0; j < block; j++) rb[j] = xb[j] - y[j] * step; /* y * step is exact in fp32 */
+        } else if (residual) {
+            float *rb = residual + b * block;
+            for (int j = 0; j < block; j++) rb[j] = MULADD(xb[j] - y[j] * step, alpha, rb[j]);
         }
     }
 }

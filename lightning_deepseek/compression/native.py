@@ -111,7 +111,7 @@ def build() -> Path:
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-    lib.lds_quantize.argtypes = [ptr, ptr, ptr, ptr, i64, i32, i32]
+    lib.lds_quantize.argtypes = [ptr, ptr, ptr, ptr, i64, i32, i32, i32, ctypes.c_float]
     lib.lds_quantize.restype = None
     lib.lds_dequantize.argtypes = [ptr, ptr, ptr, i64, i32, i32, i32]
     lib.lds_dequantize.restype = None
@@ -146,12 +146,13 @@ def usable(*tensors: torch.Tensor | None) -> bool:
 
 
 def quantize(x: torch.Tensor, residual: torch.Tensor | None, codes: torch.Tensor, scales: torch.Tensor,
-             bits: int, block_size: int) -> None:
+             bits: int, block_size: int, residual_alpha: float | None = None) -> None:
     """Round-to-nearest quantize of contiguous float32 CPU ``x`` into ``codes``/``scales`` (see quantize.py)."""
     lib = library()
     assert lib is not None and x.dtype == torch.float32
     lib.lds_quantize(x.data_ptr(), None if residual is None else residual.data_ptr(), codes.data_ptr(),
-                     scales.data_ptr(), x.numel() // block_size, block_size, bits)
+                     scales.data_ptr(), x.numel() // block_size, block_size, bits, int(residual_alpha is not None),
+                     0.0 if residual_alpha is None else residual_alpha)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: int, block_size: int,

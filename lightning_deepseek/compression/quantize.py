@@ -80,7 +80,8 @@ def _tile_rows(x: torch.Tensor, num_blocks: int, block_size: int) -> int:
 
 def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Generator | None = None,
              residual: torch.Tensor | None = None, codes: torch.Tensor | None = None,
-             scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             scales: torch.Tensor | None = None, residual_alpha: float | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a flat float tensor whose length is a multiple of ``block_size``.
 
     Args:
@@ -93,6 +94,8 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
             ``x - dequantize(codes, scales)``, bitwise, computed while each tile is still in cache (error feedback).
         codes: optional contiguous uint8 output of ``numel * bits / 8`` bytes (a slice of a send buffer).
         scales: optional contiguous bfloat16 output of ``numel / block_size`` values.
+        residual_alpha: if given, ``residual`` (then not ``x``) is accumulated into instead:
+            ``residual.add_(x - dequantize(codes, scales), alpha=residual_alpha)`` in the same pass.
 
     Returns:
         ``(codes, scales)``: ``codes`` is uint8 of ``numel`` bytes (int8 bit patterns) or ``numel / 2`` bytes
@@ -103,7 +106,7 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
         if lib is not None:
             codes = torch.empty(x.numel() * bits // 8, dtype=torch.uint8) if codes is None else codes
             scales = torch.empty(x.numel() // block_size, dtype=SCALE_DTYPE) if scales is None else scales
-            native.quantize(x, residual, codes, scales, bits, block_size)
+            native.quantize(x, residual, codes, scales, bits, block_size, residual_alpha)
             return codes.view(-1), scales
     limit = qmax(bits)
     blocks = x.float().view(-1, block_size)
@@ -147,7 +150,11 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
         if residual is not None:
             # x - y * step in one pass; y * step (7-bit integer times 8-bit bfloat16 mantissa) is exact in fp32, so
             # a fused multiply-add gives bitwise what dequantize's y * step followed by a subtraction gives.
-            torch.addcmul(tile, y, step.unsqueeze(1), value=-1, out=residual.view(-1, block_size)[first:first + n])
+            target = residual.view(-1, block_size)[first:first + n]
+            if residual_alpha is None:
+                torch.addcmul(tile, y, step.unsqueeze(1), value=-1, out=target)
+            else:
+                target.add_(torch.addcmul(tile, y, step.unsqueeze(1), value=-1, out=y), alpha=residual_alpha)
     return codes.view(-1), scales
 
 

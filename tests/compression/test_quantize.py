@@ -186,6 +186,13 @@ def test_fast_path_is_bitwise_equal_to_the_reference(bits: int, case: str, tile_
     assert _same(residual, x.float() - _reference_dequantize(*ref, bits, block_size))
     if case == "subnormal":
         assert torch.isfinite(residual).all() and (residual.abs() <= x.float().abs().amax()).all()
+    # Accumulating into another tensor (the hook's phase 2: residual += W * (x - Q(x))), W not a power of two.
+    if not stochastic:
+        start = torch.randn(x.numel(), generator=gen)
+        accumulated = start.clone()
+        quantize(x, bits, block_size, residual=accumulated, residual_alpha=3.0)
+        expected = start.add(x.float() - _reference_dequantize(*ref, bits, block_size), alpha=3.0)
+        assert _same(accumulated, expected)
     out = torch.full((x.numel(),), 123.0)
     assert _same(_reference_dequantize(*ref, bits, block_size), dequantize(*fast, bits, block_size, out=out))
     assert _same(out, _reference_dequantize(*ref, bits, block_size))
