@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_deepseek.compression import native
 from lightning_deepseek.compression.quantize import TILE_VALUES, dequantize, payload_bytes, quantize, validate
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -369,6 +370,31 @@ def _tiles(length: int, device: torch.device, block_size: int) -> list[tuple[int
     return [(a, min(a + step, length)) for a in range(0, length, step)]
 
 
+def _dequantize_into(state: CompressionState, plan: _Plan, flats: Sequence[torch.Tensor],
+                     tiles: Sequence[tuple[int, int]]) -> None:
+    """Write the gathered average into the gradients: straight from the message with the native CPU kernels when
+    every gradient is contiguous float32, else tile by tile through a work buffer and a scatter."""
+    layout, chunk, bits, bs = plan.layout, plan.layout.chunk, plan.bits, plan.block_size
+    if native.usable(*flats) and all(f.dtype == torch.float32 for f in flats) and native.library() is not None:
+        for r, row in enumerate(plan.gathered):
+            lo, hi = r * chunk, min((r + 1) * chunk, layout.numel)
+            if lo >= hi:
+                break
+            codes, scales = plan.codes(row, 0, chunk), plan.scales(row, 0, chunk)
+            for i, start, pos, n in layout.segments(lo, hi):
+                native.dequantize_range(codes, scales, flats[i][start:start + n], pos, bits, bs)
+        return
+    with state.scratch(tiles[0][1], flats[0].device) as values:
+        for r in range(plan.gathered.shape[0]):
+            for a, b in tiles:
+                lo = r * chunk + a
+                if lo >= layout.numel:
+                    break
+                dequantize(plan.codes(plan.gathered[r], a, b), plan.scales(plan.gathered[r], a, b), bits, bs,
+                           out=values[:b - a])
+                layout.scatter(values[:b - a], lo, min(r * chunk + b, layout.numel), flats)
+
+
 def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor], names: Sequence[str],
                        out: torch.Tensor) -> torch.futures.Future:
     """Average ``tensors`` over the group in compressed form, in place; the future's value is ``out``.
@@ -442,15 +468,7 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
         try:
             fut.value()
             t0 = time.perf_counter()
-            with state.scratch(tiles[0][1], device) as values:
-                for r in range(ws):
-                    for a, b in tiles:
-                        lo = r * chunk + a
-                        if lo >= numel:
-                            break
-                        dequantize(plan.codes(plan.gathered[r], a, b), plan.scales(plan.gathered[r], a, b), bits,
-                                   bs, out=values[:b - a])
-                        layout.scatter(values[:b - a], lo, min(r * chunk + b, numel), flats)
+            _dequantize_into(state, plan, flats, tiles)
             if plan.residual is not None:
                 # A non-finite bucket leaves NaN residuals: the next step's begin_step zeroes them all.
                 state._finite_flags.append(torch.isfinite(plan.scales(plan.gathered, 0, chunk)).all())

@@ -115,29 +115,49 @@ void lds_quantize(const float *x, float *residual, uint8_t *codes, uint16_t *sca
     }
 }
 
+static inline void dequantize_block(const uint8_t *codes, float step, float *out, int32_t block, int32_t bits,
+                                    int32_t accumulate) {
+    if (bits == 8) {
+        const int8_t *c = (const int8_t *)codes;
+        if (accumulate)
+            for (int j = 0; j < block; j++) out[j] += (float)c[j] * step;
+        else
+            for (int j = 0; j < block; j++) out[j] = (float)c[j] * step;
+        return;
+    }
+    float v[MAX_BLOCK];
+    for (int j = 0; j < block / 2; j++) {
+        v[2 * j] = (float)((int32_t)(codes[j] & 15) - 8);
+        v[2 * j + 1] = (float)((int32_t)(codes[j] >> 4) - 8);
+    }
+    if (accumulate)
+        for (int j = 0; j < block; j++) out[j] += v[j] * step;
+    else
+        for (int j = 0; j < block; j++) out[j] = v[j] * step;
+}
+
 /* out[i] (+)= code[i] * scale of its block, for nblocks blocks. */
 void lds_dequantize(const uint8_t *codes, const uint16_t *scales, float *out, int64_t nblocks, int32_t block,
                     int32_t bits, int32_t accumulate) {
-    for (int64_t b = 0; b < nblocks; b++) {
+    const int64_t block_bytes = (int64_t)block * bits / 8;
+    for (int64_t b = 0; b < nblocks; b++)
+        dequantize_block(codes + b * block_bytes, from_bf16(scales[b]), out + b * block, block, bits, accumulate);
+}
+
+/* out[0..count) = values [first, first + count) of a quantized row (codes and scales from its start): writes a
+ * gradient straight from the received message, whatever its offset in the blocks. */
+void lds_dequantize_range(const uint8_t *codes, const uint16_t *scales, float *out, int64_t first, int64_t count,
+                          int32_t block, int32_t bits) {
+    const int64_t block_bytes = (int64_t)block * bits / 8, end = first + count;
+    float partial[MAX_BLOCK];
+    for (int64_t b = first / block; b * block < end; b++) {
+        const int64_t lo = b * block > first ? b * block : first, hi = (b + 1) * block < end ? (b + 1) * block : end;
         const float step = from_bf16(scales[b]);
-        float *ob = out + b * block;
-        if (bits == 8) {
-            const int8_t *cb = (const int8_t *)codes + b * block;
-            if (accumulate)
-                for (int j = 0; j < block; j++) ob[j] += (float)cb[j] * step;
-            else
-                for (int j = 0; j < block; j++) ob[j] = (float)cb[j] * step;
+        if (hi - lo == block) {
+            dequantize_block(codes + b * block_bytes, step, out + (lo - first), block, bits, 0);
         } else {
-            const uint8_t *cb = codes + b * (block / 2);
-            float v[MAX_BLOCK];
-            for (int j = 0; j < block / 2; j++) {
-                v[2 * j] = (float)((int32_t)(cb[j] & 15) - 8);
-                v[2 * j + 1] = (float)((int32_t)(cb[j] >> 4) - 8);
-            }
-            if (accumulate)
-                for (int j = 0; j < block; j++) ob[j] += v[j] * step;
-            else
-                for (int j = 0; j < block; j++) ob[j] = v[j] * step;
+            dequantize_block(codes + b * block_bytes, step, partial, block, bits, 0);
+            memcpy(out + (lo - first), partial + (lo - b * block), (size_t)(hi - lo) * sizeof(float));
         }
     }
 }

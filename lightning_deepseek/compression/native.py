@@ -115,6 +115,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.lds_quantize.restype = None
     lib.lds_dequantize.argtypes = [ptr, ptr, ptr, i64, i32, i32, i32]
     lib.lds_dequantize.restype = None
+    lib.lds_dequantize_range.argtypes = [ptr, ptr, ptr, i64, i64, i32, i32]
+    lib.lds_dequantize_range.restype = None
     return lib
 
 
@@ -162,6 +164,17 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bit
     assert lib is not None and out.dtype == torch.float32
     lib.lds_dequantize(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), scales.numel(), block_size, bits,
                        int(accumulate))
+
+
+def dequantize_range(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, first: int, bits: int,
+                     block_size: int) -> None:
+    """``out = `` values ``[first, first + out.numel())`` of the quantized row ``codes``/``scales`` (contiguous CPU,
+    ``out`` float32): a block-unaligned slice dequantized straight into its destination."""
+    lib = library()
+    assert lib is not None and out.dtype == torch.float32 and out.is_contiguous()
+    assert first >= 0 and first + out.numel() <= scales.numel() * block_size
+    lib.lds_dequantize_range(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), first, out.numel(), block_size,
+                             bits)
 
 
 def main() -> None:

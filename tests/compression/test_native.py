@@ -99,3 +99,17 @@ def test_prebuild_command_prints_the_library_or_fails_with_the_reason(fresh: Pat
     built = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, built.stderr
     assert Path(built.stdout.strip()).parent == fresh and Path(built.stdout.strip()).exists()
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequantize_range_matches_a_slice_of_the_full_dequantize(bits: int) -> None:
+    block_size = 32
+    x = torch.randn(20 * block_size, generator=torch.Generator().manual_seed(0))
+    codes, scales = quantize(x, bits, block_size)
+    full = dequantize(codes, scales, bits, block_size)
+    # Unaligned starts and ends, inside one block, across many, a whole block, the very end.
+    for first, count in [(0, 640), (5, 3), (31, 2), (30, 100), (64, 32), (600, 40), (639, 1)]:
+        out = torch.full((count,), float("nan"))
+        native.dequantize_range(codes, scales, out, first, bits, block_size)
+        assert torch.equal(out, full[first:first + count]), (first, count)
