@@ -7,8 +7,8 @@ CUDA alike; on CPU, native kernels take over where they can (below).
 
 Costs: the payload is ``numel * bits / 8`` bytes plus 2 bytes per block. Compute: on CPU, round-to-nearest on
 contiguous float32 tensors runs in the native kernels of ``native.py`` (one pass over memory per call; an int8
-round trip with the error-feedback residual at ~0.55x of a memory copy on one core of the development CPU, int4
-~0.45x). Everything else (stochastic rounding, other dtypes, strided views, accelerators, no C compiler, or
+round trip with the error-feedback residual at ~0.5x of a memory copy on one core of the development CPU, int4
+~0.4x). Everything else (stochastic rounding, other dtypes, strided views, accelerators, no C compiler, or
 ``LDS_NATIVE_KERNELS=0``) runs the eager PyTorch formulation below, which gives bitwise the same codes, scales and
 residuals (signed zeros of all-zero blocks aside; ``tests/compression/test_quantize.py`` runs every test on both).
 The eager path is arranged so that each value crosses DRAM about once: on CPU the tensor is processed in tiles of
