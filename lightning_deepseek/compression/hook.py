@@ -13,6 +13,11 @@ The exchange of one bucket of N values over W ranks never sums integers:
 3. dequantize, sum in fp32, average, re-quantize chunk r;
 4. ``all_gather`` of the re-quantized chunks on a second communicator, dequantize into the bucket.
 
+With two ranks (and one) the exchange is instead a single ``all_gather`` of every rank's quantized bucket, each
+rank dequantizing and summing them in rank order: the same bytes as steps 2 and 4 together, one collective instead
+of two on the critical path, no re-quantization (one quantization error, not two), and no phase 2. (With W ranks
+it would send W/2 times the bytes of steps 2 and 4, so more ranks take the two-phase exchange.)
+
 Steps 2-4 run in future callbacks chained with ``.then``: nothing waits inside the hook, so buckets are exchanged
 while backward computes the next ones. Every rank dequantizes the same gathered bytes, so replicas stay
 bit-identical. Phase-2 collectives are issued from callback threads, which complete in any order, so they go to
@@ -36,11 +41,11 @@ buffers of about ``N * bits / 2`` bytes.
 
 Error feedback: the phase-1 residual ``e1 = x - Q(x)`` and the phase-2 residual of the owned chunk ``e2`` are
 both folded into one per-parameter residual ``e1 + W * e2`` added to the next step's gradient (``e2`` enters the
-average once, through the owner). Residuals are addressed by parameter name (views into the plan's buffer), so
-they follow their parameters when DDP rebuilds its buckets after the first iteration, and a checkpoint stores
-them per parameter. Quantization blocks follow the parameters' order in the model, not DDP's order inside a
-bucket, so a resumed run (whose fresh DDP starts with the initial bucket order) is bit-identical to an
-uninterrupted one when the bucket membership is the same.
+average once, through the owner; with two ranks there is only ``e1``). Residuals are addressed by parameter name
+(views into the plan's buffer), so they follow their parameters when DDP rebuilds its buckets after the first
+iteration, and a checkpoint stores them per parameter. Quantization blocks follow the parameters' order in the
+model, not DDP's order inside a bucket, so a resumed run (whose fresh DDP starts with the initial bucket order) is
+bit-identical to an uninterrupted one when the bucket membership is the same.
 
 Why not torch's hooks: ``quantization_pertensor_hook`` sums integers after an all-gather (W times the traffic,
 and it crashes on gloo), PowerSGD is low-rank (biased without warm start, not byte-predictable), and
@@ -324,6 +329,7 @@ class _Plan:
     gathered: torch.Tensor  # (W, row bytes)
     bits: int
     block_size: int
+    single: bool  # one all-gather of whole quantized buckets (W <= 2): `recv` is (W, W, row bytes), no phase 2
     def codes(self, buffer: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """The codes of values ``[lo, hi)`` of a chunk, in a message row (or rows)."""
         return buffer[..., lo * self.bits // 8:hi * self.bits // 8]
@@ -357,10 +363,13 @@ def _plan(state: CompressionState, names: Sequence[str], sizes: Sequence[int], d
     for other in [k for k in state.plans if set(k) & set(key)]:
         del state.plans[other]  # DDP rebuilt its buckets: the residuals moved into the new plan above
     row = payload_bytes(layout.chunk, cfg.bits, cfg.block_size)
-    plan = _Plan(layout, residual, torch.empty(ws, row, dtype=torch.uint8, device=device),
-                 torch.empty(ws, row, dtype=torch.uint8, device=device),
-                 torch.empty(row, dtype=torch.uint8, device=device),
-                 torch.empty(ws, row, dtype=torch.uint8, device=device), cfg.bits, cfg.block_size)
+    single = ws <= 2
+
+    def buffer(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=torch.uint8, device=device)
+
+    plan = _Plan(layout, residual, buffer(ws, row), buffer(ws, ws, row) if single else buffer(ws, row),
+                 buffer(0 if single else row), buffer(0 if single else ws, row), cfg.bits, cfg.block_size, single)
     state.plans[key] = plan
     return plan
 
@@ -368,6 +377,26 @@ def _plan(state: CompressionState, names: Sequence[str], sizes: Sequence[int], d
 def _tiles(length: int, device: torch.device, block_size: int) -> list[tuple[int, int]]:
     step = length if device.type != "cpu" else max(block_size, TILE_VALUES // block_size * block_size)
     return [(a, min(a + step, length)) for a in range(0, length, step)]
+
+
+def _average_into(state: CompressionState, plan: _Plan, flats: Sequence[torch.Tensor],
+                  tiles: Sequence[tuple[int, int]]) -> None:
+    """Single all-gather exchange: every rank's quantized bucket is in ``plan.recv``; per tile, sum them in rank
+    order (the same on every rank, so replicas stay identical), average, and write into the gradients."""
+    layout, chunk, bits, bs, ws = plan.layout, plan.layout.chunk, plan.bits, plan.block_size, plan.recv.shape[0]
+    with state.scratch(tiles[0][1], flats[0].device) as acc:
+        for r in range(ws):  # chunk r of the bucket
+            for a, b in tiles:
+                lo = r * chunk + a
+                if lo >= layout.numel:
+                    break
+                total = acc[:b - a]
+                for source in range(ws):
+                    row = plan.recv[source, r]
+                    dequantize(plan.codes(row, a, b), plan.scales(row, a, b), bits, bs, out=total,
+                               accumulate=source > 0)
+                total.div_(ws)
+                layout.scatter(total, lo, min(r * chunk + b, layout.numel), flats)
 
 
 def _dequantize_into(state: CompressionState, plan: _Plan, flats: Sequence[torch.Tensor],
@@ -429,10 +458,33 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
                          codes=plan.codes(plan.send[r], a, b), scales=plan.scales(plan.send[r], a, b))
                 if state.track_error:
                     state.error_sq.append(x.square().sum())
+    result = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+    if plan.single:
+        gathered = _all_gather_single(plan.recv.view(-1), plan.send.view(-1), group=state.process_group,
+                                      async_op=True).get_future()
+        phase1_seconds = time.perf_counter() - start
+
+        def average(fut: torch.futures.Future) -> None:
+            try:
+                fut.value()
+                t0 = time.perf_counter()
+                _average_into(state, plan, flats, tiles)
+                if plan.residual is not None:
+                    # A non-finite bucket leaves NaN residuals: the next step's begin_step zeroes them all.
+                    state._finite_flags.append(torch.isfinite(plan.scales(plan.recv, 0, chunk)).all())
+                state._add((ws - 1) * plan.send.numel(), fp32_allreduce_bytes(numel, ws),  # to every other rank
+                           phase1_seconds + time.perf_counter() - t0)
+                state.num_compressed_buckets += 1
+            except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
+                result.set_exception(exc)
+                return
+            result.set_result(out)
+
+        gathered.then(average)
+        return result
+
     a2a = dist.all_to_all_single(plan.recv, plan.send, group=state.process_group, async_op=True).get_future()
     phase1_seconds = time.perf_counter() - start
-
-    result = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
     issued = torch.futures.Future()
     previous = state._issued if state._issued is not None else _completed(None, torch.device("cpu"))
     state._issued = issued
@@ -472,7 +524,8 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
             if plan.residual is not None:
                 # A non-finite bucket leaves NaN residuals: the next step's begin_step zeroes them all.
                 state._finite_flags.append(torch.isfinite(plan.scales(plan.gathered, 0, chunk)).all())
-            state._add(compressed_bytes(numel, ws, bits, bs), fp32_allreduce_bytes(numel, ws),
+            # Sent: a row to each other rank in the all-to-all, the re-quantized chunk to each in the all-gather.
+            state._add((ws - 1) * (plan.send.shape[1] + plan.send2.numel()), fp32_allreduce_bytes(numel, ws),
                        phase1_seconds + seconds + time.perf_counter() - t0)
             state.num_compressed_buckets += 1
         except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
