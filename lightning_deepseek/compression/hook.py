@@ -58,7 +58,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -459,28 +459,29 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
                 if state.track_error:
                     state.error_sq.append(x.square().sum())
     result = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
-    if plan.single:
+
+    def finish(fut: torch.futures.Future, received: torch.Tensor, write: Callable[..., None], sent: int,
+               seconds: float) -> None:
+        """The last collective is done: write the average into the gradients, check finiteness, count."""
+        try:
+            fut.value()
+            t0 = time.perf_counter()
+            write(state, plan, flats, tiles)
+            if plan.residual is not None:
+                # A non-finite bucket leaves NaN residuals: the next step's begin_step zeroes them all.
+                state._finite_flags.append(torch.isfinite(plan.scales(received, 0, chunk)).all())
+            state._add(sent, fp32_allreduce_bytes(numel, ws), phase1_seconds + seconds + time.perf_counter() - t0)
+            state.num_compressed_buckets += 1
+        except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
+            result.set_exception(exc)
+            return
+        result.set_result(out)
+
+    if plan.single:  # every rank's whole quantized bucket, to every other rank
         gathered = _all_gather_single(plan.recv.view(-1), plan.send.view(-1), group=state.process_group,
                                       async_op=True).get_future()
         phase1_seconds = time.perf_counter() - start
-
-        def average(fut: torch.futures.Future) -> None:
-            try:
-                fut.value()
-                t0 = time.perf_counter()
-                _average_into(state, plan, flats, tiles)
-                if plan.residual is not None:
-                    # A non-finite bucket leaves NaN residuals: the next step's begin_step zeroes them all.
-                    state._finite_flags.append(torch.isfinite(plan.scales(plan.recv, 0, chunk)).all())
-                state._add((ws - 1) * plan.send.numel(), fp32_allreduce_bytes(numel, ws),  # to every other rank
-                           phase1_seconds + time.perf_counter() - t0)
-                state.num_compressed_buckets += 1
-            except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
-                result.set_exception(exc)
-                return
-            result.set_result(out)
-
-        gathered.then(average)
+        gathered.then(lambda f: finish(f, plan.recv, _average_into, (ws - 1) * plan.send.numel(), 0.0))
         return result
 
     a2a = dist.all_to_all_single(plan.recv, plan.send, group=state.process_group, async_op=True).get_future()
@@ -514,24 +515,9 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
             result.set_exception(exc)
             return
         issued.set_result(None)
-        work.get_future().then(lambda f: finish(f, seconds))
-
-    def finish(fut: torch.futures.Future, seconds: float) -> None:
-        try:
-            fut.value()
-            t0 = time.perf_counter()
-            _dequantize_into(state, plan, flats, tiles)
-            if plan.residual is not None:
-                # A non-finite bucket leaves NaN residuals: the next step's begin_step zeroes them all.
-                state._finite_flags.append(torch.isfinite(plan.scales(plan.gathered, 0, chunk)).all())
-            # Sent: a row to each other rank in the all-to-all, the re-quantized chunk to each in the all-gather.
-            state._add((ws - 1) * (plan.send.shape[1] + plan.send2.numel()), fp32_allreduce_bytes(numel, ws),
-                       phase1_seconds + seconds + time.perf_counter() - t0)
-            state.num_compressed_buckets += 1
-        except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
-            result.set_exception(exc)
-            return
-        result.set_result(out)
+        # Sent: a row to each other rank in the all-to-all, the re-quantized chunk to each in the all-gather.
+        sent = (ws - 1) * (plan.send.shape[1] + plan.send2.numel())
+        work.get_future().then(lambda f: finish(f, plan.gathered, _dequantize_into, sent, seconds))
 
     torch.futures.collect_all([a2a, previous]).then(reduce_chunk)
     return result
