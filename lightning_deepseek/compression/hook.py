@@ -379,31 +379,38 @@ def _tiles(length: int, device: torch.device, block_size: int) -> list[tuple[int
     return [(a, min(a + step, length)) for a in range(0, length, step)]
 
 
-def _average_into(state: CompressionState, plan: _Plan, flats: Sequence[torch.Tensor],
-                  tiles: Sequence[tuple[int, int]]) -> None:
-    """Single all-gather exchange: every rank's quantized bucket is in ``plan.recv``; per tile, sum them in rank
-    order (the same on every rank, so replicas stay identical), average, and write into the gradients."""
-    layout, chunk, bits, bs, ws = plan.layout, plan.layout.chunk, plan.bits, plan.block_size, plan.recv.shape[0]
+def _write_average(state: CompressionState, plan: _Plan, flats: Sequence[torch.Tensor],
+                   tiles: Sequence[tuple[int, int]], rows: Callable[[int], list[torch.Tensor]]) -> None:
+    """Per tile of every chunk ``r``: dequantize and sum the message rows ``rows(r)`` in order (the same on every
+    rank, so replicas stay identical), average them, and scatter the result into the gradients."""
+    layout, chunk, bits, bs = plan.layout, plan.layout.chunk, plan.bits, plan.block_size
     with state.scratch(tiles[0][1], flats[0].device) as acc:
-        for r in range(ws):  # chunk r of the bucket
+        for r in range(plan.send.shape[0]):  # chunk r of the bucket
+            sources = rows(r)
             for a, b in tiles:
                 lo = r * chunk + a
                 if lo >= layout.numel:
                     break
                 total = acc[:b - a]
-                for source in range(ws):
-                    row = plan.recv[source, r]
+                for i, row in enumerate(sources):
                     dequantize(plan.codes(row, a, b), plan.scales(row, a, b), bits, bs, out=total,
-                               accumulate=source > 0)
-                total.div_(ws)
+                               accumulate=i > 0)
+                if len(sources) > 1:
+                    total.div_(len(sources))
                 layout.scatter(total, lo, min(r * chunk + b, layout.numel), flats)
+
+
+def _average_into(state: CompressionState, plan: _Plan, flats: Sequence[torch.Tensor],
+                  tiles: Sequence[tuple[int, int]]) -> None:
+    """Single all-gather exchange: every rank's quantized bucket is in ``plan.recv``; average them."""
+    _write_average(state, plan, flats, tiles, lambda r: list(plan.recv[:, r]))
 
 
 def _dequantize_into(state: CompressionState, plan: _Plan, flats: Sequence[torch.Tensor],
                      tiles: Sequence[tuple[int, int]]) -> None:
     """Write the gathered average into the gradients: straight from the message with the native CPU kernels when
     every gradient is contiguous float32, else tile by tile through a work buffer and a scatter."""
-    layout, chunk, bits, bs = plan.layout, plan.layout.chunk, plan.bits, plan.block_size
+    layout, chunk = plan.layout, plan.layout.chunk
     if native.usable(*flats) and all(f.dtype == torch.float32 for f in flats) and native.library() is not None:
         for r, row in enumerate(plan.gathered):
             lo, hi = r * chunk, min((r + 1) * chunk, layout.numel)
@@ -411,17 +418,9 @@ def _dequantize_into(state: CompressionState, plan: _Plan, flats: Sequence[torch
                 break
             codes, scales = plan.codes(row, 0, chunk), plan.scales(row, 0, chunk)
             for i, start, pos, n in layout.segments(lo, hi):
-                native.dequantize_range(codes, scales, flats[i][start:start + n], pos, bits, bs)
+                native.dequantize_range(codes, scales, flats[i][start:start + n], pos, plan.bits, plan.block_size)
         return
-    with state.scratch(tiles[0][1], flats[0].device) as values:
-        for r in range(plan.gathered.shape[0]):
-            for a, b in tiles:
-                lo = r * chunk + a
-                if lo >= layout.numel:
-                    break
-                dequantize(plan.codes(plan.gathered[r], a, b), plan.scales(plan.gathered[r], a, b), bits, bs,
-                           out=values[:b - a])
-                layout.scatter(values[:b - a], lo, min(r * chunk + b, layout.numel), flats)
+    _write_average(state, plan, flats, tiles, lambda r: [plan.gathered[r]])
 
 
 def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor], names: Sequence[str],
