@@ -381,9 +381,20 @@ def _tiles(length: int, device: torch.device, block_size: int) -> list[tuple[int
 
 def _write_average(state: CompressionState, plan: _Plan, flats: Sequence[torch.Tensor],
                    tiles: Sequence[tuple[int, int]], rows: Callable[[int], list[torch.Tensor]]) -> None:
-    """Per tile of every chunk ``r``: dequantize and sum the message rows ``rows(r)`` in order (the same on every
-    rank, so replicas stay identical), average them, and scatter the result into the gradients."""
+    """For every chunk ``r``: dequantize and sum the message rows ``rows(r)`` in order (the same on every rank, so
+    replicas stay identical), average them, and write the result into the gradients: straight from the messages
+    with the native CPU kernels when every gradient is contiguous float32, else tile by tile through a work buffer
+    and a scatter."""
     layout, chunk, bits, bs = plan.layout, plan.layout.chunk, plan.bits, plan.block_size
+    if native.usable(*flats) and all(f.dtype == torch.float32 for f in flats) and native.library() is not None:
+        for r in range(plan.send.shape[0]):
+            lo, hi = r * chunk, min((r + 1) * chunk, layout.numel)
+            if lo >= hi:
+                break
+            sources = [(plan.codes(row, 0, chunk), plan.scales(row, 0, chunk)) for row in rows(r)]
+            for i, start, pos, n in layout.segments(lo, hi):
+                native.average_range(sources, flats[i][start:start + n], pos, bits, bs)
+        return
     with state.scratch(tiles[0][1], flats[0].device) as acc:
         for r in range(plan.send.shape[0]):  # chunk r of the bucket
             sources = rows(r)
@@ -408,18 +419,7 @@ def _average_into(state: CompressionState, plan: _Plan, flats: Sequence[torch.Te
 
 def _dequantize_into(state: CompressionState, plan: _Plan, flats: Sequence[torch.Tensor],
                      tiles: Sequence[tuple[int, int]]) -> None:
-    """Write the gathered average into the gradients: straight from the message with the native CPU kernels when
-    every gradient is contiguous float32, else tile by tile through a work buffer and a scatter."""
-    layout, chunk = plan.layout, plan.layout.chunk
-    if native.usable(*flats) and all(f.dtype == torch.float32 for f in flats) and native.library() is not None:
-        for r, row in enumerate(plan.gathered):
-            lo, hi = r * chunk, min((r + 1) * chunk, layout.numel)
-            if lo >= hi:
-                break
-            codes, scales = plan.codes(row, 0, chunk), plan.scales(row, 0, chunk)
-            for i, start, pos, n in layout.segments(lo, hi):
-                native.dequantize_range(codes, scales, flats[i][start:start + n], pos, plan.bits, plan.block_size)
-        return
+    """Two-phase exchange: the owners' re-quantized averages are in ``plan.gathered``; write them."""
     _write_average(state, plan, flats, tiles, lambda r: [plan.gathered[r]])
 
 

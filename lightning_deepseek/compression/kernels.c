@@ -144,20 +144,26 @@ void lds_dequantize(const uint8_t *codes, const uint16_t *scales, float *out, in
         dequantize_block(codes + b * block_bytes, from_bf16(scales[b]), out + b * block, block, bits, accumulate);
 }
 
-/* out[0..count) = values [first, first + count) of a quantized row (codes and scales from its start): writes a
- * gradient straight from the received message, whatever its offset in the blocks. */
-void lds_dequantize_range(const uint8_t *codes, const uint16_t *scales, float *out, int64_t first, int64_t count,
-                          int32_t block, int32_t bits) {
+/* out[0..count) = the average of values [first, first + count) of nrows quantized rows (codes[r] and scales[r]
+ * from each row's start): row 0 dequantized, the others added in order, divided by nrows (as the eager path:
+ * dequantize, dequantize(accumulate=True) per further row, div_). Writes a gradient straight from the received
+ * messages, whatever its offset in the blocks; nrows = 1 is a plain dequantize of the range. */
+void lds_average_range(const uint8_t *const *codes, const uint16_t *const *scales, int32_t nrows, float *out,
+                       int64_t first, int64_t count, int32_t block, int32_t bits) {
     const int64_t block_bytes = (int64_t)block * bits / 8, end = first + count;
-    float partial[MAX_BLOCK];
+    const float divisor = (float)nrows, inverse = 1.0f / divisor;
+    const int exact = (nrows & (nrows - 1)) == 0; /* x * (1/n) is x / n, bitwise, for n a power of two */
+    float acc[MAX_BLOCK];
     for (int64_t b = first / block; b * block < end; b++) {
         const int64_t lo = b * block > first ? b * block : first, hi = (b + 1) * block < end ? (b + 1) * block : end;
-        const float step = from_bf16(scales[b]);
-        if (hi - lo == block) {
-            dequantize_block(codes + b * block_bytes, step, out + (lo - first), block, bits, 0);
-        } else {
-            dequantize_block(codes + b * block_bytes, step, partial, block, bits, 0);
-            memcpy(out + (lo - first), partial + (lo - b * block), (size_t)(hi - lo) * sizeof(float));
-        }
+        float *dst = hi - lo == block ? out + (lo - first) : acc;
+        for (int32_t r = 0; r < nrows; r++)
+            dequantize_block(codes[r] + b * block_bytes, from_bf16(scales[r][b]), dst, block, bits, r > 0);
+        if (nrows > 1 && exact)
+            for (int j = 0; j < block; j++) dst[j] = dst[j] * inverse;
+        else if (nrows > 1)
+            for (int j = 0; j < block; j++) dst[j] = dst[j] / divisor;
+        if (dst == acc)
+            memcpy(out + (lo - first), acc + (lo - b * block), (size_t)(hi - lo) * sizeof(float));
     }
 }

@@ -29,6 +29,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -115,8 +116,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.lds_quantize.restype = None
     lib.lds_dequantize.argtypes = [ptr, ptr, ptr, i64, i32, i32, i32]
     lib.lds_dequantize.restype = None
-    lib.lds_dequantize_range.argtypes = [ptr, ptr, ptr, i64, i64, i32, i32]
-    lib.lds_dequantize_range.restype = None
+    lib.lds_average_range.argtypes = [ptr, ptr, i32, ptr, i64, i64, i32, i32]
+    lib.lds_average_range.restype = None
     return lib
 
 
@@ -166,15 +167,18 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bit
                        int(accumulate))
 
 
-def dequantize_range(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, first: int, bits: int,
-                     block_size: int) -> None:
-    """``out = `` values ``[first, first + out.numel())`` of the quantized row ``codes``/``scales`` (contiguous CPU,
-    ``out`` float32): a block-unaligned slice dequantized straight into its destination."""
+def average_range(rows: Sequence[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor, first: int, bits: int,
+                  block_size: int) -> None:
+    """``out = `` the average over ``rows`` (``(codes, scales)`` of quantized rows, contiguous CPU) of their values
+    ``[first, first + out.numel())``, summed in order: a block-unaligned slice of the average written straight into
+    its destination (``out`` contiguous float32). One row is a plain dequantize of the slice."""
     lib = library()
     assert lib is not None and out.dtype == torch.float32 and out.is_contiguous()
-    assert first >= 0 and first + out.numel() <= scales.numel() * block_size
-    lib.lds_dequantize_range(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), first, out.numel(), block_size,
-                             bits)
+    assert all(first >= 0 and first + out.numel() <= scales.numel() * block_size for _, scales in rows)
+    n = len(rows)
+    codes = (ctypes.c_void_p * n)(*[c.data_ptr() for c, _ in rows])
+    scales = (ctypes.c_void_p * n)(*[s.data_ptr() for _, s in rows])
+    lib.lds_average_range(codes, scales, n, out.data_ptr(), first, out.numel(), block_size, bits)
 
 
 def main() -> None:

@@ -103,13 +103,21 @@ def test_prebuild_command_prints_the_library_or_fails_with_the_reason(fresh: Pat
 
 @needs_compiler
 @pytest.mark.parametrize("bits", [8, 4])
-def test_dequantize_range_matches_a_slice_of_the_full_dequantize(bits: int) -> None:
+@pytest.mark.parametrize("nrows", [1, 2, 3])
+def test_average_range_matches_a_slice_of_the_eager_average(bits: int, nrows: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     block_size = 32
-    x = torch.randn(20 * block_size, generator=torch.Generator().manual_seed(0))
-    codes, scales = quantize(x, bits, block_size)
-    full = dequantize(codes, scales, bits, block_size)
+    gen = torch.Generator().manual_seed(0)
+    rows = [quantize(torch.randn(20 * block_size, generator=gen) * (r + 1), bits, block_size) for r in range(nrows)]
+    monkeypatch.setenv("LDS_NATIVE_KERNELS", "0")  # the reference: eager dequantize, accumulate, div_ (tile path)
+    full = dequantize(*rows[0], bits, block_size)
+    for codes, scales in rows[1:]:
+        dequantize(codes, scales, bits, block_size, out=full, accumulate=True)
+    if nrows > 1:
+        full.div_(nrows)
+    monkeypatch.delenv("LDS_NATIVE_KERNELS")
     # Unaligned starts and ends, inside one block, across many, a whole block, the very end.
     for first, count in [(0, 640), (5, 3), (31, 2), (30, 100), (64, 32), (600, 40), (639, 1)]:
         out = torch.full((count,), float("nan"))
-        native.dequantize_range(codes, scales, out, first, bits, block_size)
+        native.average_range(rows, out, first, bits, block_size)
         assert torch.equal(out, full[first:first + count]), (first, count)
