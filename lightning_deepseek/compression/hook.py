@@ -26,8 +26,9 @@ their own communicator and are chained bucket after bucket: issue order is then 
 Memory traffic: each bucket has a plan (made on first use) holding its residual and its four message buffers,
 reused every step. On CPU every step works tile by tile (2 MiB of fp32): a tile is gathered from the gradients
 (adding the residual), quantized straight into the send buffer with the new residual written back in the same
-pass; phase 2 dequantizes and sums every rank's tile into one cache-resident accumulator; the gathered result is
-dequantized one tile at a time and scattered into the gradients. No full-size fp32 temporary exists: about five
+pass; phase 2 dequantizes and sums every rank's tile into one cache-resident accumulator; the received rows are
+averaged straight into the gradients by one native kernel (on the eager path, one tile at a time through a work
+buffer and a scatter). No full-size fp32 temporary exists: about five
 fp32 passes over the bucket reach DRAM (read gradient and residual, write residual and result, the owned chunk's
 residual once more) instead of about fifteen for the straightforward formulation (concatenate, add, quantize,
 pack, dequantize all ranks, sum, re-quantize, dequantize, copy back). The tile-sized work buffers come from a

@@ -2,11 +2,12 @@
 
 Why our own: the gradient exchange spends its CPU time in quantize/dequantize, on the same cores as backward, so
 their speed is step time. Eager PyTorch needs about ten ops per tile (0.35x of a memory copy for an int8 round trip
-on one core of the development CPU), ``torch.compile`` (inductor C++) fuses them but its per-block reduction runs
-at 0.11x and compiles for seconds per process, and torch's C++-extension toolchain needs ninja, the torch headers
-and about a minute of compile. ``kernels.c`` is two loops over blocks in plain C with vector extensions, no
-headers beyond libc: it compiles in about 0.3 s, vectorises without fast-math and runs the round trip at about
-0.5x of a memory copy (``benchmarks/compression/kernels.py``). Results equal the eager path bitwise
+on one core of the development CPU), ``torch.compile`` (inductor C++) fuses them but its per-block reduction runs at
+0.11x and compiles for seconds per process, and torch's C++-extension toolchain needs ninja, the torch headers and
+about a minute of compile. ``kernels.c`` is three loops over blocks (quantize; dequantize; average received rows
+into a slice of a gradient) in plain C with vector extensions, no headers beyond libc: it compiles in about 0.3 s,
+vectorises without fast-math and runs the round trip at about 0.5x of a memory copy
+(``benchmarks/compression/kernels.py``). Results equal the eager path bitwise
 (``tests/compression/test_native.py``), so which one runs never changes what a model learns.
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native`` (retried without ``-march=native`` if the compiler
