@@ -9,7 +9,7 @@ per configuration and repetition, medians). Every configuration uses the same DD
 3.3 M-parameter model then has four buckets, so exchanges can overlap with backward; with DDP's 25 MB default it has
 one, and nothing can). Communication share = (step - same step under ``no_sync``) / step, both measured in the same
 process one after the other, so compression compute that is not hidden counts as communication. The default points:
-1 Gbit at batch 7x64 (fp32 communicates about a third of the step: 34-35% measured) and 8x64 (22-31%: the share
+1 Gbit at batch 7x64 (fp32 communicates about a third of the step: 31-35% measured) and 8x64 (22-31%: the share
 moves with the machine's noise), 2x64 and 1x16 (communication-bound), 10 Gbit at 2x64. Validation loss: the example
 GPT trained the same number of steps per configuration and seed (2 local ranks; numerics do not depend on the link),
 reported as the mean over seeds of the ratio to fp32 of the same seed. Kernel throughput: see ``kernels.py``. Prints
