@@ -126,21 +126,24 @@ def _check_resume(rank: int, ws: int) -> dict:
 
 def _check_native_matches_eager(rank: int, ws: int) -> dict:
     """The same training under the native CPU kernels and under eager torch: the quantizer is bitwise equal, so
-    the parameters must be too (int8 and int4, error feedback, several buckets, non-aligned tiles)."""
+    the parameters must be too (int8 and int4, error feedback, several buckets, non-aligned tiles). Also with
+    DDP's ``gradient_as_bucket_view=True``, where the gradients the hook writes are the parameters' own."""
     out = {}
     for bits, block_size in ((8, 128), (4, 32)):
         params = {}
-        for mode in ("1", "0"):
+        for mode, as_view in (("1", False), ("0", False), ("1", True)):
             os.environ["LDS_NATIVE_KERNELS"] = mode
             torch.manual_seed(0)
-            ddp = DistributedDataParallel(_Net(), bucket_cap_mb=0.02)
+            ddp = DistributedDataParallel(_Net(), bucket_cap_mb=0.02, gradient_as_bucket_view=as_view)
             register_compression_hook(ddp, bits=bits, block_size=block_size, warmup_steps=1, min_bucket_numel=256)
             _run_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), rank, range(5))
-            params[mode] = [p.detach().clone() for p in ddp.parameters()]
+            params[mode, as_view] = [p.detach().clone() for p in ddp.parameters()]
         os.environ.pop("LDS_NATIVE_KERNELS")
+        native_params = params["1", False]
         out[bits] = {"native_built": native.library() is not None,
-                     "equal": all(torch.equal(a, b) for a, b in zip(params["1"], params["0"])),
-                     "moved": any(not torch.equal(a, b) for a, b in zip(params["1"], _Net().parameters()))}
+                     "equal": all(torch.equal(a, b) for a, b in zip(native_params, params["0", False])),
+                     "view_equal": all(torch.equal(a, b) for a, b in zip(native_params, params["1", True])),
+                     "moved": any(not torch.equal(a, b) for a, b in zip(native_params, _Net().parameters()))}
     return out
 
 
@@ -330,4 +333,4 @@ def test_native_kernels_train_bit_identically_to_eager_torch(gloo_results: tuple
     for res in (r["native"] for r in results):
         for bits, check in res.items():
             assert check["native_built"] or shutil.which("cc") is None, "a C compiler is here: the kernels must build"
-            assert check["equal"] and check["moved"], (bits, check)
+            assert check["equal"] and check["view_equal"] and check["moved"], (bits, check)
