@@ -23,17 +23,16 @@ while backward computes the next ones. Every rank dequantizes the same gathered 
 bit-identical. Phase-2 collectives are issued from callback threads, which complete in any order, so they go to
 their own communicator and are chained bucket after bucket: issue order is then the same on every rank.
 
-Memory traffic: each bucket has a plan (made on first use) holding its residual and its four message buffers,
-reused every step. On CPU every step works tile by tile (2 MiB of fp32): a tile is gathered from the gradients
-(adding the residual), quantized straight into the send buffer with the new residual written back in the same
-pass; phase 2 dequantizes and sums every rank's tile into one cache-resident accumulator; the received rows are
-averaged straight into the gradients by one native kernel (on the eager path, one tile at a time through a work
-buffer and a scatter). No full-size fp32 temporary exists: about five
-fp32 passes over the bucket reach DRAM (read gradient and residual, write residual and result, the owned chunk's
-residual once more) instead of about fifteen for the straightforward formulation (concatenate, add, quantize,
-pack, dequantize all ranks, sum, re-quantize, dequantize, copy back). The tile-sized work buffers come from a
-small per-state pool (fresh ones were page-faulted on every call). On CPU the quantizer runs in native kernels
-(``native.py``). On accelerators one tile spans the chunk.
+Memory traffic: each bucket has a plan (made on first use) holding its residual and its four message buffers, reused
+every step. On CPU every step works tile by tile (2 MiB of fp32): a tile is gathered from the gradients (adding the
+residual), quantized straight into the send buffer with the new residual written back in the same pass; phase 2
+dequantizes and sums every rank's tile into one cache-resident accumulator; the received rows are averaged straight
+into the gradients by one native kernel (on the eager path, one tile at a time through a work buffer and a scatter).
+No full-size fp32 temporary exists: about five fp32 passes over the bucket reach DRAM (read gradient and residual,
+write residual and result, the owned chunk's residual once more) instead of about fifteen for the straightforward
+formulation (concatenate, add, quantize, pack, dequantize all ranks, sum, re-quantize, dequantize, copy back). The
+tile-sized work buffers come from a small per-state pool (fresh ones were page-faulted on every call). On CPU the
+quantizer runs in native kernels (``native.py``). On accelerators one tile spans the chunk.
 
 Costs per bucket and rank: ``2 * (W - 1) * (N / W * bits / 8 + 2 * N / (W * block_size))`` bytes sent, against
 ``2 * (W - 1) / W * 4 * N`` for a ring fp32 all-reduce (0.254x for int8 at ``block_size=128``, 0.133x for int4 at
