@@ -12,8 +12,9 @@ process one after the other, so compression compute that is not hidden counts as
 1 Gbit at batch 7x64 (fp32 communicates about a third of the step: 31-35% measured) and 8x64 (22-31%: the share
 moves with the machine's noise), 2x64 and 1x16 (communication-bound), 10 Gbit at 2x64. Validation loss: the example
 GPT trained the same number of steps per configuration and seed (2 local ranks; numerics do not depend on the link),
-reported as the mean over seeds of the ratio to fp32 of the same seed. Kernel throughput: see ``kernels.py``. Prints
-markdown tables.
+reported as the mean over seeds of the ratio to fp32 of the same seed. Kernel throughput: see ``kernels.py``.
+``--configs`` also takes ``wire_int8``/``wire_int4``: a timing oracle that sends our exchange's bytes with no
+compression compute (``worker.WireOnly``). Prints markdown tables.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_deepseek import register_compression_hook
-from lightning_deepseek.compression.hook import fp32_allreduce_bytes
+from lightning_deepseek.compression.hook import _all_gather_single, fp32_allreduce_bytes
+from lightning_deepseek.compression.quantize import payload_bytes
 from lightning_deepseek.data.text import read_corpus
 from lightning_deepseek.models import GPT, GPTConfig
 
@@ -31,7 +32,35 @@ CONFIGS = ["fp32", "fp16_hook", "powersgd_r4"] + [
     for bits in (8, 4) for ef in (True, False) for overlap in (True, False)
 ]
 # Also accepted: any of ours with an "_eager" suffix runs the eager torch quantizer instead of the native CPU
-# kernels (same numerics), e.g. "int8_ef_eager", to measure what the kernels buy side by side.
+# kernels (same numerics), e.g. "int8_ef_eager", to measure what the kernels buy side by side; and "wire_int8" /
+# "wire_int4", a timing oracle (see WireOnly).
+
+
+class WireOnly:
+    """Timing oracle, not a compressor: per bucket, the one all-gather our two-rank exchange sends (each rank's
+    quantized bucket, codes and scales, the same bytes), of a buffer nobody quantized; gradients stay unaveraged.
+    Its step time is what ours would be if compression compute were free, on the same wire, threads and cores."""
+
+    def __init__(self, bits: int, block_size: int) -> None:
+        self.bits, self.block_size = bits, block_size
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.bytes_sent = 0
+
+    @staticmethod
+    def hook(oracle, bucket):  # noqa: ANN001, ANN205 - DDP rejects string annotations (PEP 563) on comm hooks
+        flat, ws = bucket.buffer(), dist.get_world_size()
+        assert ws == 2, "the oracle mirrors the two-rank exchange"
+        if bucket.index() == 0:
+            oracle.bytes_sent = 0
+        if flat.numel() not in oracle.buffers:  # by size: DDP rebuilds its buckets after the first step
+            unit = ws * oracle.block_size
+            row = payload_bytes(-(-flat.numel() // unit) * unit, oracle.bits, oracle.block_size)
+            oracle.buffers[flat.numel()] = (torch.zeros(row, dtype=torch.uint8),
+                                            torch.empty(ws * row, dtype=torch.uint8))
+        send, recv = oracle.buffers[flat.numel()]
+        oracle.bytes_sent += (ws - 1) * send.numel()
+        fut = _all_gather_single(recv, send, async_op=True).get_future()
+        return fut.then(lambda _: flat)
 
 
 def powersgd_bytes(model: torch.nn.Module, world_size: int, rank: int = 4) -> int:
@@ -54,6 +83,10 @@ def wrap(model: torch.nn.Module, name: str, bucket_mb: float = 25.0) -> tuple[Di
     elif name == "powersgd_r4":
         state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    elif name.startswith("wire_int"):
+        bits = int(name[len("wire_int")])
+        state = WireOnly(bits, 128 if bits == 8 else 64)
+        ddp.register_comm_hook(state, WireOnly.hook)
     elif name.startswith("int"):
         bits = int(name[3])  # the presets' block sizes (conf/compression): int8 128, int4 64 (0.133x the fp32 bytes)
         state = register_compression_hook(ddp, bits=bits, block_size=128 if bits == 8 else 64,
