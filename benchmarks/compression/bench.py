@@ -37,15 +37,12 @@ WORKER = str(Path(__file__).with_name("worker.py"))
 PORT = 29731
 
 
-def run_on_testbed(rate: str, extra: list[str]) -> dict:
-    """Timing workers, one per emulated host, for one link rate."""
-    out = Path(tempfile.mkdtemp()) / "time.json"
+def run_two_hosts(rate: str, argv: list[str]) -> None:
+    """Run ``argv`` once per emulated host (ranks 0 and 1 of a gloo world), the hosts joined at ``rate``."""
     with Testbed(num_hosts=2, rate=rate, prefix="ldc", subnet="10.213.2") as bed:
         env = {"MASTER_ADDR": bed.ip(0), "MASTER_PORT": str(PORT), "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT),
                "OMP_NUM_THREADS": "1"}
-        procs = [subprocess.Popen(bed.command(h, [sys.executable, WORKER, "--mode", "time", "--out", str(out),
-                                                  *extra], env={**env, "RANK": str(h)}), cwd=ROOT)
-                 for h in range(2)]
+        procs = [subprocess.Popen(bed.command(h, argv, env={**env, "RANK": str(h)}), cwd=ROOT) for h in range(2)]
         try:
             codes = [p.wait(timeout=900) for p in procs]
         finally:
@@ -54,6 +51,12 @@ def run_on_testbed(rate: str, extra: list[str]) -> dict:
                     p.kill()
     if any(codes):
         raise RuntimeError(f"benchmark workers failed at {rate}: exit codes {codes}")
+
+
+def run_on_testbed(rate: str, extra: list[str]) -> dict:
+    """Timing workers, one per emulated host, for one link rate."""
+    out = Path(tempfile.mkdtemp()) / "time.json"
+    run_two_hosts(rate, [sys.executable, WORKER, "--mode", "time", "--out", str(out), *extra])
     return json.loads(out.read_text())
 
 

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,8 +33,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-
-PORT = 29741
 
 
 def traced(events: list, start: list[float], sizes: dict[int, int]):  # noqa: ANN201 - wraps any DDP comm hook
@@ -85,7 +81,6 @@ def rank_main(args: argparse.Namespace) -> None:
         DistributedDataParallel.register_comm_hook = register
         try:
             torch.manual_seed(0)
-            os.environ["LDS_NATIVE_KERNELS"] = "0" if name.endswith("_eager") else "1"
             ddp, _ = worker.wrap(GPT(cfg), name, args.bucket_mb)
             if name == "fp32":
                 ddp.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -133,19 +128,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.rank_main:
         return rank_main(args)
-    from benchmarks.testbed import Testbed
+    from bench import run_two_hosts
 
     out = Path(tempfile.mkdtemp()) / "trace.json"
-    argv = [sys.executable, __file__, "--rank-main", "--out", str(out), "--batch-size", str(args.batch_size),
-            "--configs", args.configs, "--steps", str(args.steps), "--model", args.model,
-            "--bucket-mb", str(args.bucket_mb)]
-    with Testbed(num_hosts=2, rate=args.rate, prefix="ldr", subnet="10.213.4") as bed:
-        env = {"MASTER_ADDR": bed.ip(0), "MASTER_PORT": str(PORT), "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT),
-               "OMP_NUM_THREADS": "1"}
-        procs = [subprocess.Popen(bed.command(h, argv, env={**env, "RANK": str(h)}), cwd=ROOT) for h in range(2)]
-        codes = [p.wait(timeout=600) for p in procs]
-    if any(codes):
-        raise SystemExit(f"trace workers failed: exit codes {codes}")
+    run_two_hosts(args.rate, [sys.executable, __file__, "--rank-main", "--out", str(out), "--batch-size",
+                              str(args.batch_size), "--configs", args.configs, "--steps", str(args.steps),
+                              "--model", args.model, "--bucket-mb", str(args.bucket_mb)])
     ranks = json.loads(out.read_text())
     print(f"{args.rate}, batch {args.batch_size}x{json.loads(args.model)['block_size']}: ms since the step began")
     for name in args.configs.split(","):

@@ -77,6 +77,7 @@ def wrap(model: torch.nn.Module, name: str, bucket_mb: float = 25.0) -> tuple[Di
     # torch's PowerSGD issues collectives from future callbacks on DDP's own group: with several buckets their
     # order differs between ranks and gloo aborts ("collective mismatch"), so it gets a single bucket.
     ddp = DistributedDataParallel(model, bucket_cap_mb=1024 if name == "powersgd_r4" else bucket_mb)
+    os.environ["LDS_NATIVE_KERNELS"] = "0" if name.endswith("_eager") else "1"  # our hook's quantizer
     state: object = None
     if name == "fp16_hook":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -130,7 +131,6 @@ def time_mode(args: argparse.Namespace, rank: int, world_size: int, data: torch.
     for _ in range(args.reps):
         for name in configs:  # interleaved: every configuration sees the same share of the machine's noise
             torch.manual_seed(0)
-            os.environ["LDS_NATIVE_KERNELS"] = "0" if name.endswith("_eager") else "1"
             ddp, state = wrap(GPT(cfg), name, args.bucket_mb)
             for i in range(args.steps + 2):  # two untimed steps: DDP's bucket rebuild, hook warm-ups
                 dist.barrier()
