@@ -4,17 +4,18 @@ Run as root from the repository root::
 
     .venv/bin/python benchmarks/compression/bench.py [--points 1gbit:8:64,1gbit:2:64,...] [--reps 3] [--seeds 4]
 
-Per link rate, one rank per namespace trains the same GPT under every configuration, interleaved (fresh DDP module
-per configuration and repetition, medians). Every configuration uses the same DDP buckets (``--bucket-mb``, 4 MB: a
-3.3 M-parameter model then has four buckets, so exchanges can overlap with backward; with DDP's 25 MB default it has
-one, and nothing can). Communication share = (step - same step under ``no_sync``) / step, both measured in the same
-process one after the other, so compression compute that is not hidden counts as communication. The default points:
-1 Gbit at batch 7x64 (fp32 communicates about a third of the step: 31-35% measured) and 8x64 (22-31%: the share
-moves with the machine's noise), 2x64 and 1x16 (communication-bound), 10 Gbit at 2x64. Validation loss: the example
-GPT trained the same number of steps per configuration and seed (2 local ranks; numerics do not depend on the link),
-reported as the mean over seeds of the ratio to fp32 of the same seed. Kernel throughput: see ``kernels.py``.
-``--configs`` also takes ``wire_int8``/``wire_int4``: a timing oracle that sends our exchange's bytes with no
-compression compute (``worker.WireOnly``). Prints markdown tables.
+Per link rate, one rank per namespace trains the same GPT under every configuration, interleaved (fresh DDP module per
+configuration and repetition, medians). Every configuration uses the same DDP buckets (``--bucket-mb``, 4 MB: a 3.3
+M-parameter model then has four buckets, so exchanges can overlap with backward; with DDP's 25 MB default it has one,
+and nothing can; ``--bucket-mb 4,4,2,1`` gives one cap per bucket in gradient-ready order, the last repeating, through
+DDP's ``bucket_cap_mb_list``: smaller last buckets, a shorter exposed tail). Communication share = (step - same step
+under ``no_sync``) / step, both measured in the same process one after the other, so compression compute that is not
+hidden counts as communication. The default points: 1 Gbit at batch 7x64 (fp32 communicates about a third of the step:
+31-35% measured) and 8x64 (22-31%: the share moves with the machine's noise), 2x64 and 1x16 (communication-bound), 10
+Gbit at 2x64. Validation loss: the example GPT trained the same number of steps per configuration and seed (2 local
+ranks; numerics do not depend on the link), reported as the mean over seeds of the ratio to fp32 of the same seed.
+Kernel throughput: see ``kernels.py``. ``--configs`` also takes ``wire_int8``/``wire_int4``: a timing oracle that sends
+our exchange's bytes with no compression compute (``worker.WireOnly``). Prints markdown tables.
 """
 
 from __future__ import annotations
@@ -121,8 +122,9 @@ def main() -> None:
                         help="the example model of the validation-loss runs (the 'tiny' preset)")
     parser.add_argument("--train-steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, default=4, help="validation-loss runs per configuration")
-    parser.add_argument("--bucket-mb", type=float, default=4.0,
-                        help="DDP bucket_cap_mb of every configuration (several buckets, so that overlap can happen)")
+    parser.add_argument("--bucket-mb", default="4",
+                        help="DDP bucket cap of every configuration in MB (several buckets, so that overlap can "
+                             "happen), or one cap per bucket in gradient-ready order, e.g. 4,4,2,1 (the last repeats)")
     parser.add_argument("--configs", help="comma-separated subset of the configurations (fp32 included); default all")
     parser.add_argument("--skip-loss", action="store_true", help="timing only")
     args = parser.parse_args()
@@ -131,7 +133,7 @@ def main() -> None:
         rate, batch_size, seq = point.split(":")
         model = json.dumps({**json.loads(args.model), "block_size": int(seq)})
         extra = ["--reps", str(args.reps), "--steps", str(args.steps), "--batch-size", batch_size, "--model", model,
-                 "--bucket-mb", str(args.bucket_mb)] + (["--configs", args.configs] if args.configs else [])
+                 "--bucket-mb", args.bucket_mb] + (["--configs", args.configs] if args.configs else [])
         results[f"{rate}, batch {batch_size}x{seq}"] = run_on_testbed(rate, extra)
     losses = {}
     if not args.skip_loss:

@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--configs", default="fp32,int8_ef", help="comma-separated, as in bench.py")
     parser.add_argument("--steps", type=int, default=6, help="steps per configuration; the last two are printed")
     parser.add_argument("--model", default='{"n_layer": 4, "n_embd": 256, "n_head": 4, "block_size": 64}')
-    parser.add_argument("--bucket-mb", type=float, default=4.0)
+    parser.add_argument("--bucket-mb", default="4", help="as bench.py's: one cap, or one per bucket (4,4,2,1)")
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -133,7 +133,7 @@ def main() -> None:
     out = Path(tempfile.mkdtemp()) / "trace.json"
     run_two_hosts(args.rate, [sys.executable, __file__, "--rank-main", "--out", str(out), "--batch-size",
                               str(args.batch_size), "--configs", args.configs, "--steps", str(args.steps),
-                              "--model", args.model, "--bucket-mb", str(args.bucket_mb)])
+                              "--model", args.model, "--bucket-mb", args.bucket_mb])
     ranks = json.loads(out.read_text())
     print(f"{args.rate}, batch {args.batch_size}x{json.loads(args.model)['block_size']}: ms since the step began")
     for name in args.configs.split(","):

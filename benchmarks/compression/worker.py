@@ -73,10 +73,17 @@ def powersgd_bytes(model: torch.nn.Module, world_size: int, rank: int = 4) -> in
     return fp32_allreduce_bytes(numel, world_size)
 
 
-def wrap(model: torch.nn.Module, name: str, bucket_mb: float = 25.0) -> tuple[DistributedDataParallel, object]:
+def bucket_caps(spec: str) -> dict:
+    """DDP's bucket keyword for ``--bucket-mb``: ``"4"`` (every bucket up to 4 MB) or ``"4,4,2,1"`` (one cap per
+    bucket in the order their gradients become ready, the last repeating: DDP's ``bucket_cap_mb_list``)."""
+    caps = [float(c) for c in spec.split(",")]
+    return {"bucket_cap_mb": caps[0]} if len(caps) == 1 else {"bucket_cap_mb_list": caps}
+
+
+def wrap(model: torch.nn.Module, name: str, bucket_mb: str = "25") -> tuple[DistributedDataParallel, object]:
     # torch's PowerSGD issues collectives from future callbacks on DDP's own group: with several buckets their
     # order differs between ranks and gloo aborts ("collective mismatch"), so it gets a single bucket.
-    ddp = DistributedDataParallel(model, bucket_cap_mb=1024 if name == "powersgd_r4" else bucket_mb)
+    ddp = DistributedDataParallel(model, **bucket_caps("1024" if name == "powersgd_r4" else bucket_mb))
     os.environ["LDS_NATIVE_KERNELS"] = "0" if name.endswith("_eager") else "1"  # our hook's quantizer
     state: object = None
     if name == "fp16_hook":
@@ -185,7 +192,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--train-steps", type=int, default=60)
     parser.add_argument("--seeds", type=int, default=1, help="loss mode: seeds 0..N-1 (model init and data order)")
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb of every configuration")
+    parser.add_argument("--bucket-mb", default="25", help="DDP bucket caps of every configuration (see bucket_caps)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset (fp32 first)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
