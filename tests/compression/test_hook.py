@@ -127,23 +127,33 @@ def _check_resume(rank: int, ws: int) -> dict:
 def _check_native_matches_eager(rank: int, ws: int) -> dict:
     """The same training under the native CPU kernels and under eager torch: the quantizer is bitwise equal, so
     the parameters must be too (int8 and int4, error feedback, several buckets, non-aligned tiles). Also with
-    DDP's ``gradient_as_bucket_view=True``, where the gradients the hook writes are the parameters' own."""
+    DDP's ``gradient_as_bucket_view=True``, where the gradients the hook writes are the parameters' own, and with
+    one cap per bucket (DDP's ``bucket_cap_mb_list``, small last buckets: the layout docs/compression.md suggests)."""
+    tapered = {"bucket_cap_mb_list": [0.01, 0.002]}
+    variants = {"native": {"bucket_cap_mb": 0.02}, "eager": {"bucket_cap_mb": 0.02},
+                "view": {"bucket_cap_mb": 0.02, "gradient_as_bucket_view": True},
+                "tapered": tapered, "tapered_eager": tapered}
     out = {}
     for bits, block_size in ((8, 128), (4, 32)):
-        params = {}
-        for mode, as_view in (("1", False), ("0", False), ("1", True)):
-            os.environ["LDS_NATIVE_KERNELS"] = mode
+        params, buckets = {}, {}
+        for name, kwargs in variants.items():
+            os.environ["LDS_NATIVE_KERNELS"] = "0" if name.endswith("eager") else "1"
             torch.manual_seed(0)
-            ddp = DistributedDataParallel(_Net(), bucket_cap_mb=0.02, gradient_as_bucket_view=as_view)
-            register_compression_hook(ddp, bits=bits, block_size=block_size, warmup_steps=1, min_bucket_numel=256)
+            ddp = DistributedDataParallel(_Net(), **kwargs)
+            state = register_compression_hook(ddp, bits=bits, block_size=block_size, warmup_steps=1,
+                                              min_bucket_numel=256)
             _run_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), rank, range(5))
-            params[mode, as_view] = [p.detach().clone() for p in ddp.parameters()]
+            params[name] = [p.detach().clone() for p in ddp.parameters()]
+            buckets[name] = len(state.plans)
         os.environ.pop("LDS_NATIVE_KERNELS")
-        native_params = params["1", False]
-        out[bits] = {"native_built": native.library() is not None,
-                     "equal": all(torch.equal(a, b) for a, b in zip(native_params, params["0", False])),
-                     "view_equal": all(torch.equal(a, b) for a, b in zip(native_params, params["1", True])),
-                     "moved": any(not torch.equal(a, b) for a, b in zip(native_params, _Net().parameters()))}
+
+        def same(a: str, b: str, params: dict = params) -> bool:
+            return all(torch.equal(x, y) for x, y in zip(params[a], params[b]))
+
+        out[bits] = {"native_built": native.library() is not None, "equal": same("native", "eager"),
+                     "view_equal": same("native", "view"), "tapered_equal": same("tapered", "tapered_eager"),
+                     "compressed_buckets": buckets,
+                     "moved": any(not torch.equal(a, b) for a, b in zip(params["native"], _Net().parameters()))}
     return out
 
 
@@ -334,3 +344,5 @@ def test_native_kernels_train_bit_identically_to_eager_torch(gloo_results: tuple
         for bits, check in res.items():
             assert check["native_built"] or shutil.which("cc") is None, "a C compiler is here: the kernels must build"
             assert check["equal"] and check["view_equal"] and check["moved"], (bits, check)
+            assert check["tapered_equal"], (bits, check)
+            assert check["compressed_buckets"]["tapered"] > check["compressed_buckets"]["native"], (bits, check)
