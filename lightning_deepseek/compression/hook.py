@@ -22,6 +22,9 @@ Steps 2-4 run in future callbacks chained with ``.then``: nothing waits inside t
 while backward computes the next ones. Every rank dequantizes the same gathered bytes, so replicas stay
 bit-identical. Phase-2 collectives are issued from callback threads, which complete in any order, so they go to
 their own communicator and are chained bucket after bucket: issue order is then the same on every rank.
+On CPU the final write of every bucket but the step's last (dequantize, average, store into the gradients) is held
+until the last bucket is on the wire: run when its data arrive, it would take the core from backward, while after
+the last launch the core only waits for the wire (``CompressionState.defer``; with ``overlap=False`` nothing is held).
 
 Memory traffic: each bucket has a plan (made on first use) holding its residual and its four message buffers, reused
 every step. On CPU every step works tile by tile (2 MiB of fp32): a tile is gathered from the gradients (adding the
@@ -133,6 +136,8 @@ class CompressionState:
         self._spare: list[torch.Tensor] = []  # CPU work buffers, see scratch()
         self._finite_flags: list[torch.Tensor] = []
         self._issued: torch.futures.Future | None = None
+        self._deferred: list[Callable[[], None]] = []  # final writes waiting for the step's last bucket
+        self._last_launched = False
         self.track_error = False
 
     def reset_counters(self) -> None:
@@ -193,6 +198,27 @@ class CompressionState:
             with self._lock:
                 self._spare.append(buffer)
 
+    def defer(self, write: Callable[[], None]) -> None:
+        """Run a bucket's final write now if the step's last bucket is already on the wire, else hold it.
+
+        On CPU the write (dequantize, average, store) of an early bucket would otherwise run while backward still
+        computes, on the same cores; held until the last bucket is launched, it runs while that bucket is on the
+        wire, when the core would wait anyway. Nothing waits: a bucket whose data arrives later writes on arrival.
+        """
+        with self._lock:
+            if not self._last_launched:
+                self._deferred.append(write)
+                return
+        write()
+
+    def release(self) -> None:
+        """The step's last bucket is launched: run the held writes (on the calling thread) and stop holding."""
+        with self._lock:
+            self._last_launched = True
+            held, self._deferred = self._deferred, []
+        for write in held:
+            write()
+
     def _add(self, bytes_sent: int, bytes_fp32: int, seconds: float) -> None:
         with self._lock:
             self.bytes_sent += bytes_sent
@@ -231,6 +257,9 @@ def _completed(value: object, device: torch.device) -> torch.futures.Future:
 
 def begin_step(state: CompressionState) -> None:
     """Start a synchronising step: zero counters, decide whether last step's residuals survive."""
+    state.release()  # nothing is held past a step, even one whose last bucket never reached the hook
+    with state._lock:
+        state._last_launched = False
     state.reset_counters()
     if state._finite_flags:
         keep = torch.stack(state._finite_flags).all()
@@ -424,7 +453,7 @@ def _dequantize_into(state: CompressionState, plan: _Plan, flats: Sequence[torch
 
 
 def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor], names: Sequence[str],
-                       out: torch.Tensor) -> torch.futures.Future:
+                       out: torch.Tensor, hold: bool = False) -> torch.futures.Future:
     """Average ``tensors`` over the group in compressed form, in place; the future's value is ``out``.
 
     Args:
@@ -433,6 +462,9 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
             so the blocks do not depend on how DDP happened to order them in its bucket.
         names: one name per tensor, the key of its residual.
         out: what the future returns once ``tensors`` hold the average (the bucket buffer for DDP).
+        hold: on CPU, keep the final write for ``state.release()`` if the data arrive before it is called (the
+            hook holds every bucket but the step's last: see ``CompressionState.defer``). Without it, waiting on
+            the future would wait for the release.
     """
     cfg, ws, bits, bs = state.config, state.world_size, state.config.bits, state.config.block_size
     start = time.perf_counter()
@@ -458,12 +490,24 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
                 if state.track_error:
                     state.error_sq.append(x.square().sum())
     result = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+    hold = hold and device.type == "cpu"
 
     def finish(fut: torch.futures.Future, received: torch.Tensor, write: Callable[..., None], sent: int,
                seconds: float) -> None:
-        """The last collective is done: write the average into the gradients, check finiteness, count."""
+        """The last collective is done: write the average (now, or held on CPU: see ``CompressionState.defer``)."""
         try:
             fut.value()
+        except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
+            result.set_exception(exc)
+            return
+        if hold:
+            state.defer(lambda: complete(received, write, sent, seconds))
+        else:
+            complete(received, write, sent, seconds)
+
+    def complete(received: torch.Tensor, write: Callable[..., None], sent: int, seconds: float) -> None:
+        """Write the average into the gradients, check finiteness, count."""
+        try:
             t0 = time.perf_counter()
             write(state, plan, flats, tiles)
             if plan.residual is not None:
@@ -535,10 +579,11 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         order = sorted(range(len(params)), key=lambda i: state.param_order[id(params[i])])
         grads = bucket.gradients()
         fut = compressed_average(state, [grads[i] for i in order], [state.param_names[id(params[i])] for i in order],
-                                 flat)
+                                 flat, hold=state.config.overlap and not bucket.is_last())
     if not state.config.overlap:
         fut.wait()
     if bucket.is_last():
+        state.release()
         end_step(state)
     return fut
 

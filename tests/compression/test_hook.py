@@ -6,6 +6,7 @@ import copy
 import math
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -177,9 +178,46 @@ def _check_rebuild(rank: int, ws: int) -> dict:
             "b_carried": float((zero - expected).abs().max()), "b_scale": float(expected.abs().max())}
 
 
+def _check_hold(rank: int, ws: int) -> dict:
+    """A held final write (CPU, hold=True) waits for release() or the next step, then equals the unheld one."""
+    state = _state(8, 64, error_feedback=False)  # no residual: every call with the same input gives the same output
+    grads = _all_grads(ws, 3000)
+    begin_step(state)
+    plain = grads[rank].clone()
+    compressed_average(state, [plain], ["g"], plain).wait()
+    out = {}
+    for release in ("release", "next_step"):
+        held = grads[rank].clone()
+        fut = compressed_average(state, [held], ["g"], held, hold=True)
+        time.sleep(0.5)  # the exchange of 3000 values has long arrived: only the hold keeps the future open
+        pending = not fut.done()
+        if release == "release":
+            state.release()
+        else:
+            begin_step(state)
+        fut.wait()
+        out[release] = {"pending": pending, "equal": torch.equal(held, plain)}
+        begin_step(state)
+    return out
+
+
+def _check_overlap_off(rank: int, ws: int) -> dict:
+    """``overlap=False`` (the hook waits for its own exchange) must neither hang on a held write nor change the
+    numbers: the same training with and without overlap, bit for bit."""
+    params = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(_Net(), bucket_cap_mb=0.01)
+        register_compression_hook(ddp, bits=8, block_size=64, warmup_steps=1, min_bucket_numel=256, overlap=overlap)
+        _run_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), rank, range(4))
+        params[overlap] = [p.detach().clone() for p in ddp.parameters()]
+    return {"equal": all(torch.equal(a, b) for a, b in zip(params[True], params[False]))}
+
+
 def _check_all(rank: int, ws: int) -> dict:
     out = {"exchange": _check_exchange(rank, ws), "ef": _check_error_feedback(rank, ws, 4 if ws == 2 else 8),
-           "rebuild": _check_rebuild(rank, ws)}
+           "rebuild": _check_rebuild(rank, ws), "hold": _check_hold(rank, ws),
+           "overlap_off": _check_overlap_off(rank, ws)}
     if ws == 2:
         out["ddp"] = _check_ddp(rank, ws)
         out["resume"] = _check_resume(rank, ws)
@@ -327,6 +365,14 @@ def test_resume_from_saved_state_continues_bit_identically(gloo_results: tuple[i
         # Residuals, step counter and stochastic-rounding generators restored: the continuation is bit-identical.
         assert res["had_residuals"] and res["step"] == 8
         assert res["max_diff"] == 0.0, res
+
+
+def test_held_writes_wait_for_release_and_change_nothing(gloo_results: tuple[int, list[dict]]) -> None:
+    _, results = gloo_results
+    for res in results:
+        for release, check in res["hold"].items():
+            assert check["pending"] and check["equal"], (release, check)
+        assert res["overlap_off"]["equal"], res["overlap_off"]
 
 
 def test_register_rejects_bad_input() -> None:
