@@ -583,8 +583,8 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     if not state.config.overlap:
         fut.wait()
     if bucket.is_last():
+        end_step(state)  # first: the exposed time counted from the last launch includes the held writes
         state.release()
-        end_step(state)
     return fut
 
 
