@@ -463,8 +463,8 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
         names: one name per tensor, the key of its residual.
         out: what the future returns once ``tensors`` hold the average (the bucket buffer for DDP).
         hold: on CPU, keep the final write for ``state.release()`` if the data arrive before it is called (the
-            hook holds every bucket but the step's last: see ``CompressionState.defer``). Without it, waiting on
-            the future would wait for the release.
+            hook holds every bucket but the step's last: see ``CompressionState.defer``). A held future completes
+            only after ``state.release()`` or the next ``begin_step``: do not wait on it before either.
     """
     cfg, ws, bits, bs = state.config, state.world_size, state.config.bits, state.config.block_size
     start = time.perf_counter()
