@@ -7,7 +7,8 @@ Run as root from the repository root::
 Two ranks, one per emulated host, train the benchmark's GPT (``bench.py``'s model and 4 MB buckets) under each
 configuration and print, per rank and for the last two of ``--steps`` steps, milliseconds since the step began:
 ``fwd`` (forward done), ``hookN>``/``hookN<`` (DDP handed bucket N to the communication hook / the hook returned:
-for ours, phase 1 ran in between, on the autograd thread), ``doneN`` (bucket N's average is in the gradients) and
+for ours, phase 1 ran in between, on the autograd thread, and in the last bucket's hook also the final writes held
+until then), ``doneN`` (bucket N's average is in the gradients) and
 ``bwd`` (``backward()`` returned: DDP waited for every bucket). Then the same step under ``no_sync`` (no
 communication), the compute-only reference. Backward ending later than that reference is the cost of
 communication sharing the cores; ``bwd`` after the last ``hook<`` is the exposed tail. fp32 runs torch's
