@@ -92,7 +92,7 @@ def table(results: dict[str, dict], losses: dict[str, list[float]]) -> str:
         for name in step:
             share = max(0.0, 1 - local[name] / step[name])
             b = nbytes[name] / nbytes["fp32"]
-            loss_key = name.replace("_nooverlap", "").replace("_eager", "")  # same numerics
+            loss_key = name.replace("_nooverlap", "").replace("_eager", "").replace("_nohold", "")  # same numerics
             loss = f"{statistics.mean(ratios[loss_key]):.4f}x" if loss_key in ratios else "-"
             lines.append(f"| {rate} | {name} | {share:.0%} | {step[name] / step['fp32']:.2f}x | "
                          f"{physical_limit(c32, b):.2f}x | {b:.3f}x | {loss} |")

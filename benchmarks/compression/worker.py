@@ -32,8 +32,10 @@ CONFIGS = ["fp32", "fp16_hook", "powersgd_r4"] + [
     for bits in (8, 4) for ef in (True, False) for overlap in (True, False)
 ]
 # Also accepted: any of ours with an "_eager" suffix runs the eager torch quantizer instead of the native CPU
-# kernels (same numerics), e.g. "int8_ef_eager", to measure what the kernels buy side by side; and "wire_int8" /
-# "wire_int4", a timing oracle (see WireOnly).
+# kernels (same numerics), e.g. "int8_ef_eager", to measure what the kernels buy side by side; with a "_nohold"
+# suffix, the final writes of early buckets run as their data arrive instead of being held until the last bucket is
+# launched (CompressionState.hold_writes; same numerics); and "wire_int8" / "wire_int4", a timing oracle (see
+# WireOnly).
 
 
 class WireOnly:
@@ -100,6 +102,7 @@ def wrap(model: torch.nn.Module, name: str, bucket_mb: str = "25") -> tuple[Dist
         state = register_compression_hook(ddp, bits=bits, block_size=128 if bits == 8 else 64,
                                           error_feedback="_ef" in name, warmup_steps=1, min_bucket_numel=4096,
                                           overlap="nooverlap" not in name)
+        state.hold_writes = "_nohold" not in name
     return ddp, state
 
 

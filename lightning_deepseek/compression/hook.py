@@ -136,6 +136,7 @@ class CompressionState:
         self._spare: list[torch.Tensor] = []  # CPU work buffers, see scratch()
         self._finite_flags: list[torch.Tensor] = []
         self._issued: torch.futures.Future | None = None
+        self.hold_writes = True  # on CPU, see defer(); False only to measure what holding buys
         self._deferred: list[Callable[[], None]] = []  # final writes waiting for the step's last bucket
         self._last_launched = False
         self.track_error = False
@@ -579,7 +580,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         order = sorted(range(len(params)), key=lambda i: state.param_order[id(params[i])])
         grads = bucket.gradients()
         fut = compressed_average(state, [grads[i] for i in order], [state.param_names[id(params[i])] for i in order],
-                                 flat, hold=state.config.overlap and not bucket.is_last())
+                                 flat, hold=state.hold_writes and state.config.overlap and not bucket.is_last())
     if not state.config.overlap:
         fut.wait()
     if bucket.is_last():
