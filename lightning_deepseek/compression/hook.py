@@ -24,7 +24,7 @@ bit-identical. Phase-2 collectives are issued from callback threads, which compl
 their own communicator and are chained bucket after bucket: issue order is then the same on every rank.
 On CPU the final write of every bucket but the step's last (dequantize, average, store into the gradients) is held
 until the last bucket is on the wire: run when its data arrive, it would take the core from backward, while after
-the last launch the core only waits for the wire (``CompressionState.defer``; with ``overlap=False`` nothing is held).
+the last launch the core only waits for the wire (``CompressionState.hold``; with ``overlap=False`` nothing is held).
 
 Memory traffic: each bucket has a plan (made on first use) holding its residual and its four message buffers, reused
 every step. On CPU every step works tile by tile (2 MiB of fp32): a tile is gathered from the gradients (adding the
@@ -136,8 +136,8 @@ class CompressionState:
         self._spare: list[torch.Tensor] = []  # CPU work buffers, see scratch()
         self._finite_flags: list[torch.Tensor] = []
         self._issued: torch.futures.Future | None = None
-        self.hold_writes = True  # on CPU, see defer(); False only to measure what holding buys
-        self._deferred: list[Callable[[], None]] = []  # final writes waiting for the step's last bucket
+        self.hold_writes = True  # on CPU, see hold(); False only to measure what holding buys
+        self._held: list[Callable[[], None]] = []  # final writes waiting for the step's last bucket
         self._last_launched = False
         self.track_error = False
 
@@ -199,7 +199,7 @@ class CompressionState:
             with self._lock:
                 self._spare.append(buffer)
 
-    def defer(self, write: Callable[[], None]) -> None:
+    def hold(self, write: Callable[[], None]) -> None:
         """Run a bucket's final write now if the step's last bucket is already on the wire, else hold it.
 
         On CPU the write (dequantize, average, store) of an early bucket would otherwise run while backward still
@@ -208,17 +208,21 @@ class CompressionState:
         """
         with self._lock:
             if not self._last_launched:
-                self._deferred.append(write)
+                self._held.append(write)
                 return
         write()
 
-    def release(self) -> None:
-        """The step's last bucket is launched: run the held writes (on the calling thread) and stop holding."""
+    def release(self, hold_again: bool = False) -> None:
+        """The step's last bucket is launched: run the held writes (on the calling thread) and stop holding; with
+        ``hold_again`` (a new step begins) hold from now on."""
         with self._lock:
             self._last_launched = True
-            held, self._deferred = self._deferred, []
+            held, self._held = self._held, []
         for write in held:
             write()
+        if hold_again:
+            with self._lock:
+                self._last_launched = False
 
     def _add(self, bytes_sent: int, bytes_fp32: int, seconds: float) -> None:
         with self._lock:
@@ -258,9 +262,7 @@ def _completed(value: object, device: torch.device) -> torch.futures.Future:
 
 def begin_step(state: CompressionState) -> None:
     """Start a synchronising step: zero counters, decide whether last step's residuals survive."""
-    state.release()  # nothing is held past a step, even one whose last bucket never reached the hook
-    with state._lock:
-        state._last_launched = False
+    state.release(hold_again=True)  # nothing is held past a step, even one whose last bucket never reached the hook
     state.reset_counters()
     if state._finite_flags:
         keep = torch.stack(state._finite_flags).all()
@@ -464,7 +466,7 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
         names: one name per tensor, the key of its residual.
         out: what the future returns once ``tensors`` hold the average (the bucket buffer for DDP).
         hold: on CPU, keep the final write for ``state.release()`` if the data arrive before it is called (the
-            hook holds every bucket but the step's last: see ``CompressionState.defer``). A held future completes
+            hook holds every bucket but the step's last: see ``CompressionState.hold``). A held future completes
             only after ``state.release()`` or the next ``begin_step``: do not wait on it before either.
     """
     cfg, ws, bits, bs = state.config, state.world_size, state.config.bits, state.config.block_size
@@ -495,14 +497,14 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
 
     def finish(fut: torch.futures.Future, received: torch.Tensor, write: Callable[..., None], sent: int,
                seconds: float) -> None:
-        """The last collective is done: write the average (now, or held on CPU: see ``CompressionState.defer``)."""
+        """The last collective is done: write the average (now, or held on CPU: see ``CompressionState.hold``)."""
         try:
             fut.value()
         except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
             result.set_exception(exc)
             return
         if hold:
-            state.defer(lambda: complete(received, write, sent, seconds))
+            state.hold(lambda: complete(received, write, sent, seconds))
         else:
             complete(received, write, sent, seconds)
 
