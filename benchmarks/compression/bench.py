@@ -10,12 +10,16 @@ M-parameter model then has four buckets, so exchanges can overlap with backward;
 and nothing can; ``--bucket-mb 4,4,2,1`` gives one cap per bucket in gradient-ready order, the last repeating, through
 DDP's ``bucket_cap_mb_list``: smaller last buckets, a shorter exposed tail). Communication share = (step - same step
 under ``no_sync``) / step, both measured in the same process one after the other, so compression compute that is not
-hidden counts as communication. The default points: 1 Gbit at batch 7x64 (fp32 communicates about a third of the step:
-31-35% measured) and 8x64 (22-31%: the share moves with the machine's noise), 2x64 and 1x16 (communication-bound), 10
-Gbit at 2x64. Validation loss: the example GPT trained the same number of steps per configuration and seed (2 local
-ranks; numerics do not depend on the link), reported as the mean over seeds of the ratio to fp32 of the same seed.
-Kernel throughput: see ``kernels.py``. ``--configs`` also takes ``wire_int8``/``wire_int4``: a timing oracle that sends
-our exchange's bytes with no compression compute (``worker.WireOnly``). Prints markdown tables.
+hidden counts as communication. It has two parts, each also a share of the step: the wait after the step's last gradient
+is accumulated (the last buckets' exchange, and what the hook still does then, while backward has nothing left to
+compute: the exposed communication proper) and the compute slowed (how much later that last gradient comes than under
+``no_sync``: communication work taking the cores from forward and backward). The default points: 1 Gbit at batch 7x64
+(fp32 communicates about a third of the step: 31-35% measured) and 8x64 (22-31%: the share moves with the machine's
+noise), 2x64 and 1x16 (communication-bound), 10 Gbit at 2x64. Validation loss: the example GPT trained the same number
+of steps per configuration and seed (2 local ranks; numerics do not depend on the link), reported as the mean over seeds
+of the ratio to fp32 of the same seed. Kernel throughput: see ``kernels.py``. ``--configs`` also takes
+``wire_int8``/``wire_int4``: a timing oracle that sends our exchange's bytes with no compression compute
+(``worker.WireOnly``). Prints markdown tables.
 """
 
 from __future__ import annotations
@@ -84,18 +88,21 @@ def loss_ratios(losses: dict[str, list[float]]) -> dict[str, list[float]]:
 
 def table(results: dict[str, dict], losses: dict[str, list[float]]) -> str:
     ratios = loss_ratios(losses) if losses else {}
-    lines = ["| link | configuration | comm share of step | step time vs fp32 | physical limit | bytes/step vs fp32 "
-             "| final val loss vs fp32 (mean of seeds) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| link | configuration | comm share of step | of which: wait after the last gradient | compute slowed "
+             "| step time vs fp32 | physical limit | bytes/step vs fp32 | final val loss vs fp32 (mean of seeds) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for rate, res in results.items():
         step, local, nbytes = res["step_s"], res["no_comm_s"], res["bytes"]
         c32 = max(0.0, 1 - local["fp32"] / step["fp32"])
         for name in step:
             share = max(0.0, 1 - local[name] / step[name])
+            wait = res["wait_s"][name] / step[name]
+            slowed = (res["compute_s"][name] - res["no_comm_compute_s"][name]) / step[name]
             b = nbytes[name] / nbytes["fp32"]
             loss_key = name.replace("_nooverlap", "").replace("_eager", "").replace("_nohold", "")  # same numerics
             loss = f"{statistics.mean(ratios[loss_key]):.4f}x" if loss_key in ratios else "-"
-            lines.append(f"| {rate} | {name} | {share:.0%} | {step[name] / step['fp32']:.2f}x | "
-                         f"{physical_limit(c32, b):.2f}x | {b:.3f}x | {loss} |")
+            lines.append(f"| {rate} | {name} | {share:.0%} | {wait:.0%} | {slowed:.0%} | "
+                         f"{step[name] / step['fp32']:.2f}x | {physical_limit(c32, b):.2f}x | {b:.3f}x | {loss} |")
     return "\n".join(lines)
 
 

@@ -1,9 +1,12 @@
 """One rank of the gradient-compression benchmark (started by ``bench.py``, one process per emulated host).
 
-``--mode time``: for every configuration, a fresh DDP module of the same GPT, interleaved over repetitions; step
-time, the same step under ``no_sync`` (no communication: the compute-only reference of the same process at the same
-moment), and counted bytes. ``--mode loss``: the same number of training steps of the example GPT on the built-in
-corpus per configuration, final validation loss. Rank 0 writes a JSON file.
+``--mode time``: for every configuration, a fresh DDP module of the same GPT, interleaved over repetitions; step time,
+the same step under ``no_sync`` (no communication: the compute-only reference of the same process at the same moment),
+and counted bytes. Each step is also split at the moment its last gradient is accumulated (a post-accumulate-grad hook
+on every parameter, which runs before DDP's): ``compute_s`` before it, ``wait_s`` after it (the last bucket's exchange,
+and whatever the hook still does then, while backward has nothing left to compute). ``--mode loss``: the same number of
+training steps of the example GPT on the built-in corpus per configuration, final validation loss. Rank 0 writes a JSON
+file.
 """
 
 from __future__ import annotations
@@ -135,32 +138,39 @@ def time_mode(args: argparse.Namespace, rank: int, world_size: int, data: torch.
     gen = torch.Generator().manual_seed(rank)
     x, y = batch(data, gen, args.batch_size, cfg.block_size)
     configs = args.configs.split(",")
-    times: dict[str, list[float]] = {c: [] for c in configs}
-    local: dict[str, list[float]] = {c: [] for c in configs}
+    samples: dict[str, dict[str, list[float]]] = {
+        key: {c: [] for c in configs} for key in ("step_s", "no_comm_s", "wait_s", "compute_s", "no_comm_compute_s")}
     nbytes: dict[str, int] = {}
+    ready = [0.0]  # when the step's last gradient was accumulated (DDP then launches the last bucket)
+
+    def stamp(_: torch.Tensor) -> None:
+        ready[0] = time.perf_counter()
+
     for _ in range(args.reps):
         for name in configs:  # interleaved: every configuration sees the same share of the machine's noise
             torch.manual_seed(0)
             ddp, state = wrap(GPT(cfg), name, args.bucket_mb)
+            for p in ddp.module.parameters():
+                p.register_post_accumulate_grad_hook(stamp)  # runs before DDP's own hook on the same gradient
             for i in range(args.steps + 2):  # two untimed steps: DDP's bucket rebuild, hook warm-ups
                 dist.barrier()
                 t0 = time.perf_counter()
                 step(ddp, x, y)
-                elapsed = time.perf_counter() - t0
+                t_end = time.perf_counter()
+                sync = {"step_s": t_end - t0, "wait_s": t_end - ready[0], "compute_s": ready[0] - t0}
                 dist.barrier()  # the peer has finished its exchange too: nothing of it runs during the reference
                 with ddp.no_sync():
                     t1 = time.perf_counter()
                     step(ddp, x, y)
-                    no_comm = time.perf_counter() - t1
+                    sync.update(no_comm_s=time.perf_counter() - t1, no_comm_compute_s=ready[0] - t1)
                 ddp.zero_grad(set_to_none=True)
                 if i >= 2:
-                    times[name].append(elapsed)
-                    local[name].append(no_comm)
+                    for key, value in sync.items():
+                        samples[key][name].append(value)
             nbytes[name] = bytes_per_step(name, ddp.module, state, world_size)
             del ddp, state
-    return {"step_s": {k: statistics.median(v) for k, v in times.items()},
-            "no_comm_s": {k: statistics.median(v) for k, v in local.items()}, "bytes": nbytes,
-            "num_params": sum(p.numel() for p in GPT(cfg).parameters())}
+    medians = {key: {c: statistics.median(v) for c, v in per.items()} for key, per in samples.items()}
+    return {**medians, "bytes": nbytes, "num_params": sum(p.numel() for p in GPT(cfg).parameters())}
 
 
 def loss_mode(args: argparse.Namespace, rank: int, world_size: int, data: torch.Tensor) -> dict:
