@@ -126,9 +126,9 @@ class GradientCompression(Callback):
         state = self.hook_state
         if state is None or state.step == self._step_before_backward:
             return  # no_sync micro-batch: nothing was exchanged
-        # DDP's backward returns only once every bucket's future is done: the time since the last bucket was
-        # launched (all backward compute finished) is communication that nothing overlapped.
-        exposed_ms = 1e3 * (time.perf_counter() - state.last_launch_time)
+        # DDP's backward returns only once every bucket's future is done: the time since DDP handed the hook its
+        # last bucket (all backward compute finished) is communication, and compression, that nothing overlapped.
+        exposed_ms = 1e3 * (time.perf_counter() - state.last_bucket_time)
         self._exposed_ms.append(exposed_ms)
         metrics = {
             "compression/bytes_per_step": float(state.bytes_sent),

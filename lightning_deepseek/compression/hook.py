@@ -128,7 +128,7 @@ class CompressionState:
         self.param_names: dict[int, str] = {}
         self.param_order: dict[int, int] = {}
         self.generators: tuple[torch.Generator, torch.Generator] | None = None
-        self.last_launch_time = 0.0
+        self.last_bucket_time = 0.0  # when DDP handed over the step's last bucket (backward compute done)
         self.total_bytes_sent = 0
         self.total_bytes_fp32 = 0
         self.reset_counters()
@@ -281,7 +281,6 @@ def begin_step(state: CompressionState) -> None:
 
 def end_step(state: CompressionState) -> None:
     state.step += 1
-    state.last_launch_time = time.perf_counter()
 
 
 def allreduce_average(state: CompressionState, flat: torch.Tensor) -> torch.futures.Future:
@@ -571,6 +570,8 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: compressed average of one gradient bucket (see module docstring)."""
+    if bucket.is_last():  # backward has computed every gradient: what follows until it returns is exposed
+        state.last_bucket_time = time.perf_counter()
     if bucket.index() == 0:
         begin_step(state)
     flat = bucket.buffer()
@@ -586,7 +587,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     if not state.config.overlap:
         fut.wait()
     if bucket.is_last():
-        end_step(state)  # first: the exposed time counted from the last launch includes the held writes
+        end_step(state)
         state.release()
     return fut
 

@@ -322,12 +322,20 @@ def _check_ddp(rank: int, ws: int) -> dict:
     poisoned = not all(torch.isfinite(r).all() for r in state.residuals.values())
     for p in ddp.parameters():
         p.grad = None
-    ddp(torch.randn(16, 64, generator=gen)).square().mean().backward()
+    ready: list[float] = []  # when each gradient was accumulated (before DDP's own hook on it)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: ready.append(time.perf_counter()))
+    loss = ddp(torch.randn(16, 64, generator=gen)).square().mean()
+    started = time.perf_counter()
+    loss.backward()
+    # The exposed time the callback logs starts when DDP hands over the last bucket: after every gradient.
+    last_bucket_in_backward = started < max(ready) <= state.last_bucket_time < time.perf_counter()
     residuals_finite = all(torch.isfinite(r).all() for r in state.residuals.values())
     return {"steps": state.step, "rel_errors": rel_errors, "replicas_equal": all(torch.equal(g, got) for g in gathered),
             "num_buckets": num_buckets, "saw_nonfinite": saw_nonfinite, "residual_names": sorted(state.residuals),
             "finite_after": all(torch.isfinite(p.grad).all() for p in ddp.parameters()),
-            "residuals_finite": residuals_finite, "poisoned": poisoned}
+            "residuals_finite": residuals_finite, "poisoned": poisoned,
+            "last_bucket_in_backward": last_bucket_in_backward}
 
 
 def test_hook_under_ddp_matches_fp32_ddp_and_propagates_non_finite(gloo_results: tuple[int, list[dict]]) -> None:
@@ -345,6 +353,7 @@ def test_hook_under_ddp_matches_fp32_ddp_and_propagates_non_finite(gloo_results:
         # and residuals would be NaN too.
         assert {"fc1.weight", "fc2.weight"} <= set(res["residual_names"])
         assert res["residuals_finite"]
+        assert res["last_bucket_in_backward"]
     assert any(res["poisoned"] for res in results)
     assert results[0]["rel_errors"] == results[1]["rel_errors"]
 
