@@ -21,7 +21,9 @@ it would send W/2 times the bytes of steps 2 and 4, so more ranks take the two-p
 Steps 2-4 run in future callbacks chained with ``.then``: nothing waits inside the hook, so buckets are exchanged
 while backward computes the next ones. Every rank dequantizes the same gathered bytes, so replicas stay
 bit-identical. Phase-2 collectives are issued from callback threads, which complete in any order, so they go to
-their own communicator and are chained bucket after bucket: issue order is then the same on every rank.
+their own communicator and are chained bucket after bucket: issue order is then the same on every rank. On CUDA,
+NCCL's futures complete at launch, so phase 2 runs on the autograd thread: it runs on a stream of its own, which
+waits there for the bucket's all-to-all while the stream that runs backward goes on.
 On CPU the final write of every bucket but the step's last (dequantize, average, store into the gradients) is held
 until the last bucket is on the wire: run when its data arrive, it would take the core from backward, while after
 the last launch the core only waits for the wire (``CompressionState.hold``; with ``overlap=False`` nothing is held).
@@ -136,7 +138,9 @@ class CompressionState:
         self._spare: list[torch.Tensor] = []  # CPU work buffers, see scratch()
         self._finite_flags: list[torch.Tensor] = []
         self._issued: torch.futures.Future | None = None
+        self._phase2_stream: torch.cuda.Stream | None = None
         self.hold_writes = True  # on CPU, see hold(); False only to measure what holding buys
+        self.single_exchange_max_world = 2  # up to this world size, one all-gather (module docstring); 0: tests
         self._held: list[Callable[[], None]] = []  # final writes waiting for the step's last bucket
         self._last_launched = False
         self.track_error = False
@@ -198,6 +202,15 @@ class CompressionState:
         finally:
             with self._lock:
                 self._spare.append(buffer)
+
+    def phase2_stream(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """Where phase 2 runs: on CUDA its own stream, so that waiting there for a bucket's all-to-all leaves the
+        stream that runs backward free (NCCL futures complete at launch; phase 2 runs on the autograd thread)."""
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._phase2_stream is None:
+            self._phase2_stream = torch.cuda.Stream(device)
+        return torch.cuda.stream(self._phase2_stream)
 
     def hold(self, write: Callable[[], None]) -> None:
         """Run a bucket's final write now if the step's last bucket is already on the wire, else hold it.
@@ -394,7 +407,7 @@ def _plan(state: CompressionState, names: Sequence[str], sizes: Sequence[int], d
     for other in [k for k in state.plans if set(k) & set(key)]:
         del state.plans[other]  # DDP rebuilt its buckets: the residuals moved into the new plan above
     row = payload_bytes(layout.chunk, cfg.bits, cfg.block_size)
-    single = ws <= 2
+    single = ws <= state.single_exchange_max_world
 
     def buffer(*shape: int) -> torch.Tensor:
         return torch.empty(*shape, dtype=torch.uint8, device=device)
@@ -535,26 +548,32 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
     previous = state._issued if state._issued is not None else _completed(None, torch.device("cpu"))
     state._issued = issued
 
+    def reduce_and_regather() -> tuple[dist.Work, float]:
+        """Phase 2 (chunk r = this rank): dequantize and sum every rank's codes, re-quantize, launch the all-gather."""
+        # wait(), not value(): collect_all's future carries no CUDA events, so on NCCL (whose futures complete at
+        # launch) only wait() makes the current (phase-2) stream wait for the all-to-all before reading `recv`.
+        a2a.wait()
+        t0 = time.perf_counter()
+        own = state.rank * chunk
+        with state.scratch(tiles[0][1], device) as acc:
+            for a, b in tiles:  # dequantize and sum every rank's codes for this chunk, re-quantize, per tile
+                total = acc[:b - a]
+                for r in range(ws):
+                    dequantize(plan.codes(plan.recv[r], a, b), plan.scales(plan.recv[r], a, b), bits, bs,
+                               out=total, accumulate=r > 0)
+                total.div_(ws)
+                # The owner's re-quantization residual enters the next average once, through the owner.
+                quantize(total, bits, bs, gen2,
+                         residual=plan.residual[own + a:own + b] if plan.residual is not None else None,
+                         codes=plan.codes(plan.send2, a, b), scales=plan.scales(plan.send2, a, b),
+                         residual_alpha=ws)
+        work = _all_gather_single(plan.gathered.view(-1), plan.send2, group=state.exchange_group, async_op=True)
+        return work, time.perf_counter() - t0
+
     def reduce_chunk(_: torch.futures.Future) -> None:
         try:
-            a2a.value()
-            t0 = time.perf_counter()
-            own = state.rank * chunk
-            with state.scratch(tiles[0][1], device) as acc:
-                for a, b in tiles:  # dequantize and sum every rank's codes for this chunk, re-quantize, per tile
-                    total = acc[:b - a]
-                    for r in range(ws):
-                        dequantize(plan.codes(plan.recv[r], a, b), plan.scales(plan.recv[r], a, b), bits, bs,
-                                   out=total, accumulate=r > 0)
-                    total.div_(ws)
-                    # The owner's re-quantization residual enters the next average once, through the owner.
-                    quantize(total, bits, bs, gen2,
-                             residual=plan.residual[own + a:own + b] if plan.residual is not None else None,
-                             codes=plan.codes(plan.send2, a, b), scales=plan.scales(plan.send2, a, b),
-                             residual_alpha=ws)
-            work = _all_gather_single(plan.gathered.view(-1), plan.send2, group=state.exchange_group,
-                                      async_op=True)
-            seconds = time.perf_counter() - t0
+            with state.phase2_stream(device):
+                work, seconds = reduce_and_regather()
         except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
             issued.set_result(None)
             result.set_exception(exc)

@@ -1,8 +1,9 @@
 """The hook's CUDA path (NCCL, device futures, on-device residual reset): runs where a GPU is, skipped elsewhere.
 
-One GPU is enough: a world of one process still runs the whole exchange (quantize, ``all_to_all``, re-quantize,
-``all_gather``, dequantize) through NCCL, with CUDA tensors, streams and futures. Run by
-``benchmarks/gpu_checks.sh`` on the device machine.
+One GPU is enough: a world of one process runs both exchanges through NCCL, with CUDA tensors, streams and
+futures: the single all-gather of worlds up to two, and (forced) the two-phase one of larger worlds (quantize,
+``all_to_all``, re-quantize on the phase-2 stream, ``all_gather``, dequantize). Run by ``benchmarks/gpu_checks.sh``
+on the device machine.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ def test_quantizer_on_cuda_matches_cpu_bitwise() -> None:
         assert torch.equal(dequantize(*cpu, bits, block_size), dequantize(*gpu, bits, block_size).cpu())
 
 
-def test_hook_on_nccl_within_the_error_bound_and_resets_on_overflow(tmp_path: Path) -> None:
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+def _train_within_bound_and_reset_on_overflow(two_phase: bool) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)).cuda()
     reference = [p.detach().clone() for p in model.parameters()]
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.25)
     state = register_compression_hook(ddp, bits=8, block_size=128, warmup_steps=1, min_bucket_numel=1024)
+    if two_phase:
+        state.single_exchange_max_world = 0
     ref_model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)).cuda()
     with torch.no_grad():
         for p, r in zip(ref_model.parameters(), reference):
@@ -47,10 +49,11 @@ def test_hook_on_nccl_within_the_error_bound_and_resets_on_overflow(tmp_path: Pa
         got = torch.cat([p.grad.view(-1) for p in ddp.parameters()])
         exact = torch.cat([p.grad.view(-1) for p in ref_model.parameters()])
         rel = float((got - exact).norm() / exact.norm())
-        assert rel < (1e-6 if step == 0 else 0.02), (step, rel)
+        assert rel < (1e-6 if step == 0 else 0.02), (two_phase, step, rel)
         for p in list(ddp.parameters()) + list(ref_model.parameters()):
             p.grad = None
     assert state.num_compressed_buckets >= 1 and state.residuals
+    assert all(plan.single != two_phase for plan in state.plans.values())
     x = torch.randn(32, 256, device="cuda")
     x[0, 0] = float("inf")
     ddp(x).square().mean().backward()
@@ -60,3 +63,12 @@ def test_hook_on_nccl_within_the_error_bound_and_resets_on_overflow(tmp_path: Pa
     ddp(torch.randn(32, 256, device="cuda")).square().mean().backward()  # residuals reset on the device, no sync
     assert all(torch.isfinite(r).all() for r in state.residuals.values())
     assert all(torch.isfinite(p.grad).all() for p in ddp.parameters())
+
+
+def test_hook_on_nccl_within_the_error_bound_and_resets_on_overflow(tmp_path: Path) -> None:
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for two_phase in (False, True):
+            _train_within_bound_and_reset_on_overflow(two_phase)
+    finally:
+        dist.destroy_process_group()
