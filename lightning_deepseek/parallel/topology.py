@@ -2,7 +2,9 @@
 
 Every rank contributes its hostname and local rank (one ``all_gather_object``); ranks on one host form an
 island, ordered by local rank. On NVIDIA machines with ``nvidia-ml-py`` installed (optional extra ``nvml``),
-NVML's peer-to-peer NVLink status splits a host into NVLink islands. A declared topology overrides discovery:
+NVML's peer-to-peer NVLink status splits a host into NVLink islands. NVML numbers every GPU of the host, CUDA only
+the visible ones in its own order (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``), so a rank finds its GPU in NVML
+by UUID, and by the CUDA index only where that lookup fails (MIG, old drivers). A declared topology overrides discovery:
 the ``topology`` argument or the ``LDS_TOPOLOGY`` environment variable, written as islands separated by ``;``
 and ranks by ``,`` (``"0,1;2,3"`` = two nodes of two ranks). Clusters whose hostnames do not reflect the wiring,
 and the network testbed (every namespace has the same hostname), declare it.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,23 +72,21 @@ def validate_topology(topology: Topology, world_size: int, setting: str) -> None
 
 
 def _nvlink_island(device: torch.device) -> int:
-    """The lowest local device index that this GPU reaches over NVLink (itself if none); -1 without NVML."""
+    """The lowest NVML index of the GPUs that ``device`` reaches over NVLink (its own if none); -1 without NVML."""
     try:
         import pynvml
     except ImportError:
         return -1
     try:
         pynvml.nvmlInit()
-        count = pynvml.nvmlDeviceGetCount()
-        mine = pynvml.nvmlDeviceGetHandleByIndex(device.index)
-        for other in range(count):
-            if other == device.index:
-                return other
-            handle = pynvml.nvmlDeviceGetHandleByIndex(other)
-            status = pynvml.nvmlDeviceGetP2PStatus(mine, handle, pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+        mine = _nvml_index(pynvml, device.index, str(torch.cuda.get_device_properties(device.index).uuid))
+        handle = pynvml.nvmlDeviceGetHandleByIndex(mine)
+        for other in range(mine):
+            status = pynvml.nvmlDeviceGetP2PStatus(handle, pynvml.nvmlDeviceGetHandleByIndex(other),
+                                                   pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
             if status == pynvml.NVML_P2P_STATUS_OK:
                 return other
-        return device.index
+        return mine
     except pynvml.NVMLError:
         return -1
     finally:
@@ -93,6 +94,14 @@ def _nvlink_island(device: torch.device) -> int:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError:
             pass
+
+
+def _nvml_index(nvml: Any, cuda_index: int, uuid: str) -> int:
+    """NVML's index of the CUDA device ``cuda_index`` whose ``torch.cuda`` UUID is ``uuid`` (no ``GPU-`` prefix)."""
+    try:
+        return nvml.nvmlDeviceGetIndex(nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}"))
+    except nvml.NVMLError:
+        return cuda_index
 
 
 def discover_topology(device: torch.device, local_rank: int, declared: str | list[list[int]] | None = None
