@@ -14,7 +14,9 @@ Cost model (per optimizer step, ring algorithms, ``n`` ranks in a group, link of
   parameters over ``dp`` and of the replicated ones over the world.
 Compute is the same for every candidate and left out. Link figures come from ``link_costs`` or from a short
 point-to-point probe at start-up (a small and a 4 MiB message, between two ranks of one island and two ranks of
-different islands).
+different islands). The probe sends what the default group's backend carries: tensors on the current GPU when CUDA
+tensors go through NCCL (Lightning's default on GPUs, a group without a CPU backend), CPU tensors on gloo. NCCL's
+send and recv return to the host once queued, so the probe synchronizes the GPU around each exchange.
 """
 
 from __future__ import annotations
@@ -104,6 +106,23 @@ def _all_reduce(num_bytes: int, n: int, link: LinkCost) -> float:
     return 2 * (n - 1) / n * num_bytes / link.bandwidth + 2 * (n - 1) * link.latency
 
 
+def probe_device(backend_config: str) -> torch.device:
+    """The device of the probe's tensors for a group of ``backend_config`` (``dist.get_backend_config()``).
+
+    The current GPU where CUDA tensors go through a backend of their own (NCCL) or where the group has no CPU
+    backend; the CPU where gloo carries CPU tensors.
+    """
+    backends = dict(pair.split(":", 1) for pair in backend_config.split(","))
+    if "cuda" in backends and torch.cuda.is_available() and (backends["cuda"] != "gloo" or "cpu" not in backends):
+        return torch.device("cuda", torch.cuda.current_device())
+    if "cpu" in backends:
+        return torch.device("cpu")
+    raise ValueError(f"placement='auto' probes the links, but the process group's backends {backend_config!r} "
+                     "carry neither CPU tensors nor CUDA tensors on this machine. Set link_costs, for example "
+                     "{'intra': {'bandwidth_gbit': 400}, 'inter': {'bandwidth_gbit': 100, 'latency_us': 5}}, "
+                     "or a fixed placement.")
+
+
 def probe_links(topology: Topology, size_bytes: int = 4 << 20, repeats: int = 3) -> dict[str, LinkCost]:
     """Measure intra- and inter-island links by timed send/recv between two ranks; collective, all ranks call it.
 
@@ -116,17 +135,19 @@ def probe_links(topology: Topology, size_bytes: int = 4 << 20, repeats: int = 3)
             break
     if len(topology.islands) > 1:
         pairs["inter"] = (topology.islands[0][0], topology.islands[1][0])
+    device = probe_device(dist.get_backend_config())
     rank = dist.get_rank()
-    measured = torch.zeros(len(pairs), 2, dtype=torch.float64)
+    measured = torch.zeros(len(pairs), 2, dtype=torch.float64, device=device)
     for i, (a, b) in enumerate(pairs.values()):
         if rank in (a, b):
             peer = b if rank == a else a
-            small = _ping_pong(torch.zeros(1), rank == a, peer, repeats)
-            large = _ping_pong(torch.zeros(size_bytes // 4), rank == a, peer, repeats)
-            measured[i] = torch.tensor([small, max(large - small, 1e-9)])
+            small = _ping_pong(torch.zeros(1, device=device), rank == a, peer, repeats)
+            large = _ping_pong(torch.zeros(size_bytes // 4, device=device), rank == a, peer, repeats)
+            measured[i, 0], measured[i, 1] = small, max(large - small, 1e-9)
         dist.barrier()
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-    links = {name: LinkCost(bandwidth=size_bytes / measured[i, 1].item(), latency=measured[i, 0].item())
+    seconds = measured.tolist()
+    links = {name: LinkCost(bandwidth=size_bytes / seconds[i][1], latency=seconds[i][0])
              for i, name in enumerate(pairs)}
     fallback = next(iter(links.values()), LinkCost(1e12, 0.0))
     return {"intra": links.get("intra", fallback), "inter": links.get("inter", fallback)}
@@ -136,6 +157,7 @@ def _ping_pong(buffer: torch.Tensor, first: bool, peer: int, repeats: int) -> fl
     """Median one-way seconds of ``buffer`` between this rank and ``peer``."""
     times = []
     for _ in range(repeats + 1):
+        _synchronize(buffer.device)
         start = time.perf_counter()
         if first:
             dist.send(buffer, peer)
@@ -143,8 +165,15 @@ def _ping_pong(buffer: torch.Tensor, first: bool, peer: int, repeats: int) -> fl
         else:
             dist.recv(buffer, peer)
             dist.send(buffer, peer)
+        _synchronize(buffer.device)
         times.append((time.perf_counter() - start) / 2)
     return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def _synchronize(device: torch.device) -> None:
+    # gloo's send/recv block until done; NCCL's only queue work on the GPU.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def choose_placement(policy: str, topology: Topology, dp_size: int, tp_size: int, volume: CommVolume,

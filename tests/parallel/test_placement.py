@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from lightning_deepseek.parallel.placement import CommVolume, LinkCost, candidate_mesh, choose_placement
+from lightning_deepseek.parallel.placement import CommVolume, LinkCost, candidate_mesh, choose_placement, probe_device
 from lightning_deepseek.parallel.topology import Topology, parse_topology, validate_topology
 
 TWO_NODES = Topology(((0, 1), (2, 3)))
@@ -59,3 +60,23 @@ def test_topology_parsing_and_validation() -> None:
         validate_topology(parse_topology("0,1,1"), 2, "$LDS_TOPOLOGY")
     with pytest.raises(ValueError, match="bandwidth_gbit"):
         LinkCost.from_config({"latency_us": 3}, "link_costs['inter']")
+
+
+@pytest.mark.parametrize(("backend_config", "cuda", "device"), [
+    ("cuda:nccl", True, "cuda:3"),  # Lightning's group on GPUs: NCCL only, no CPU backend
+    ("cpu:gloo,cuda:nccl", True, "cuda:3"),  # the training collectives go through NCCL: measure that
+    ("cpu:gloo,cuda:gloo", True, "cpu"),  # gloo on a GPU machine
+    ("cpu:gloo,cuda:gloo", False, "cpu"),
+    ("cpu:gloo", False, "cpu"),
+])
+def test_probe_tensors_live_where_the_backend_sends(monkeypatch: pytest.MonkeyPatch, backend_config: str,
+                                                    cuda: bool, device: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert probe_device(backend_config) == torch.device(device)
+
+
+def test_probe_without_a_usable_backend_names_link_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="'cuda:nccl' carry neither .* Set link_costs"):
+        probe_device("cuda:nccl")
