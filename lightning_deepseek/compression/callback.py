@@ -13,7 +13,11 @@ Does not support: DeepSpeed, FSDP and ``ModelParallelStrategy`` (they reduce-sca
 themselves, with no DDP comm hook): a clear error. One device: a warning, nothing to compress.
 
 Checkpoints: the callback's state (every rank's residuals, the step counter, the stochastic-rounding generators)
-is gathered to rank 0 when the checkpoint is written and handed back to each rank on resume.
+is gathered to rank 0 when the checkpoint is written, over a gloo group of its own (so that, on NCCL, every rank's
+residuals never land in rank 0's GPU memory: they are host copies), and handed back to each rank on resume.
+
+Telemetry on CUDA, where the host only launches kernels and NCCL futures complete at launch, is read from CUDA
+events and logged one step late (reading it at once would make the host wait for the device every step).
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ class GradientCompression(Callback):
         self._exposed_ms: list[float] = []
         self._last_rel_error: float | None = None
         self._device = torch.device("cpu")
+        self._gather_group: dist.ProcessGroup | None = None
+        self._gpu_step: tuple | None = None  # CUDA: the last step's events, read at the next step (_gpu_timings)
 
     @property
     @override
@@ -109,6 +115,7 @@ class GradientCompression(Callback):
             raise CompressionStrategyError(
                 f"GradientCompression could not install its hook ({exc}). A DDP module takes one comm hook: "
                 "drop the strategy's `ddp_comm_hook` argument when using GradientCompression.") from exc
+        self._gather_group = dist.new_group(backend="gloo")  # collective: every rank gets here, in this order
         if self._pending is not None:
             self._restore(self._pending)
             self._pending = None
@@ -126,21 +133,48 @@ class GradientCompression(Callback):
         state = self.hook_state
         if state is None or state.step == self._step_before_backward:
             return  # no_sync micro-batch: nothing was exchanged
-        # DDP's backward returns only once every bucket's future is done: the time since DDP handed the hook its
-        # last bucket (all backward compute finished) is communication, and compression, that nothing overlapped.
-        exposed_ms = 1e3 * (time.perf_counter() - state.last_bucket_time)
-        self._exposed_ms.append(exposed_ms)
         metrics = {
             "compression/bytes_per_step": float(state.bytes_sent),
             "compression/bytes_ratio": state.bytes_sent / max(1, state.bytes_fp32),
-            "compression/compress_ms": 1e3 * state.compress_seconds,
-            "compression/exposed_comm_ms": exposed_ms,
         }
+        if self._device.type == "cuda":
+            timings = self._gpu_timings(state)
+        else:
+            # DDP's backward returns only once every bucket's future is done: the time since DDP handed the hook
+            # its last bucket (all backward compute finished) is communication, and compression, nothing overlapped.
+            timings = (1e3 * (time.perf_counter() - state.last_bucket_time), 1e3 * state.compress_seconds)
+        if timings is not None:
+            self._exposed_ms.append(timings[0])
+            metrics["compression/exposed_comm_ms"], metrics["compression/compress_ms"] = timings
         rel_error = state.relative_error() if state.track_error else None
         if rel_error is not None:
             self._last_rel_error = rel_error
             metrics["compression/rel_error"] = rel_error
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def _gpu_timings(self, state: CompressionState | None) -> tuple[float, float] | None:
+        """CUDA: record this step's end of backward; return the previous step's (exposed, compress) milliseconds.
+
+        The exposed time runs from the last bucket's hand-over to the end of backward on the stream that runs it
+        (DDP made that stream wait for every bucket); the compression time sums the hook's kernels on all streams.
+        With ``state=None`` (end of training) only the pending step is read.
+        """
+        previous = self._gpu_step
+        self._gpu_step = None
+        if state is not None and state.last_bucket_event is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._gpu_step = (state.last_bucket_event, end, state.take_gpu_spans())
+        if previous is None:
+            return None
+        start, end, spans = previous
+        end.synchronize()  # a step ago: long done unless the host runs more than a step ahead of the device
+        return start.elapsed_time(end), sum(a.elapsed_time(b) for a, b in spans)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._device.type == "cuda" and (timings := self._gpu_timings(None)) is not None:
+            self._exposed_ms.append(timings[0])
 
     def summary(self) -> dict[str, object]:
         """A few figures for ``lds-train``'s run summary."""
@@ -166,7 +200,7 @@ class GradientCompression(Callback):
         world_size, rank = dist.get_world_size(), dist.get_rank()
         # Lightning builds the checkpoint on every rank and rank 0 writes it: gather every rank's residuals there.
         gathered: list[dict | None] | None = [None] * world_size if rank == 0 else None
-        dist.gather_object(own, gathered, dst=0)
+        dist.gather_object(own, gathered, dst=0, group=self._gather_group)
         if gathered is None:
             gathered = [own if r == rank else None for r in range(world_size)]
         return {"world_size": world_size, "ranks": gathered}

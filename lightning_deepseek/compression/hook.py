@@ -131,6 +131,7 @@ class CompressionState:
         self.param_order: dict[int, int] = {}
         self.generators: tuple[torch.Generator, torch.Generator] | None = None
         self.last_bucket_time = 0.0  # when DDP handed over the step's last bucket (backward compute done)
+        self.last_bucket_event: torch.cuda.Event | None = None  # the same moment on the GPU's timeline (CUDA)
         self.total_bytes_sent = 0
         self.total_bytes_fp32 = 0
         self.reset_counters()
@@ -150,6 +151,7 @@ class CompressionState:
         self.bytes_sent = 0
         self.bytes_fp32 = 0
         self.compress_seconds = 0.0
+        self._gpu_spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: see timed()
         self.num_compressed_buckets = 0
         self.error_sq: list[torch.Tensor] = []
         self.input_sq: list[torch.Tensor] = []
@@ -237,13 +239,37 @@ class CompressionState:
             with self._lock:
                 self._last_launched = False
 
-    def _add(self, bytes_sent: int, bytes_fp32: int, seconds: float) -> None:
+    @contextlib.contextmanager
+    def timed(self, device: torch.device) -> Iterator[None]:
+        """Count the enclosed compression work: on CPU in ``compress_seconds``; on CUDA, where the host only
+        launches kernels, as a pair of events on the current stream, read later (``take_gpu_spans``)."""
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            with self._lock:
+                self._gpu_spans.append((start, end))
+            return
+        t0 = time.perf_counter()
+        yield
+        with self._lock:
+            self.compress_seconds += time.perf_counter() - t0
+
+    def take_gpu_spans(self) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
+        """The CUDA event pairs of the compression work since the last call (``start.elapsed_time(end)`` is valid
+        once ``end`` has completed)."""
+        with self._lock:
+            spans, self._gpu_spans = self._gpu_spans, []
+        return spans
+
+    def _add(self, bytes_sent: int, bytes_fp32: int) -> None:
         with self._lock:
             self.bytes_sent += bytes_sent
             self.bytes_fp32 += bytes_fp32
             self.total_bytes_sent += bytes_sent
             self.total_bytes_fp32 += bytes_fp32
-            self.compress_seconds += seconds
 
 
 def _make_generators(seed: int, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
@@ -299,7 +325,7 @@ def end_step(state: CompressionState) -> None:
 def allreduce_average(state: CompressionState, flat: torch.Tensor) -> torch.futures.Future:
     """Uncompressed fp32 all-reduce average (warm-up steps, small and 1-D buckets)."""
     state._add(fp32_allreduce_bytes(flat.numel(), state.world_size),
-               fp32_allreduce_bytes(flat.numel(), state.world_size), 0.0)
+               fp32_allreduce_bytes(flat.numel(), state.world_size))
     flat.div_(state.world_size)
     fut = dist.all_reduce(flat, group=state.process_group, async_op=True).get_future()
     if not state.compressing:
@@ -482,7 +508,6 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
             only after ``state.release()`` or the next ``begin_step``: do not wait on it before either.
     """
     cfg, ws, bits, bs = state.config, state.world_size, state.config.bits, state.config.block_size
-    start = time.perf_counter()
     device = out.device
     flats = [t.view(-1) for t in tensors]
     plan = _plan(state, names, [f.numel() for f in flats], device)
@@ -492,7 +517,8 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
     gen1, gen2 = state.generators if cfg.stochastic_rounding else (None, None)
     tiles = _tiles(chunk, device, bs)
     keep_residual = plan.residual is not None or state.track_error
-    with state.scratch(tiles[0][1], device) if plan.residual is None else contextlib.nullcontext() as scratch:
+    scratch_or_none = state.scratch(tiles[0][1], device) if plan.residual is None else contextlib.nullcontext()
+    with state.timed(device), scratch_or_none as scratch:
         for r in range(ws):  # phase 1: gather a tile (+ residual), quantize it into destination r's row of `send`
             for a, b in tiles:
                 lo, hi = r * chunk + a, r * chunk + b
@@ -507,8 +533,7 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
     result = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
     hold = hold and device.type == "cpu"
 
-    def finish(fut: torch.futures.Future, received: torch.Tensor, write: Callable[..., None], sent: int,
-               seconds: float) -> None:
+    def finish(fut: torch.futures.Future, received: torch.Tensor, write: Callable[..., None], sent: int) -> None:
         """The last collective is done: write the average (now, or held on CPU: see ``CompressionState.hold``)."""
         try:
             fut.value()
@@ -516,19 +541,19 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
             result.set_exception(exc)
             return
         if hold:
-            state.hold(lambda: complete(received, write, sent, seconds))
+            state.hold(lambda: complete(received, write, sent))
         else:
-            complete(received, write, sent, seconds)
+            complete(received, write, sent)
 
-    def complete(received: torch.Tensor, write: Callable[..., None], sent: int, seconds: float) -> None:
+    def complete(received: torch.Tensor, write: Callable[..., None], sent: int) -> None:
         """Write the average into the gradients, check finiteness, count."""
         try:
-            t0 = time.perf_counter()
-            write(state, plan, flats, tiles)
+            with state.timed(device):
+                write(state, plan, flats, tiles)
             if plan.residual is not None:
                 # A non-finite bucket leaves NaN residuals: the next step's begin_step zeroes them all.
                 state._finite_flags.append(torch.isfinite(plan.scales(received, 0, chunk)).all())
-            state._add(sent, fp32_allreduce_bytes(numel, ws), phase1_seconds + seconds + time.perf_counter() - t0)
+            state._add(sent, fp32_allreduce_bytes(numel, ws))
             state.num_compressed_buckets += 1
         except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
             result.set_exception(exc)
@@ -538,24 +563,21 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
     if plan.single:  # every rank's whole quantized bucket, to every other rank
         gathered = _all_gather_single(plan.recv.view(-1), plan.send.view(-1), group=state.process_group,
                                       async_op=True).get_future()
-        phase1_seconds = time.perf_counter() - start
-        gathered.then(lambda f: finish(f, plan.recv, _average_into, (ws - 1) * plan.send.numel(), 0.0))
+        gathered.then(lambda f: finish(f, plan.recv, _average_into, (ws - 1) * plan.send.numel()))
         return result
 
     a2a = dist.all_to_all_single(plan.recv, plan.send, group=state.process_group, async_op=True).get_future()
-    phase1_seconds = time.perf_counter() - start
     issued = torch.futures.Future()
     previous = state._issued if state._issued is not None else _completed(None, torch.device("cpu"))
     state._issued = issued
 
-    def reduce_and_regather() -> tuple[dist.Work, float]:
+    def reduce_and_regather() -> dist.Work:
         """Phase 2 (chunk r = this rank): dequantize and sum every rank's codes, re-quantize, launch the all-gather."""
         # wait(), not value(): collect_all's future carries no CUDA events, so on NCCL (whose futures complete at
         # launch) only wait() makes the current (phase-2) stream wait for the all-to-all before reading `recv`.
         a2a.wait()
-        t0 = time.perf_counter()
         own = state.rank * chunk
-        with state.scratch(tiles[0][1], device) as acc:
+        with state.timed(device), state.scratch(tiles[0][1], device) as acc:
             for a, b in tiles:  # dequantize and sum every rank's codes for this chunk, re-quantize, per tile
                 total = acc[:b - a]
                 for r in range(ws):
@@ -567,13 +589,12 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
                          residual=plan.residual[own + a:own + b] if plan.residual is not None else None,
                          codes=plan.codes(plan.send2, a, b), scales=plan.scales(plan.send2, a, b),
                          residual_alpha=ws)
-        work = _all_gather_single(plan.gathered.view(-1), plan.send2, group=state.exchange_group, async_op=True)
-        return work, time.perf_counter() - t0
+        return _all_gather_single(plan.gathered.view(-1), plan.send2, group=state.exchange_group, async_op=True)
 
     def reduce_chunk(_: torch.futures.Future) -> None:
         try:
             with state.phase2_stream(device):
-                work, seconds = reduce_and_regather()
+                work = reduce_and_regather()
         except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
             issued.set_result(None)
             result.set_exception(exc)
@@ -581,7 +602,7 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
         issued.set_result(None)
         # Sent: a row to each other rank in the all-to-all, the re-quantized chunk to each in the all-gather.
         sent = (ws - 1) * (plan.send.shape[1] + plan.send2.numel())
-        work.get_future().then(lambda f: finish(f, plan.gathered, _dequantize_into, sent, seconds))
+        work.get_future().then(lambda f: finish(f, plan.gathered, _dequantize_into, sent))
 
     torch.futures.collect_all([a2a, previous]).then(reduce_chunk)
     return result
@@ -591,6 +612,9 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     """DDP communication hook: compressed average of one gradient bucket (see module docstring)."""
     if bucket.is_last():  # backward has computed every gradient: what follows until it returns is exposed
         state.last_bucket_time = time.perf_counter()
+        if bucket.buffer().is_cuda:
+            state.last_bucket_event = torch.cuda.Event(enable_timing=True)
+            state.last_bucket_event.record()
     if bucket.index() == 0:
         begin_step(state)
     flat = bucket.buffer()

@@ -54,6 +54,10 @@ def _train_within_bound_and_reset_on_overflow(two_phase: bool) -> None:
             p.grad = None
     assert state.num_compressed_buckets >= 1 and state.residuals
     assert all(plan.single != two_phase for plan in state.plans.values())
+    torch.cuda.synchronize()
+    spans = state.take_gpu_spans()  # the last step's compression kernels, timed on their streams
+    assert spans and all(start.elapsed_time(end) >= 0 for start, end in spans)
+    assert state.last_bucket_event is not None and state.last_bucket_event.query()
     x = torch.randn(32, 256, device="cuda")
     x[0, 0] = float("inf")
     ddp(x).square().mean().backward()
@@ -72,3 +76,26 @@ def test_hook_on_nccl_within_the_error_bound_and_resets_on_overflow(tmp_path: Pa
             _train_within_bound_and_reset_on_overflow(two_phase)
     finally:
         dist.destroy_process_group()
+
+
+def test_callback_logs_gpu_timings_under_lightning_ddp(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_deepseek import GradientCompression
+    from lightning_deepseek.models import GPTConfig, LightningGPT
+
+    tokens = torch.randint(0, 16, (64, 33), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    callback = GradientCompression(bits=8, block_size=64, warmup_steps=2, min_bucket_numel=1024)
+    trainer = pl.Trainer(strategy="ddp", accelerator="gpu", devices=1, max_steps=8, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, log_every_n_steps=1, default_root_dir=tmp_path, callbacks=[callback])
+    torch.manual_seed(0)
+    trainer.fit(LightningGPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)), train_dataloaders=loader)
+    metrics = trainer.callback_metrics
+    # Read from CUDA events one step late: the exposed span is real device time, and compression ran kernels.
+    assert float(metrics["compression/exposed_comm_ms"]) > 0
+    assert float(metrics["compression/compress_ms"]) > 0
+    assert callback.summary()["compression_exposed_comm_ms_median"] is not None
+
