@@ -24,6 +24,7 @@ file for DDP, has no completeness marker, and is restored only through ``trainer
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -31,6 +32,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +102,19 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+@contextlib.contextmanager
+def _without_weights(strategy: pl.strategies.Strategy) -> Iterator[None]:
+    """Lightning's checkpoint dict without the model and optimizer states, which DCP writes: meanwhile the
+    strategy returns none, so that a sharding strategy (``HybridParallelStrategy`` gathers them and copies them to
+    the host) does not build them only for them to be dropped."""
+    strategy.lightning_module_state_dict = lambda: {}  # type: ignore[method-assign]
+    strategy.optimizer_state = lambda optimizer: {}  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del strategy.lightning_module_state_dict, strategy.optimizer_state
+
+
 class ElasticCheckpointer:
     """Writes, commits, finds and loads step checkpoints of a Lightning ``Trainer``.
 
@@ -138,7 +153,8 @@ class ElasticCheckpointer:
             return
         tmp = self.directory / f"step-{step:08d}.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
-        lightning_state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        with _without_weights(trainer.strategy):
+            lightning_state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         for key in _TENSOR_KEYS:
             lightning_state.pop(key, None)
         if _rank() == 0:

@@ -45,7 +45,8 @@ class MutateAfterSave(pl.Callback):
 
 
 def _fit(tmp_path: Path, max_steps: int, *callbacks: pl.Callback, n_embd: int = 32, ddp: bool = False,
-         async_save: bool = False, staged: bool = False, **elastic_kwargs) -> tuple[LightningGPT, ElasticTraining]:
+         async_save: bool = False, staged: bool = False, strategy: DDPStrategy | None = None,
+         **elastic_kwargs) -> tuple[LightningGPT, ElasticTraining]:
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
         write_corpus(corpus)
@@ -58,7 +59,7 @@ def _fit(tmp_path: Path, max_steps: int, *callbacks: pl.Callback, n_embd: int = 
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          num_sanity_val_steps=0, callbacks=[elastic, *callbacks],
-                         strategy=DDPStrategy(process_group_backend="gloo") if ddp else "auto",
+                         strategy=strategy or (DDPStrategy(process_group_backend="gloo") if ddp else "auto"),
                          plugins=[StagedPrecision(STAGES)] if staged else None)
     trainer.fit(model, datamodule=data)
     model.datamodule_batch_size = data.batch_size
@@ -96,6 +97,29 @@ def test_async_save_writes_the_weights_of_its_step_not_later_ones(tmp_path: Path
     dcp.load(state, checkpoint_id=str(step3))
     for name, expected in mutate.saved.items():
         torch.testing.assert_close(state["model"][name], expected, rtol=0, atol=0, msg=name)
+
+
+class _CountingDDP(DDPStrategy):
+    """Counts how often Lightning asked for the full model or optimizer state."""
+
+    built = 0
+
+    def lightning_module_state_dict(self) -> dict:
+        type(self).built += 1
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        type(self).built += 1
+        return super().optimizer_state(optimizer)
+
+
+def test_save_does_not_build_the_states_dcp_writes(tmp_path: Path) -> None:
+    # A sharding strategy gathers and copies them to the host for Lightning's checkpoint dict; DCP writes them
+    # itself, so the elastic save must not ask for them (it used to, then dropped them).
+    _CountingDDP.built = 0
+    _fit(tmp_path, 4, strategy=_CountingDDP(process_group_backend="gloo"))
+    assert find_latest(tmp_path / "ckpt").step == 4
+    assert _CountingDDP.built == 0
 
 
 def test_incomplete_checkpoints_are_skipped_and_cleaned_up(tmp_path: Path) -> None:
