@@ -21,6 +21,10 @@ the model itself. Checkpoints are torch DCP folders that reload at another ``tp`
 
 Costs: per micro-batch and sharded block, two all-gathers and two reduce-scatters of one rank's activations
 over ``tp``; per step, one all-reduce of the replicated gradients (world) and one of the shards (``dp``).
+Optimizers: torch's multi-tensor steps (``foreach``, the default on CUDA, and ``fused``) refuse a param group that
+mixes DTensor shards and plain tensors, so such groups are stepped with the for-loop implementation
+(``foreach=False``) unless they ask for ``foreach``/``fused`` explicitly, which is an error. Groups split by
+``isinstance(p, DTensor)`` keep the multi-tensor step.
 Not supported: sharding anything but ``nn.Linear``; ranks of a ``tp`` group feeding micro-batches of different
 shapes (the last batch of an epoch must be full or dropped).
 """
@@ -63,6 +67,36 @@ from lightning_deepseek.parallel.topology import Topology, discover_topology, pa
 
 log = logging.getLogger(__name__)
 _DEFAULT_TOKENS = 2048
+
+
+class MixedParamGroupError(ValueError):
+    """A param group mixes DTensor and plain parameters and asks for a multi-tensor (``foreach``/``fused``) step."""
+
+
+def _disable_foreach_on_mixed_groups(optimizers: list[Optimizer]) -> list[str]:
+    """Set ``foreach=False`` on every param group that mixes DTensor and plain parameters and leaves ``foreach``
+    unset (torch would pick its multi-tensor kernels on CUDA, which fail on the mix); raise where such a group
+    sets ``foreach`` or ``fused`` itself. Homogeneous groups are left as they are.
+
+    Returns:
+        The groups it changed, as ``"optimizer i (Name) param group j"``.
+    """
+    changed = []
+    for i, optimizer in enumerate(optimizers):
+        for j, group in enumerate(optimizer.param_groups):
+            if len({isinstance(p, DTensor) for p in group["params"]}) < 2:
+                continue
+            for setting in ("fused", "foreach"):
+                if group.get(setting):
+                    raise MixedParamGroupError(
+                        f"{type(optimizer).__name__} (optimizer {i}) param group {j} has {setting}={group[setting]!r} "
+                        "but mixes tensor-parallel DTensor and plain parameters, which torch's multi-tensor kernels "
+                        f"refuse. Leave {setting} unset (HybridParallelStrategy then steps this group parameter by "
+                        "parameter), or split the group by `isinstance(p, torch.distributed.tensor.DTensor)`.")
+            if group.get("foreach", False) is None:
+                group["foreach"] = False
+                changed.append(f"optimizer {i} ({type(optimizer).__name__}) param group {j}")
+    return changed
 
 
 class HybridParallelStrategy(DDPStrategy):
@@ -223,6 +257,7 @@ class HybridParallelStrategy(DDPStrategy):
                 self.model = self._layer_sync.apply(self.model)
             self.configure_ddp()
             self.setup_optimizers(trainer)
+            self._settle_mixed_param_groups()
         self.setup_precision_plugin()
         self._route_clipping()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -240,6 +275,15 @@ class HybridParallelStrategy(DDPStrategy):
         rank_zero_info(f"HybridParallelStrategy plan (tp={self.tensor_parallel_size}, "
                        f"dp={self.world_size // self.tensor_parallel_size}):\n"
                        f"{format_plan_table(module, self._plan, self.tensor_parallel_size)}")
+
+    def _settle_mixed_param_groups(self) -> None:
+        changed = _disable_foreach_on_mixed_groups(self.optimizers)
+        if changed:
+            rank_zero_info(f"HybridParallelStrategy: foreach=False on {', '.join(changed)}: they mix tensor-parallel "
+                           "DTensor and plain parameters, which torch's multi-tensor optimizer kernels (the default "
+                           "on CUDA) refuse. To keep the multi-tensor step, put sharded and replicated parameters in "
+                           "separate param groups (`isinstance(p, torch.distributed.tensor.DTensor)` tells them "
+                           "apart).")
 
     def _make_plan(self, module: nn.Module) -> list[PlanEntry]:
         tp_size = self.tensor_parallel_size
@@ -426,6 +470,7 @@ class HybridParallelStrategy(DDPStrategy):
             optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
             dcp.load(optim_state, checkpoint_id=path)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key])
+        _disable_foreach_on_mixed_groups(self.optimizers)  # loaded groups carry the saved run's foreach
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     def _load_full_checkpoint(self, path: Path, strict: bool, weights_only: bool | None) -> dict[str, Any]:
@@ -444,4 +489,5 @@ class HybridParallelStrategy(DDPStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
             state = _rekey_optimizer_state_if_needed(state, self.lightning_module)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
+        _disable_foreach_on_mixed_groups(self.optimizers)  # loaded groups carry the saved run's foreach
         return checkpoint
