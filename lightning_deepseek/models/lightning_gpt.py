@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_deepseek.models.gpt import GPT, GPTConfig
@@ -67,10 +69,14 @@ class LightningGPT(pl.LightningModule):
         hp = self.hparams
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate, betas=tuple(hp.betas),
-        )
+        # Under HybridParallelStrategy the sharded feed-forward parameters are DTensors; torch's multi-tensor
+        # (foreach) step, its default on CUDA, refuses a group mixing them with plain tensors. Each group is cut
+        # where the kind changes rather than sorted by kind: gradient clipping then adds the per-parameter norms
+        # in the same order as over the two uncut groups, and the losses stay bitwise the same.
+        groups = [{"params": list(run), "weight_decay": weight_decay}
+                  for params, weight_decay in ((decay, hp.weight_decay), (no_decay, 0.0))
+                  for _, run in itertools.groupby(params, key=lambda p: isinstance(p, DTensor))]
+        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1000
         total = max(int(total), 1) if math.isfinite(total) else 1000
 
