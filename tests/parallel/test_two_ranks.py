@@ -237,6 +237,7 @@ def _foreign_models(world_size: int) -> dict[str, Any]:
 def two_rank_scenarios(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
     """Every 2-process scenario of ``tests/parallel`` in one spawn (the ``two_ranks`` fixture of conftest.py)."""
     from tests.parallel.test_bad_input import setup_errors
+    from tests.parallel.test_optimizer_groups import optimizer_group_scenarios
 
     errors: list[Any] = [None] * world_size
     dist.all_gather_object(errors, setup_errors(world_size))
@@ -250,6 +251,7 @@ def two_rank_scenarios(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
         "grad_norms": _grad_norms(world_size),
         "foreign_models": _foreign_models(world_size),
         "staged": _staged_precision(world_size),
+        "optimizer_groups": optimizer_group_scenarios(world_size, Path(ckpt).parent),
     }
 
 
