@@ -91,6 +91,31 @@ def _train_and_resume(rank: int, ws: int, root: str) -> dict:
         torch.equal(saved[k], resumed_state[k]) for k in saved)
     out["residuals_nonzero"] = any(bool(v.abs().max() > 0) for v in saved.values())
     out["resumed_global_step"] = trainer.global_step
+
+    # checkpoint_residuals=False: the checkpoint carries only the step counter; a resume starts residuals at zero.
+    light = GradientCompression(bits=8, block_size=64, warmup_steps=2, min_bucket_numel=1024,
+                                checkpoint_residuals=False)
+    trainer, _ = _fit(Path(root) / "light", STEPS // 2, light)
+    light_ckpt = str(Path(root) / "light.ckpt")
+    trainer.save_checkpoint(light_ckpt)
+    states = torch.load(light_ckpt, weights_only=False)["callbacks"]
+    out["light_state"] = next(v for k, v in states.items() if k.startswith("GradientCompression"))
+    resumed = GradientCompression(bits=8, block_size=64, warmup_steps=2, min_bucket_numel=1024)
+    seen: dict[str, Any] = {}
+
+    class _LightSpy(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            seen["step"] = resumed.hook_state.step
+            seen["residuals"] = dict(resumed.hook_state.residuals)
+
+    torch.manual_seed(0)
+    model = _ConstantLrGPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32))
+    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_steps=STEPS // 2 + 2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, default_root_dir=root, callbacks=[resumed, _LightSpy()])
+    trainer.fit(model, train_dataloaders=_loader(), ckpt_path=light_ckpt, weights_only=False)
+    out["light_resumed_step"] = seen["step"]
+    out["light_resumed_residuals"] = len(seen["residuals"])
     return out
 
 
@@ -122,11 +147,20 @@ def test_checkpoint_resume_restores_residuals_and_continues(lightning_results: l
         # epoch boundary is not bit-identical to an uninterrupted run (seen ~4e-3 max parameter difference).
 
 
+def test_checkpoint_without_residuals_resumes_them_from_zero(lightning_results: list[dict]) -> None:
+    for res in lightning_results:
+        assert res["light_state"] == {"world_size": 2, "step": STEPS // 2, "ranks": None}
+        assert res["light_resumed_step"] == STEPS // 2  # warm-up and counters continue
+        assert res["light_resumed_residuals"] == 0  # no residual was loaded: the plans start them at zero
+
+
 def test_bad_strategies_and_settings() -> None:
     with pytest.raises(ValueError, match="bits=3"):
         GradientCompression(bits=3)
     with pytest.raises(ValueError, match="block_size=100000"):
         GradientCompression(block_size=100000)
+    with pytest.raises(ValueError, match="checkpoint_residuals='no'"):
+        GradientCompression(checkpoint_residuals="no")
     with pytest.raises(CompressionStrategyError, match="FSDPStrategy"):
         find_ddp_module(FSDPStrategy())
     with pytest.warns(UserWarning, match="single device"):
