@@ -40,6 +40,18 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
+def _late_errors(queue: Any, expected: int, wait: float = 3.0) -> list[str]:
+    late = []
+    for _ in range(max(expected, 0)):
+        try:
+            rank, status, payload = queue.get(timeout=wait)
+        except Exception:  # noqa: BLE001 - queue.Empty: that rank is hung or silent; it is killed below
+            break
+        if status != "ok":
+            late.append(f"rank {rank}:\n{payload}")
+    return late
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return results by rank.
 
@@ -66,6 +78,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     except Exception as exc:  # queue.Empty: something hung
         errors.append(f"timed out after {timeout}s waiting for ranks (got {sorted(results)}): {exc!r}")
     finally:
+        if errors:  # the first failure often only echoes another rank's: give the others a moment to report theirs
+            errors += _late_errors(queue, world_size - len(results) - 1)
         for proc in procs:
             proc.join(timeout=5 if not errors else 0.5)
             if proc.is_alive():

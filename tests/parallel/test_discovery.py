@@ -106,13 +106,17 @@ def discovery_and_probe(rank: int, world_size: int, store_path: str) -> dict[str
 
     # A group whose only backend carries CUDA tensors (like NCCL on GPUs) rejects CPU tensors; here no CUDA exists.
     dist.destroy_process_group()
-    dist.init_process_group("cuda:gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                            world_size=world_size)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("cuda:gloo", store=store, rank=rank, world_size=world_size)
     try:
         probe_links(Topology(((0,), (1,))))
         results["cuda_only_group"] = "no error"
     except Exception as exc:  # noqa: BLE001 - the test checks which error it was
         results["cuda_only_group"] = f"{type(exc).__name__}: {exc}"
+    # The probe fails before any collective, so a fast rank would tear its group down while the other is still
+    # connecting to it ("Connection closed by peer"): meet on the store first. This group has no CPU barrier.
+    store.set(f"done{rank}", "1")
+    store.wait([f"done{r}" for r in range(world_size)])
     return results
 
 
