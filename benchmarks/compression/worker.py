@@ -25,8 +25,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_deepseek import register_compression_hook
-from lightning_deepseek.compression.hook import _all_gather_single, fp32_allreduce_bytes
+from lightning_deepseek.compression.hook import _all_gather_single
 from lightning_deepseek.compression.quantize import payload_bytes
+from lightning_deepseek.compression.state import fp32_allreduce_bytes
 from lightning_deepseek.data.text import read_corpus
 from lightning_deepseek.models import GPT, GPTConfig
 

@@ -37,7 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_deepseek.compression import native
-from lightning_deepseek.compression.hook import CompressionConfig, CompressionState, register_compression_hook
+from lightning_deepseek.compression.hook import register_compression_hook
+from lightning_deepseek.compression.state import CompressionConfig, CompressionState
 
 
 class CompressionStrategyError(ValueError):

@@ -15,17 +15,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_deepseek.compression import native
 from lightning_deepseek.compression.hook import (
-    CompressionConfig,
-    CompressionState,
     _exchange_group,
     begin_step,
     compressed_average,
-    compressed_bytes,
     end_step,
-    fp32_allreduce_bytes,
     register_compression_hook,
 )
 from lightning_deepseek.compression.quantize import qmax
+from lightning_deepseek.compression.state import (
+    CompressionConfig,
+    CompressionState,
+    compressed_bytes,
+    fp32_allreduce_bytes,
+)
 from tests.helpers import run_distributed
 
 _EXCHANGE_GROUPS: list[dist.ProcessGroup] = []
