@@ -31,6 +31,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.barrier()  # a rank whose fn fails at once must not close the group while a peer is still connecting
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank

@@ -230,7 +230,7 @@ def _check_all(rank: int, ws: int) -> dict:
 @pytest.fixture(scope="module", params=[2, 4], ids=["ws2", "ws4"])
 def gloo_results(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
     """One real gloo run per world size doing every check (process start-up dominates the cost)."""
-    return request.param, run_distributed(_check_all, request.param)
+    return request.param, run_distributed(_check_all, request.param, timeout=240)
 
 
 def test_compressed_average_within_quantization_bound_and_byte_formula(gloo_results: tuple[int, list[dict]]

@@ -29,7 +29,8 @@ from lightning_deepseek.elastic.backend import descendant_pids
 from tests.elastic.audit import CORPUS_BYTES, REPO, script_args, steps_trained
 from tests.helpers import free_port
 
-GLOBAL_BATCH, MICRO_BATCH, MAX_STEPS, CHECKPOINT_EVERY = 8, 2, 24, 4
+# Enough steps after the kill (at step 6) that a poller lagging on a loaded runner still sees training go on.
+GLOBAL_BATCH, MICRO_BATCH, MAX_STEPS, CHECKPOINT_EVERY = 8, 2, 40, 4
 PR_SET_CHILD_SUBREAPER = 36
 
 
