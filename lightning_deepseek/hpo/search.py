@@ -28,7 +28,7 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.trial import TrialState
 
-from lightning_deepseek.hpo.space import build_space, suggest
+from lightning_deepseek.hpo.space import SearchSpaceError, build_space, suggest
 from lightning_deepseek.hpo.study import (
     PRUNERS,
     SAMPLERS,
@@ -167,6 +167,25 @@ def run_trials(study: optuna.Study, space: Mapping[str, BaseDistribution], run_t
     return counts
 
 
+def _search_space(space: Mapping[str, str | BaseDistribution]) -> dict[str, BaseDistribution]:
+    """``search``'s space as distributions; every entry that is not a search space is an error naming it."""
+    for name, value in space.items():
+        if not isinstance(value, (str, BaseDistribution)):
+            raise SearchSpaceError(
+                f"search(space=...): {name!r}: {value!r} is a {type(value).__name__}, not a search space; write a "
+                f"sweep string ({name!r}: 'tag(log, interval(1e-4, 1e-2))', 'choice(16, 32)', 'range(0, 100, 10)') "
+                "or an Optuna distribution (optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)). Pass "
+                "fixed values to your objective yourself.")
+    distributions, fixed = build_space({k: v for k, v in space.items() if isinstance(v, str)},
+                                       field="search(space=...)")
+    if fixed:
+        raise SearchSpaceError(f"search(space=...): {fixed} are fixed values, not search spaces; write them as "
+                               "choice(...), range(...), interval(...) or tag(log, interval(...)), or pass them to "
+                               "your objective yourself.")
+    distributions.update({k: v for k, v in space.items() if isinstance(v, BaseDistribution)})
+    return distributions
+
+
 def search(
     objective: RunTrial,
     space: Mapping[str, str | BaseDistribution],
@@ -199,11 +218,7 @@ def search(
         max_failure_rate: stop once FAIL trials exceed this fraction of ``n_trials``.
         output_dir: where to write ``best_params.yaml``, ``trials.csv`` and plots (nothing written if ``None``).
     """
-    strings = {k: v for k, v in space.items() if isinstance(v, str)}
-    distributions, fixed = build_space(strings)
-    if fixed:
-        raise ValueError(f"space: {fixed} are fixed values, not search spaces; pass them to your objective.")
-    distributions.update({k: v for k, v in space.items() if isinstance(v, BaseDistribution)})
+    distributions = _search_space(space)
     sampler = sampler if sampler is not None else {"_target_": "optuna.samplers.TPESampler", "multivariate": True}
     pruner = pruner if pruner is not None else {"_target_": "optuna.pruners.MedianPruner"}
     if storage is None and output_dir is not None:

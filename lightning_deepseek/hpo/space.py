@@ -24,7 +24,7 @@ from hydra.errors import HydraException
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
 SYNTAX_HELP = ("write choice(a,b,...), range(start,stop,step), interval(low,high) or "
-               "tag(log, interval(low,high)), for example optim.learning_rate='tag(log, interval(1e-4, 1e-2))'")
+               "tag(log, interval(low,high)), for example 'tag(log, interval(1e-4, 1e-2))'")
 
 
 class SearchSpaceError(ValueError):
@@ -106,19 +106,21 @@ def distribution_of(override: Override) -> BaseDistribution:
 
 
 def build_space(params: Mapping[str, Any] | None, overrides: list[str] | None = None,
-                ) -> tuple[dict[str, BaseDistribution], list[str]]:
+                field: str = "hydra.sweeper.params") -> tuple[dict[str, BaseDistribution], list[str]]:
     """Split a ``params:`` block and command-line overrides into a search space and fixed overrides.
 
     Args:
         params: ``name -> "choice(...)" | "interval(...)" | ... | fixed value`` (the sweeper's ``params:``).
         overrides: command-line overrides; sweep ones join the space, the rest stay fixed. They win over
             ``params`` for the same name.
+        field: how errors name where ``params`` came from (the sweeper's ``hydra.sweeper.params``, or
+            ``search(space=...)``).
 
     Returns:
         ``(space, fixed)``: name -> distribution, and the non-sweep overrides to pass to every job.
     """
     lines = [f"{name}={_as_override_value(value)}" for name, value in (params or {}).items()]
-    entries = parse_overrides(lines, field="hydra.sweeper.params") + parse_overrides(overrides or [])
+    entries = parse_overrides(lines, field=field) + parse_overrides(overrides or [])
     space: dict[str, BaseDistribution] = {}
     fixed: dict[str, str] = {}
     names: dict[str, str] = {}  # key -> name with its +/++ prefix, so a later entry replaces an earlier one

@@ -10,7 +10,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from lightning_deepseek.hpo import SweepFailedError, run_trials, search
+from lightning_deepseek.hpo import SearchSpaceError, SweepFailedError, run_trials, search
 from lightning_deepseek.hpo.space import build_space
 
 
@@ -82,3 +82,16 @@ def test_pruned_objective_is_marked_pruned() -> None:
 
     study = search(objective, {"x": "interval(0, 1)"}, n_trials=2)
     assert [t.state for t in study.trials] == [TrialState.PRUNED, TrialState.PRUNED]
+
+
+def test_space_entries_that_are_not_search_spaces_are_rejected_by_name() -> None:
+    # A plain value used to be dropped silently, and then every trial failed with KeyError('lr').
+    with pytest.raises(SearchSpaceError, match=r"search\(space=\.\.\.\): 'lr': 0.01 is a float, not a search space; "
+                                               r"write a sweep string .* or an Optuna distribution"):
+        search(quadratic, {"x": "interval(-1, 1)", "lr": 0.01}, n_trials=1)
+    with pytest.raises(SearchSpaceError, match=r"\['x=0.5'\] are fixed values, not search spaces"):
+        search(quadratic, {"x": "0.5"}, n_trials=1)
+    # Parse errors name this API and its entry, not the Hydra sweeper's settings.
+    with pytest.raises(SearchSpaceError, match=r"^search\(space=\.\.\.\): cannot parse 'x=interval\(1e-4'") as info:
+        search(quadratic, {"x": "interval(1e-4"}, n_trials=1)
+    assert "hydra" not in str(info.value) and "optim.learning_rate" not in str(info.value)
