@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 import math
 import warnings
 from collections.abc import Mapping
@@ -26,6 +27,7 @@ from optuna.trial import TrialState
 
 from lightning_deepseek.hpo.space import grid_of
 
+log = logging.getLogger(__name__)
 PRUNER_ATTR = "lds_pruner"
 CONNECT_TIMEOUT_S = 10
 SAMPLERS = "optuna.samplers.TPESampler (multivariate: true), GPSampler, CmaEsSampler, RandomSampler, GridSampler"
@@ -52,16 +54,13 @@ def open_storage(url: str, field: str = "storage") -> optuna.storages.BaseStorag
         if not url.endswith(".journal"):
             raise StudyConfigError(f"{field}={url!r} is neither a SQLAlchemy URL (sqlite:///sweep.db, "
                                    "postgresql://user@host/db) nor a journal file path ending in .journal.")
-        Path(url).parent.mkdir(parents=True, exist_ok=True)
-        from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock, JournalStorage
-
-        # The open(O_EXCL) lock, unlike the default symlink lock, also works on file systems without symlinks.
-        return JournalStorage(JournalFileBackend(url, lock_obj=JournalFileOpenLock(url)))
+        return _open_journal(url, field)
     import sqlalchemy.exc
 
     url = _postgres_driver(url)
     engine_kwargs: dict[str, Any] = {}
     if url.startswith("sqlite"):
+        _check_sqlite_folder(url, field)
         engine_kwargs["connect_args"] = {"timeout": 60}  # seconds to wait on a locked file, not to connect
     elif url.startswith(("postgresql", "mysql")):
         engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
@@ -73,10 +72,51 @@ def open_storage(url: str, field: str = "storage") -> optuna.storages.BaseStorag
                                "Write e.g. sqlite:///sweep.db or postgresql://user:pass@host:5432/db (PostgreSQL "
                                "needs `pip install psycopg2-binary`).") from None
     except sqlalchemy.exc.SQLAlchemyError as exc:
+        if url.startswith("sqlite"):
+            raise StudyConfigError(f"{field}={url!r}: cannot open the SQLite file ({_first_line(exc)}). Check that "
+                                   "the file and its folder are writable by this user.") from None
         raise StudyConfigError(f"{field}={mask_url(url)!r}: cannot connect within {CONNECT_TIMEOUT_S}s "
                                f"({_first_line(exc)}). Check that the server runs and the host, port, user and "
                                "database are right, or drop the storage setting to use the embedded journal file "
                                "in the sweep folder.") from None
+
+
+def _open_journal(path: str, field: str) -> optuna.storages.BaseStorage:
+    from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock, JournalStorage
+
+    file = Path(path)
+    existed = file.exists()
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        # The open(O_EXCL) lock, unlike the default symlink lock, also works on file systems without symlinks.
+        storage = JournalStorage(JournalFileBackend(path, lock_obj=JournalFileOpenLock(path)))
+    except OSError as exc:
+        blocking = next((p for p in file.parents if p.is_file()), None)
+        cause = f"{blocking} is a file, not a folder" if blocking else f"{exc.strerror or exc}: {exc.filename or path}"
+        raise StudyConfigError(f"{field}={path!r}: cannot create or open this journal file ({cause}). Point {field} "
+                               "at a *.journal file in a folder you can write to (missing folders are created)."
+                               ) from None
+    if not existed:
+        # Creating is the normal first run; said out loud so that a mistyped path on a resume is noticed.
+        log.info(f"{field}: {path} did not exist; created a new, empty study file there.")
+    return storage
+
+
+def _check_sqlite_folder(url: str, field: str) -> None:
+    """SQLite reports a missing folder as 'unable to open database file'; say which folder instead."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        database = make_url(url).database
+    except Exception:  # noqa: BLE001 - a malformed URL is reported by RDBStorage with its own message
+        return
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    folder = Path(database).absolute().parent
+    if not folder.is_dir():
+        problem = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise StudyConfigError(f"{field}={url!r}: the folder {folder} of the SQLite file {problem}. Create the folder "
+                               f"(mkdir -p {folder}) or point {field} at a file in an existing folder.")
 
 
 def _postgres_driver(url: str) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import optuna
 import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
@@ -73,3 +76,26 @@ def test_unreachable_or_malformed_storage_fails_fast_with_the_fix() -> None:
         open_storage("nosuchdb://host/db")
     with pytest.raises(StudyConfigError, match="ending in .journal"):
         open_storage("results.txt")
+
+
+def test_storage_paths_that_cannot_work_name_the_setting_and_the_fix(tmp_path: Path) -> None:
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("not a folder")
+    with pytest.raises(StudyConfigError, match=rf"hydra.sweeper.storage='{a_file}/s.journal': cannot create or open "
+                                               rf"this journal file \({a_file} is a file, not a folder\)"):
+        open_storage(f"{a_file}/s.journal", field="hydra.sweeper.storage")
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(StudyConfigError, match=rf"storage='sqlite:///{missing}/s.db': the folder {missing} of the "
+                                               r"SQLite file does not exist\. Create the folder"):
+        open_storage(f"sqlite:///{missing}/s.db")
+
+
+def test_a_new_journal_file_is_announced_so_a_mistyped_resume_path_is_seen(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = str(tmp_path / "sub" / "study.journal")
+    with caplog.at_level(logging.INFO, logger="lightning_deepseek.hpo.study"):
+        open_storage(path)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"storage: {path} did not exist; created a new, empty study file there."]
+        open_storage(path)  # resuming an existing file: nothing to say
+        assert len(caplog.records) == 1
