@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import statistics
 import time
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -46,7 +45,7 @@ class CompressionStrategyError(ValueError):
 
 
 def find_ddp_module(strategy: Strategy) -> DistributedDataParallel | None:
-    """The strategy's data-parallel ``DistributedDataParallel``, or ``None`` (with a warning) on one device.
+    """The strategy's data-parallel ``DistributedDataParallel``; ``None`` (with a warning) with one data-parallel rank.
 
     Raises:
         CompressionStrategyError: for sharded strategies, or a multi-process strategy without a DDP module.
@@ -58,10 +57,18 @@ def find_ddp_module(strategy: Strategy) -> DistributedDataParallel | None:
             "and has no DDP communication hook. Use strategy='ddp' or 'hybrid', or remove GradientCompression.")
     module = getattr(strategy, "ddp_module", None) or strategy.model
     if isinstance(module, DistributedDataParallel):
-        return module
+        dp_size = dist.get_world_size(module.process_group)
+        if dp_size > 1:
+            return module
+        # Lightning wraps even one device in DDP (strategy='ddp', devices=1); a pure tensor-parallel run has
+        # one data-parallel rank. Either way nothing crosses a wire, so a hook would only cost time.
+        rank_zero_warn(f"GradientCompression does nothing with strategy={name} on a single data-parallel rank "
+                       f"(world size {strategy.world_size}): there is no gradient exchange to compress. Remove it, "
+                       "or train on several devices.")
+        return None
     if strategy.world_size <= 1:
-        warnings.warn(f"GradientCompression does nothing with strategy={name} on a single device: there is no "
-                      "gradient exchange to compress. Remove it, or train on several devices.", stacklevel=2)
+        rank_zero_warn(f"GradientCompression does nothing with strategy={name} on a single device: there is no "
+                       "gradient exchange to compress. Remove it, or train on several devices.")
         return None
     raise CompressionStrategyError(
         f"GradientCompression found no DistributedDataParallel module on strategy={name} "
@@ -237,10 +244,9 @@ class GradientCompression(Callback):
             return
         own = ranks[rank] if state_dict["world_size"] == world_size else None
         if own is None:
-            warnings.warn(f"GradientCompression: the checkpoint holds error-feedback residuals for "
-                          f"world_size={state_dict['world_size']}, this run has world_size={world_size}: "
-                          "residuals start from zero (at most one step of quantization error is lost).",
-                          stacklevel=2)
+            rank_zero_warn(f"GradientCompression: the checkpoint holds error-feedback residuals for "
+                           f"world_size={state_dict['world_size']}, this run has world_size={world_size}: "
+                           "residuals start from zero (at most one step of quantization error is lost).")
             self.hook_state.step = max(r["step"] for r in ranks if r is not None)
             return
         self.hook_state.load_state_dict(own, self._device)

@@ -169,3 +169,24 @@ def test_bad_strategies_and_settings() -> None:
     strategy.set_world_ranks()
     with pytest.raises(CompressionStrategyError, match="no DistributedDataParallel"):
         find_ddp_module(strategy)
+
+
+def _one_rank_ddp(rank: int, ws: int, root: str) -> dict:
+    """strategy='ddp' on one device: Lightning still wraps the model in DDP, over a one-rank group."""
+    callback = GradientCompression(warmup_steps=0)
+    wrapped: list[str] = []
+    spy = pl.callbacks.LambdaCallback(on_train_start=lambda t, m: wrapped.append(type(t.strategy.model).__name__))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=1, max_steps=2, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, default_root_dir=root, callbacks=[callback, spy])
+        trainer.fit(_ConstantLrGPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)), _loader())
+    return {"wrapped_in_ddp": wrapped[0], "hook_installed": callback.hook_state is not None,
+            "warnings": [str(w.message) for w in caught if "GradientCompression" in str(w.message)]}
+
+
+def test_one_device_ddp_warns_and_installs_no_hook(tmp_path: Path) -> None:
+    (res,) = run_distributed(_one_rank_ddp, 1, str(tmp_path), timeout=180)
+    assert res["wrapped_in_ddp"] == "DistributedDataParallel" and not res["hook_installed"]
+    assert len(res["warnings"]) == 1 and "single data-parallel rank" in res["warnings"][0], res["warnings"]
