@@ -4,6 +4,8 @@ Candidates:
 - ``tp_intra_node``: each ``tp`` group inside one island (Megatron's rule); ``dp`` groups cross islands.
 - ``dp_intra_node``: each ``dp`` group inside one island, ``tp`` groups across islands (the seed document's rule).
 - ``auto``: the candidate with the lowest estimated communication time per optimizer step.
+On one island (one node) every rank order communicates over the same links: nothing is probed or estimated
+and ``auto`` is ``tp_intra_node``. A fixed policy without ``link_costs`` is not probed either.
 
 Cost model (per optimizer step, ring algorithms, ``n`` ranks in a group, link of bandwidth ``B`` and latency
 ``a``; a group crossing islands runs at the slow link's figures):
@@ -185,3 +187,22 @@ def choose_placement(policy: str, topology: Topology, dp_size: int, tp_size: int
     }
     chosen = min(estimates, key=estimates.__getitem__) if policy == "auto" else policy
     return chosen, candidate_mesh(chosen, topology, dp_size, tp_size), estimates
+
+
+def describe_placement(requested: str, chosen: str, grid: list[list[int]], topology: Topology,
+                       estimates: dict[str, float], links: dict[str, LinkCost] | None, link_source: str) -> str:
+    """The placement line rank 0 logs at setup: the mesh, and why this rank order (estimates and link figures only
+    where links were probed or configured)."""
+    islands = [list(island) for island in topology.islands]
+    head = (f"HybridParallelStrategy placement: {chosen}, mesh (dp x tp) = {grid}; "
+            f"topology {islands} ({topology.source})")
+    if len(islands) == 1:
+        return (f"{head}: one island, so every rank order communicates over the same links and the placement has "
+                "nothing to choose (no link measured, no estimate made).")
+    if links is None:
+        return (f"{head}: placement={requested!r} as set; links not measured, no estimate made (placement='auto' "
+                "probes them; link_costs declares them).")
+    figures = ", ".join(f"{k}={v * 1e3:.1f} ms" for k, v in estimates.items())
+    link_text = ", ".join(f"{k} {c.bandwidth * 8 / 1e9:.2f} Gbit/s {c.latency * 1e6:.0f} us" for k, c in links.items())
+    how = "the lowest estimate" if requested == "auto" else f"placement={requested!r} as set"
+    return f"{head}: {how}; estimated communication per step: {figures}; links {link_source}: {link_text}."

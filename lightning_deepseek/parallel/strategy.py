@@ -31,6 +31,8 @@ shapes (the last batch of an epoch must be full or dropped).
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -59,10 +61,19 @@ from lightning_deepseek.parallel.placement import (
     POLICIES,
     CommVolume,
     LinkCost,
+    candidate_mesh,
     choose_placement,
+    describe_placement,
     probe_links,
 )
-from lightning_deepseek.parallel.plan import PlanEntry, apply_plan, auto_plan, explicit_plan, format_plan_table
+from lightning_deepseek.parallel.plan import (
+    PlanEntry,
+    apply_plan,
+    auto_plan,
+    explicit_plan,
+    find_feed_forward_blocks,
+    format_plan_table,
+)
 from lightning_deepseek.parallel.topology import Topology, discover_topology, parse_topology
 
 log = logging.getLogger(__name__)
@@ -71,6 +82,39 @@ _DEFAULT_TOKENS = 2048
 
 class MixedParamGroupError(ValueError):
     """A param group mixes DTensor and plain parameters and asks for a multi-tensor (``foreach``/``fused``) step."""
+
+
+class UnknownArgumentError(ValueError):
+    """A keyword argument is neither the strategy's, nor Lightning ``DDPStrategy``'s, nor torch
+    ``DistributedDataParallel``'s (a typo would otherwise surface at fit time as DDP's own ``TypeError``)."""
+
+
+def _parameter_names(fn: Any) -> list[str]:
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [n for n, p in inspect.signature(fn).parameters.items() if n != "self" and p.kind in kinds]
+
+
+def _check_extra_kwargs(kwargs: dict[str, Any]) -> None:
+    """Raise ``UnknownArgumentError`` on the first of ``kwargs`` that neither ``DDPStrategy`` nor torch
+    ``DistributedDataParallel`` takes, with the closest valid name (checked against this torch's signature)."""
+    own = _parameter_names(HybridParallelStrategy.__init__)
+    lightning = [n for n in _parameter_names(DDPStrategy.__init__) if n not in own]
+    ddp = _parameter_names(DistributedDataParallel.__init__)
+    set_by_lightning = {"module", "device_ids"}  # DDPStrategy._setup_model passes both itself
+    for key, value in kwargs.items():
+        if key in set_by_lightning:
+            raise UnknownArgumentError(f"HybridParallelStrategy({key}={value!r}): Lightning sets "
+                                       f"DistributedDataParallel's {key} itself (from the Trainer's devices). "
+                                       f"Remove {key}.")
+        if key in lightning or key in ddp:
+            continue
+        valid = [n for n in (*own, *lightning, *ddp) if n not in set_by_lightning]
+        close = difflib.get_close_matches(key, valid, n=1)
+        hint = (f"did you mean {close[0]}?" if close else
+                f"HybridParallelStrategy takes {', '.join(own)}; other keyword arguments go to torch "
+                f"DistributedDataParallel ({', '.join(n for n in ddp if n not in set_by_lightning)}) or to Lightning's "
+                f"DDPStrategy ({', '.join(lightning)}).")
+        raise UnknownArgumentError(f"HybridParallelStrategy: unknown argument {key}={value!r}: {hint}")
 
 
 def _disable_foreach_on_mixed_groups(optimizers: list[Optimizer]) -> list[str]:
@@ -119,7 +163,8 @@ class HybridParallelStrategy(DDPStrategy):
         save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
             optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
-        **ddp_kwargs: passed to torch ``DistributedDataParallel``.
+        **ddp_kwargs: passed to torch ``DistributedDataParallel`` (or Lightning's ``DDPStrategy``, e.g.
+            ``cluster_environment``); any other name is an ``UnknownArgumentError`` naming the closest valid one.
     """
 
     strategy_name = "hybrid"
@@ -139,6 +184,7 @@ class HybridParallelStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **ddp_kwargs: Any,
     ) -> None:
+        _check_extra_kwargs(ddp_kwargs)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
                          **ddp_kwargs)
         if tensor_parallel_size != "auto" and (not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1):
@@ -161,6 +207,7 @@ class HybridParallelStrategy(DDPStrategy):
         self._topology: Topology | None = None
         self._mesh: DeviceMesh | None = None
         self._plan: list[PlanEntry] = []
+        self._unsharded_reason = ""
         self.placement: str | None = None
         self.placement_estimates: dict[str, float] = {}
 
@@ -272,9 +319,10 @@ class HybridParallelStrategy(DDPStrategy):
         self._mesh = self._build_mesh(module, trainer)
         module._device_mesh = self._mesh
         apply_plan(module, self._plan, self._mesh["tp"])
+        table = (format_plan_table(module, self._plan, self.tensor_parallel_size) if self._plan
+                 else f"empty plan: {self._unsharded_reason}")
         rank_zero_info(f"HybridParallelStrategy plan (tp={self.tensor_parallel_size}, "
-                       f"dp={self.world_size // self.tensor_parallel_size}):\n"
-                       f"{format_plan_table(module, self._plan, self.tensor_parallel_size)}")
+                       f"dp={self.world_size // self.tensor_parallel_size}):\n{table}")
 
     def _settle_mixed_param_groups(self) -> None:
         changed = _disable_foreach_on_mixed_groups(self.optimizers)
@@ -286,11 +334,25 @@ class HybridParallelStrategy(DDPStrategy):
                            "apart).")
 
     def _make_plan(self, module: nn.Module) -> list[PlanEntry]:
+        """The plan; when it is empty, ``self._unsharded_reason`` says why (warned where the user did not ask for
+        it: one process, ``tensor_parallel_size='auto'`` resolving to 1, or no block found or large enough)."""
         tp_size = self.tensor_parallel_size
-        if self._plan_arg != "auto":
-            return explicit_plan(module, self._plan_arg, tp_size) if tp_size > 1 else []
+        processes = f"over {self.world_size} processes" if self.world_size > 1 else "on one process"
+        plain_ddp = f"nothing is sharded and this trains as plain DDP {processes}"
+        if self.world_size == 1:
+            return self._unsharded(
+                f"one process (Trainer devices=1, num_nodes=1): there is no tp group, so {plain_ddp}. "
+                "Run on 2 or more devices (lds-train: trainer.devices=2) to shard the feed-forward layers.", warn=True)
         if tp_size == 1:
-            return []
+            if self._tp_arg != "auto":
+                return self._unsharded(f"tensor_parallel_size=1: {plain_ddp}.", warn=False)
+            divisors = [d for d in range(2, self.world_size + 1) if self.world_size % d == 0]
+            return self._unsharded(
+                f"tensor_parallel_size='auto' is the number of processes per node, 1 here, so {plain_ddp}. Set "
+                f"tensor_parallel_size to one of {divisors}, or run more devices per node.", warn=True)
+        if self._plan_arg != "auto":
+            entries = explicit_plan(module, self._plan_arg, tp_size)
+            return entries or self._unsharded(f"the plan is empty ({self._plan_arg}): {plain_ddp}.", warn=False)
         entries, indivisible = auto_plan(module, tp_size, self._min_shard_params)
         if indivisible and not entries:
             widths = sorted({b.hidden for b in indivisible})
@@ -299,28 +361,45 @@ class HybridParallelStrategy(DDPStrategy):
         for block in indivisible:
             rank_zero_warn(f"HybridParallelStrategy: {block.down} keeps replicated: its width {block.hidden} is "
                            f"not divisible by tensor_parallel_size={tp_size}.")
-        return entries
+        if entries:
+            return entries
+        blocks = find_feed_forward_blocks(module)
+        if not blocks:
+            return self._unsharded(
+                f"plan='auto' found no feed-forward block (nn.Linear d->h then h->d with h != d among one module's "
+                f"children) in {type(module).__name__}, so {plain_ddp}. Name the layers to shard in an explicit "
+                "plan, e.g. plan={'*.mlp.fc1': 'colwise', '*.mlp.fc2': 'rowwise'}.", warn=True)
+        largest = max(blocks, key=lambda b: b.num_params)
+        return self._unsharded(
+            f"no feed-forward block reaches min_shard_params={self._min_shard_params}: the largest "
+            f"({', '.join((*largest.ups, largest.down))}) has {largest.num_params:,} parameters, so {plain_ddp}. "
+            f"Set min_shard_params={largest.num_params} (lds-train: strategy.min_shard_params="
+            f"{largest.num_params}) to shard it.", warn=True)
+
+    def _unsharded(self, reason: str, warn: bool) -> list[PlanEntry]:
+        self._unsharded_reason = reason
+        if warn:
+            rank_zero_warn(f"HybridParallelStrategy: {reason}")
+        return []
 
     def _build_mesh(self, module: nn.Module, trainer: pl.Trainer) -> DeviceMesh:
         assert self._topology is not None
         tp_size = self.tensor_parallel_size
         dp_size = self.world_size // tp_size
-        multi_island = len(self._topology.islands) > 1
-        if self._links is not None:
-            links, link_source = self._links, "configured"
-        elif multi_island and self._placement_arg == "auto":
-            links, link_source = probe_links(self._topology), "probed"
-        else:  # one island (every candidate is equivalent) or a fixed policy: nothing to rank
-            links, link_source = {"intra": LinkCost(1e11, 1e-6), "inter": LinkCost(1e11, 1e-6)}, "not measured"
-        volume = self._comm_volume(module, trainer.accumulate_grad_batches)
-        self.placement, grid, self.placement_estimates = choose_placement(
-            self._placement_arg, self._topology, dp_size, tp_size, volume, links)
-        estimates = ", ".join(f"{k}={v * 1e3:.1f} ms" for k, v in self.placement_estimates.items())
-        link_text = ", ".join(f"{k}: {c.bandwidth * 8 / 1e9:.2f} Gbit/s, {c.latency * 1e6:.0f} us"
-                              for k, c in links.items())
-        rank_zero_info(f"HybridParallelStrategy placement: {self.placement} (estimated communication per step: "
-                       f"{estimates}; topology {self._topology.islands} from {self._topology.source}; "
-                       f"links {link_source}: {link_text}); mesh (dp x tp) = {grid}")
+        topology = self._topology
+        links, link_source = None, ""
+        if len(topology.islands) > 1 and (self._links is not None or self._placement_arg == "auto"):
+            links = self._links if self._links is not None else probe_links(topology)
+            link_source = "configured" if self._links is not None else "probed"
+            volume = self._comm_volume(module, trainer.accumulate_grad_batches)
+            self.placement, grid, self.placement_estimates = choose_placement(
+                self._placement_arg, topology, dp_size, tp_size, volume, links)
+        else:  # one island (every rank order uses the same links) or a fixed policy with no link figures to rank
+            self.placement = "tp_intra_node" if self._placement_arg == "auto" else self._placement_arg
+            grid = candidate_mesh(self.placement, topology, dp_size, tp_size)
+            self.placement_estimates = {}
+        rank_zero_info(describe_placement(self._placement_arg, self.placement, grid, topology,
+                                          self.placement_estimates, links, link_source))
         return DeviceMesh(self.root_device.type, torch.tensor(grid), mesh_dim_names=("dp", "tp"))
 
     def _comm_volume(self, module: nn.Module, micro_batches: int) -> CommVolume:

@@ -3,12 +3,18 @@ value alone is wrong, at setup (on every rank alike, never a hang) when it confl
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_deepseek import HybridParallelStrategy
+from lightning_deepseek.parallel.strategy import UnknownArgumentError
 from tests.parallel.common import TinyLM, loader, make_trainer, token_data
 
 
@@ -22,6 +28,38 @@ from tests.parallel.common import TinyLM, loader, make_trainer, token_data
 def test_bad_arguments_at_construction(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises((ValueError, TypeError, KeyError), match=message):
         HybridParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(placment="auto"), "unknown argument placment='auto': did you mean placement?"),
+    (dict(tensor_paralel_size=2), "unknown argument tensor_paralel_size=2: did you mean tensor_parallel_size?"),
+    (dict(find_unused_parameter=True), "did you mean find_unused_parameters?"),  # DDP's own argument
+    (dict(no_such_setting=1), "unknown argument no_such_setting=1: HybridParallelStrategy takes tensor_parallel_size"),
+    (dict(device_ids=[0]), "Lightning sets DistributedDataParallel's device_ids itself"),
+])
+def test_misspelt_keyword_fails_at_construction_with_the_closest_name(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(UnknownArgumentError, match=re.escape(message)):
+        HybridParallelStrategy(**kwargs)
+
+
+def test_ddp_and_ddp_strategy_keywords_still_pass_through() -> None:
+    environment = LightningEnvironment()
+    strategy = HybridParallelStrategy(find_unused_parameters=True, bucket_cap_mb=5, cluster_environment=environment)
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True, "bucket_cap_mb": 5}
+    assert strategy.cluster_environment is environment
+
+
+def test_misspelt_lds_train_override_names_the_key(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_deepseek.cli import CONFIG_DIR, exit_on_user_error
+
+    with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["strategy=hybrid", "+strategy.tensor_paralel_size=2"])
+    with pytest.raises(InstantiationException) as raised:
+        instantiate(cfg.strategy)
+    with pytest.raises(SystemExit) as exited:
+        exit_on_user_error(raised.value)  # what lds-train does with it: one paragraph, exit code 2
+    assert exited.value.code == 2
+    assert "unknown argument tensor_paralel_size=2: did you mean tensor_parallel_size?" in capsys.readouterr().err
 
 
 def test_registered_as_hybrid() -> None:
