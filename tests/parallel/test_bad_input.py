@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_deepseek import HybridParallelStrategy
-from lightning_deepseek.parallel.strategy import UnknownArgumentError
+from lightning_deepseek.parallel import UnknownArgumentError
 from tests.parallel.common import TinyLM, loader, make_trainer, token_data
 
 
