@@ -8,7 +8,10 @@ paragraph on stderr and exit code 2; ``LDS_DEBUG=1`` shows the full traceback in
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -72,12 +75,21 @@ def build_model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
 
 
 def check_devices(trainer_cfg: DictConfig, allow_oversubscribe: bool) -> None:
-    """Fail early when ``trainer.devices`` asks for more devices than this machine has."""
+    """Fail early when ``trainer.devices`` is malformed or asks for more devices than this machine has."""
     devices, accelerator = trainer_cfg.get("devices", 1), str(trainer_cfg.get("accelerator", "cpu"))
+    if isinstance(devices, str) and devices != "auto":
+        if not re.fullmatch(r"\s*-?\d+\s*|(\s*\d+\s*,)+(\s*\d+\s*)?", devices):
+            raise ConfigError(f"trainer.devices={devices!r} is not a device count or a list of device ids. Use a "
+                              "number (trainer.devices=2), 'auto', or ids (trainer.devices=[0,1]).")
+        return  # "0,1" and "-1": Lightning parses those
     if not isinstance(devices, int):
-        return  # "auto", lists of ids: Lightning validates those
+        return  # lists of ids: Lightning validates those
     if accelerator in ("gpu", "cuda"):
         available, unit = torch.cuda.device_count(), "GPU(s)"
+        if available == 0:
+            raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no GPU that torch can use "
+                              f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'}). Train on "
+                              "CPU with trainer=cpu, or install a CUDA build of torch.")
     elif accelerator == "cpu":
         available, unit = (os.cpu_count() or 1), "CPU core(s); each CPU device is one process"
         if allow_oversubscribe:
@@ -88,6 +100,18 @@ def check_devices(trainer_cfg: DictConfig, allow_oversubscribe: bool) -> None:
         hint = " or pass allow_oversubscribe=true" if accelerator == "cpu" else ""
         raise ConfigError(f"trainer.devices={devices} but this machine has {available} {unit}. "
                           f"Set trainer.devices to at most {available}{hint}.")
+
+
+def check_trainer_keys(trainer_kwargs: dict[str, Any]) -> None:
+    """Name a misspelt ``trainer.*`` key (added with ``+``, as Hydra suggests) before ``Trainer`` rejects it."""
+    known = set(inspect.signature(pl.Trainer.__init__).parameters) - {"self", "strategy", "plugins", "logger",
+                                                                        "callbacks", "default_root_dir"}
+    for key in trainer_kwargs:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean trainer.{close[0]}?" if close else "see lightning.pytorch.Trainer's arguments."
+            raise ConfigError(f"trainer.{key} is not an argument of Lightning's Trainer: {hint} (strategy, "
+                              "precision, callbacks and loggers come from their own groups.)")
 
 
 def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
@@ -101,6 +125,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[pl.Callback]) 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    check_trainer_keys(trainer_kwargs)
     plugins = []
     if cfg.precision.get("plugin") is not None:
         plugins.append(instantiate(cfg.precision.plugin))
@@ -143,8 +168,12 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     data = TextDataModule(**data_kwargs, cache_dir=run_dir)
     data.validate()
     model = LightningGPT(model_config, **cfg.optim)
+    resume = cfg.get("resume")
+    if resume not in (None, "last", "hpc") and not Path(resume).exists():  # Lightning resolves "last" and "hpc"
+        raise ConfigError(f"resume={resume!r} does not exist. Pass a checkpoint written by lds-train (for example "
+                          "resume=outputs/<date>/<time>/checkpoints/last.ckpt), or drop resume to start fresh.")
     trainer = build_trainer(cfg, run_dir, build_callbacks(cfg))
-    trainer.fit(model, datamodule=data, ckpt_path=cfg.get("resume"))
+    trainer.fit(model, datamodule=data, ckpt_path=resume)
     summary = next(cb for cb in trainer.callbacks if isinstance(cb, RunSummary))
     if trainer.global_rank == 0:
         print(f"run folder: {run_dir}", flush=True)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BIN = Path(sys.executable).parent
 TINY = ["model=tiny", "data.batch_size=8", "trainer.val_check_interval=20", "trainer.limit_val_batches=5",
@@ -55,6 +56,12 @@ def test_sample_prints_text_from_checkpoint(trained_run) -> None:
     (["trainer.devices=4096"], "trainer.devices=4096"),
     (["model.preset=huge"], "model.preset='huge'"),
     (["optim.learning_rate=-1"], "optim.learning_rate=-1"),
+    (["trainer.devices=abc"], "trainer.devices='abc' is not a device count"),
+    pytest.param(["trainer.accelerator=gpu"], "trainer.accelerator=gpu but this machine has no GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
+    (["+trainer.max_step=5"], "trainer.max_step is not an argument of Lightning's Trainer: did you mean "
+                              "trainer.max_steps?"),
+    (["resume=/nonexistent/last.ckpt"], "resume='/nonexistent/last.ckpt' does not exist"),
 ])
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
     result = run("lds-train", *TINY, "trainer.max_steps=2", "trainer.devices=1", f"hydra.run.dir={tmp_path}", *args)
