@@ -5,12 +5,14 @@ PYTHON ?= python3
 TORCH ?= 2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# One stamp per torch version: `make test TORCH=2.11.0` on an existing .venv reinstalls torch.
+STAMP := $(VENV)/.installed-torch-$(TORCH)
 
 .PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	rm -f $(VENV)/.installed-torch-*
 	$(BIN)/pip install --quiet "torch==$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
