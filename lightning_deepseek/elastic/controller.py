@@ -85,7 +85,7 @@ class ElasticController:
         for job, status in zip(active, statuses):
             if job.name in self.done or targets[job.name] == status.workers or targets[job.name] == 0:
                 continue
-            log.info(f"lds-elastic: {job.name}: {status.workers} -> {targets[job.name]} workers "
+            log.info(f"lds-elastic: job {job.name!r}: {status.workers} -> {targets[job.name]} workers "
                      f"({self.policy.classify(status)}, {status.samples_per_s or 0:.1f} samples/s)")
             self.backend.scale(job, targets[job.name])
             self.started.add(job.name)

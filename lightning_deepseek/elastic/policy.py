@@ -57,7 +57,8 @@ class JobStatus:
     def __post_init__(self) -> None:
         if not 1 <= self.min_workers <= self.max_workers:
             raise ValueError(f"job {self.name!r}: need 1 <= min_workers ({self.min_workers}) <= max_workers "
-                             f"({self.max_workers}); set min_workers <= max_workers.")
+                             f"({self.max_workers}) (lds-elastic: --min-workers, --max-workers); set both to at "
+                             "least 1, min no larger than max.")
 
 
 @dataclass

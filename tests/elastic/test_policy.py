@@ -14,7 +14,7 @@ def job(name: str, workers: int, **kwargs) -> JobStatus:
 
 
 def test_min_workers_above_max_workers_is_refused() -> None:
-    with pytest.raises(ValueError, match="min_workers"):
+    with pytest.raises(ValueError, match=r"min_workers \(3\) <= max_workers \(2\) \(lds-elastic: --min-workers"):
         JobStatus(name="a", min_workers=3, max_workers=2)
 
 
