@@ -23,7 +23,8 @@ PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {
     "32-true": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16,
 }
-_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+# Lightning's short forms, and the names of lds-train's precision group options.
+_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true", "fp16": "16-mixed"}
 UNITS = ("step", "epoch", "fraction")
 
 
@@ -32,7 +33,7 @@ class ScheduleError(ValueError):
 
 
 def normalize_precision(value: Any, where: str) -> str:
-    """Lightning's precision string for ``value`` (aliases ``32``, ``16``, ``"bf16"`` accepted)."""
+    """Lightning's precision string for ``value`` (aliases ``32``/``fp32``, ``16``/``fp16``, ``bf16`` accepted)."""
     name = _ALIASES.get(str(value), str(value))
     if name not in PRECISIONS:
         raise ScheduleError(f"{where}: unknown precision {value!r}. Use one of {list(PRECISIONS)} "

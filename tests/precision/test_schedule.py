@@ -11,6 +11,8 @@ def test_accepts_stages_mappings_tuples_and_aliases():
     schedule = PrecisionSchedule([Stage("32", 5), {"precision": 16, "until": 0.5, "unit": "fraction"}, ("bf16",)])
     assert [s.precision for s in schedule.stages] == ["32-true", "16-mixed", "bf16-mixed"]
     assert [s.unit for s in schedule.stages] == ["step", "fraction", "step"]
+    named_like_the_groups = PrecisionSchedule([("fp32", 5), ("fp16", 9), ("bf16",)])  # lds-train's precision=...
+    assert [s.precision for s in named_like_the_groups.stages] == ["32-true", "16-mixed", "bf16-mixed"]
 
 
 def test_stage_at_follows_resolved_boundaries():
