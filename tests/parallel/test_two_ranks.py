@@ -237,6 +237,7 @@ def _foreign_models(world_size: int) -> dict[str, Any]:
 def two_rank_scenarios(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
     """Every 2-process scenario of ``tests/parallel`` in one spawn (the ``two_ranks`` fixture of conftest.py)."""
     from tests.parallel.test_bad_input import setup_errors
+    from tests.parallel.test_checkpoint_readers import write_gpt_folder
     from tests.parallel.test_fallbacks import fallback_scenarios
     from tests.parallel.test_optimizer_groups import optimizer_group_scenarios
 
@@ -254,6 +255,7 @@ def two_rank_scenarios(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
         "staged": _staged_precision(world_size),
         "optimizer_groups": optimizer_group_scenarios(world_size, Path(ckpt).parent),
         "fallbacks": fallback_scenarios(world_size),
+        "gpt_folder": write_gpt_folder(world_size, Path(ckpt).parent / "gpt_dcp"),
     }
 
 
