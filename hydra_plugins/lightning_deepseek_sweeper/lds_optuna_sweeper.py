@@ -17,7 +17,13 @@ launches trials in blocking batches. This sweeper:
   re-running the whole multirun;
 - marks a job that returned a number COMPLETE, one that raised ``optuna.TrialPruned`` PRUNED, and any other
   failure (including ``sys.exit``) FAIL, then writes ``best_params.yaml``, ``trials.csv`` and plots to the
-  sweep folder and prints the best trial.
+  sweep folder and prints the best trial;
+- records why a trial failed in ``trials.csv`` (``fail_reason``): the exception's message, or for a job that
+  called ``sys.exit`` (lds-train does on bad input) its exit code and the error it printed (the in-process
+  job's ``sys.stderr`` is kept while it runs; with process launchers only the exit code is known);
+- stops the sweep at once when a job exits with lds-train's user-error code 2 and its error names none of the
+  searched settings: such an error does not depend on the sampled values, so every trial would repeat it.
+  An error that names a searched setting (``model.n_head=3`` does not divide ``n_embd``) only fails its trial.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +46,15 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_deepseek.cli import exit_on_user_error
-from lightning_deepseek.hpo.search import SweepFailedError, run_trials
+from lightning_deepseek.hpo.search import FatalTrialError, SweepFailedError, run_trials
 from lightning_deepseek.hpo.space import SearchSpaceError, build_space, parse_overrides, to_overrides
 from lightning_deepseek.hpo.study import StudyConfigError, create_study, mask_url, write_report
 
 log = logging.getLogger(__name__)
 _ARGV_FLAGS_WITH_VALUE = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir"}
+USER_ERROR_EXIT = 2  # lightning_deepseek.cli.exit_on_user_error: a bad setting, reported as one paragraph
+_USER_ERROR_PREFIX = "lds-train: error: "
+_STDERR_KEPT_CHARS = 8192
 
 
 class LdsOptunaSweeper(Sweeper):
@@ -98,11 +107,18 @@ class LdsOptunaSweeper(Sweeper):
                  f"n_jobs={n_jobs}, space {sorted(space)}, sweep folder {sweep_dir}")
 
         def run_trial(trial: optuna.Trial, params: dict[str, Any]) -> Any:
-            return self._launch(trial.number, fixed + to_overrides(params))
+            return self._launch(trial.number, fixed + to_overrides(params), searched=params)
 
         counts = run_trials(study, space, run_trial, self.n_trials, n_jobs, self.max_failure_rate)
         best = write_report(study, sweep_dir)
         self._print_best(best, sweep_dir)
+        if "fatal_trial" in counts:
+            number = counts["fatal_trial"]
+            raise SweepFailedError(
+                f"lds_optuna: stopped the sweep after trial {number}: "
+                f"{study.trials[number].user_attrs.get('fail_reason', '')}. This configuration error names none of "
+                f"the searched settings ({', '.join(sorted(space))}), so every trial would repeat it. Fix it, then "
+                "re-run the same command to resume.")
         if counts.get("aborted"):
             raise SweepFailedError(
                 f"lds_optuna: {counts['FAIL']} trials failed, more than hydra.sweeper.max_failure_rate="
@@ -128,41 +144,44 @@ class LdsOptunaSweeper(Sweeper):
             return 1
         return self.n_jobs
 
-    def _launch(self, number: int, overrides: list[str]) -> Any:
+    def _launch(self, number: int, overrides: list[str], searched: Iterable[str]) -> Any:
         group = self.pruning_group
         identity = [f"++{group}.trial_number={number}"] if group else []
         job = [*overrides, *identity]
         run_dir = ["hydra.run.dir=${hydra.sweep.dir}/${hydra.sweep.subdir}"]
-        with self._trial_argv(job):
+        with self._trial_process(job) as stderr:
             try:
                 (ret,) = self.launcher.launch([job + run_dir], initial_job_idx=number)
-            except SystemExit as exc:  # an in-process job that called sys.exit (lds-train does on bad input)
-                raise RuntimeError(f"the job exited with code {exc.code} (see its log above)") from None
+            except SystemExit as exc:  # a job that called sys.exit (lds-train does on bad input)
+                raise _exit_error(exc, stderr.text if stderr is not None else "", searched) from None
         if ret.status == JobStatus.FAILED:
             # JobReturn.return_value would re-raise too, but prints "Error executing job" even for a pruned trial.
             raise ret._return_value
         return ret.return_value
 
     @contextlib.contextmanager
-    def _trial_argv(self, job: list[str]) -> Iterator[None]:
-        """Process state of one in-process (basic launcher) job, restored afterwards.
+    def _trial_process(self, job: list[str]) -> Iterator[_StderrTail | None]:
+        """Process state of one in-process (basic launcher) job, restored afterwards; yields its stderr tail.
 
         ``sys.argv`` becomes this trial's single-run command line (Lightning's DDP launcher re-runs it for ranks
         > 0); Lightning's DDP launcher leaves ``LOCAL_RANK``/``MASTER_PORT``/``WORLD_SIZE`` in ``os.environ`` and
         the process group open, which would make the next trial skip launching its ranks and reuse a dead
-        group, so both are undone after the job.
+        group, so both are undone after the job. ``sys.stderr`` is teed so that the error a job prints before
+        ``sys.exit`` reaches ``fail_reason`` (a process launcher's job writes to its own process: ``None``).
         """
         from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 
         if not isinstance(self.launcher, BasicLauncher):
-            yield
+            yield None
             return
         with self._argv_lock:
-            argv, environ = list(sys.argv), dict(os.environ)
+            argv, environ, stderr = list(sys.argv), dict(os.environ), sys.stderr
             sys.argv = [argv[0], *_flags(argv[1:]), *job]
+            sys.stderr = tail = _StderrTail(stderr)
             try:
-                yield
+                yield tail
             finally:
+                sys.stderr = stderr
                 sys.argv = argv
                 os.environ.clear()
                 os.environ.update(environ)
@@ -179,6 +198,41 @@ class LdsOptunaSweeper(Sweeper):
         print(f"\nlds_optuna: {message}\n  trials: {states}\n  written to {sweep_dir}: best_params.yaml, "
               f"trials.csv, {', '.join(Path(p).name for p in best['plots']) or 'no plots'}\n  resume or extend: "
               f"re-run the same command with hydra.sweep.dir={sweep_dir}", flush=True)
+
+
+class _StderrTail:
+    """A text stream that writes through to ``stream`` and keeps the last characters written."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text = (self.text + text)[-_STDERR_KEPT_CHARS:]
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, encoding, ...
+        return getattr(self.stream, name)
+
+
+def _exit_error(exc: SystemExit, stderr: str, searched: Iterable[str]) -> RuntimeError:
+    """The trial's failure for a job that called ``sys.exit``: exit code and printed error, fatal or not."""
+    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    message = str(exc.code) if isinstance(exc.code, str) else _error_text(stderr)
+    if not message:
+        return RuntimeError(f"the job exited with code {code} and printed no error (see its log)")
+    reason = f"the job exited with code {code}: {message}"
+    keys = [name.split("@")[0].lstrip("+~") for name in searched]
+    if code == USER_ERROR_EXIT and not any(key in message for key in keys):
+        return FatalTrialError(reason)
+    return RuntimeError(reason)
+
+
+def _error_text(stderr: str) -> str:
+    """lds-train's one-paragraph error, else the last lines the job printed to stderr."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line[len(_USER_ERROR_PREFIX):] for line in lines if line.startswith(_USER_ERROR_PREFIX)]
+    return errors[-1] if errors else " | ".join(lines[-5:])
 
 
 def _plain(node: Any) -> Any:

@@ -5,6 +5,7 @@ The loop keeps ``n_jobs`` trials in flight and asks for a new one as soon as any
 same storage (resume), or a second process on the same shared storage, only runs what is left. FAIL trials do
 not count towards ``n_trials``; the loop stops launching once the study holds more than
 ``max_failure_rate * n_trials`` of them and :class:`SweepFailedError` is raised after the report is written.
+A trial that raises :class:`FatalTrialError` stops the loop at once (the trials in flight still finish).
 A trial left RUNNING by a dead process on this host (killed sweep) is marked FAIL when the loop starts.
 
 Costs: one ask/tell round trip to the storage per trial, and the sampler runs in the loop's thread while
@@ -46,7 +47,12 @@ RunTrial = Callable[[optuna.Trial, dict[str, Any]], Any]
 
 
 class SweepFailedError(RuntimeError):
-    """Too many trials failed (more than ``max_failure_rate * n_trials``)."""
+    """Too many trials failed (more than ``max_failure_rate * n_trials``), or one failed with a fatal error."""
+
+
+class FatalTrialError(RuntimeError):
+    """Raised by an objective for a failure that every trial would repeat (a configuration error that does not
+    depend on the sampled parameters): the trial is FAIL, no new trial starts, and the search fails."""
 
 
 def _log(message: str) -> None:
@@ -123,6 +129,10 @@ def run_trials(study: optuna.Study, space: Mapping[str, BaseDistribution], run_t
         n_trials: study-wide number of trials to reach.
         n_jobs: trials in flight at once (``run_trial`` is called from that many threads).
         max_failure_rate: stop launching once FAIL trials exceed this fraction of ``n_trials``.
+
+    Returns:
+        Trials per state name, plus ``aborted: 1`` when the failure rate was exceeded and ``fatal_trial: N``
+        when trial ``N`` raised :class:`FatalTrialError`.
     """
     if n_trials < 1 or n_jobs < 1:
         raise ValueError(f"n_trials={n_trials} and n_jobs={n_jobs} must both be >= 1.")
@@ -135,10 +145,11 @@ def run_trials(study: optuna.Study, space: Mapping[str, BaseDistribution], run_t
     owner = {"host": socket.gethostname(), "pid": os.getpid()}
     running: dict[Future, optuna.Trial] = {}
     too_many_failures = False
+    fatal_trial: int | None = None
     with ThreadPoolExecutor(max_workers=n_jobs, thread_name_prefix="lds-trial") as pool:
         try:
             while True:
-                while len(running) < n_jobs and not too_many_failures:
+                while len(running) < n_jobs and not too_many_failures and fatal_trial is None:
                     counts = count_states(study)
                     if counts["FAIL"] > max_failures:
                         too_many_failures = True
@@ -155,7 +166,10 @@ def run_trials(study: optuna.Study, space: Mapping[str, BaseDistribution], run_t
                     break
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
-                    _log(_finish(study, running.pop(future), future))
+                    trial = running.pop(future)
+                    _log(_finish(study, trial, future))
+                    if fatal_trial is None and isinstance(future.exception(), FatalTrialError):
+                        fatal_trial = trial.number
         finally:
             for future, trial in running.items():  # interrupted (Ctrl-C): in-flight trials cannot finish
                 future.cancel()
@@ -164,6 +178,8 @@ def run_trials(study: optuna.Study, space: Mapping[str, BaseDistribution], run_t
     counts = count_states(study)
     if too_many_failures:
         counts["aborted"] = 1
+    if fatal_trial is not None:
+        counts["fatal_trial"] = fatal_trial
     return counts
 
 
@@ -204,7 +220,8 @@ def search(
 
     Args:
         objective: ``objective(trial, params) -> float``; build the Trainer with ``OptunaPruning(trial)`` and call
-            its ``check_pruned()`` after ``fit`` so that pruned runs raise ``optuna.TrialPruned``.
+            its ``check_pruned()`` after ``fit`` so that pruned runs raise ``optuna.TrialPruned``. Raise
+            :class:`FatalTrialError` for an error that every trial would repeat, to stop the search at once.
         space: name -> sweep string (``"tag(log, interval(1e-4, 1e-2))"``, ``"choice(16, 32)"``) or an Optuna
             distribution.
         n_trials: study-wide number of trials (a re-run on the same storage resumes).
@@ -233,6 +250,10 @@ def search(
     counts = run_trials(study, distributions, objective, n_trials, n_jobs, max_failure_rate)
     if output_dir is not None:
         write_report(study, output_dir)
+    if "fatal_trial" in counts:
+        reason = study.trials[counts["fatal_trial"]].user_attrs.get("fail_reason", "")
+        raise SweepFailedError(f"trial {counts['fatal_trial']} raised FatalTrialError ({reason}); no further trial "
+                               "was started. Fix the cause, then call search() again on the same storage to resume.")
     if counts.get("aborted"):
         raise SweepFailedError(f"{counts['FAIL']} trials failed, more than max_failure_rate={max_failure_rate} "
                                f"of n_trials={n_trials}; see each trial's fail_reason (trials.csv).")

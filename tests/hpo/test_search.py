@@ -10,7 +10,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from lightning_deepseek.hpo import SearchSpaceError, SweepFailedError, run_trials, search
+from lightning_deepseek.hpo import FatalTrialError, SearchSpaceError, SweepFailedError, run_trials, search
 from lightning_deepseek.hpo.space import build_space
 
 
@@ -95,3 +95,16 @@ def test_space_entries_that_are_not_search_spaces_are_rejected_by_name() -> None
     with pytest.raises(SearchSpaceError, match=r"^search\(space=\.\.\.\): cannot parse 'x=interval\(1e-4'") as info:
         search(quadratic, {"x": "interval(1e-4"}, n_trials=1)
     assert "hydra" not in str(info.value) and "optim.learning_rate" not in str(info.value)
+
+
+def test_fatal_trial_error_stops_the_search_at_once() -> None:
+    calls = []
+
+    def objective(trial: optuna.Trial, params: dict[str, Any]) -> float:
+        calls.append(trial.number)
+        raise FatalTrialError("data.path='/no/such' does not exist")
+
+    with pytest.raises(SweepFailedError, match=r"trial 0 raised FatalTrialError \(data.path='/no/such' does not "
+                                               r"exist\); no further trial was started"):
+        search(objective, {"x": "interval(0, 1)"}, n_trials=5, max_failure_rate=1.0)
+    assert calls == [0]

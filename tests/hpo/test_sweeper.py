@@ -9,9 +9,11 @@ import time
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
-from lightning_deepseek.hpo import open_storage
+from hydra_plugins.lightning_deepseek_sweeper.lds_optuna_sweeper import _exit_error
+from lightning_deepseek.hpo import FatalTrialError, open_storage
 
 BIN = Path(sys.executable).parent
 TRIAL = ["model=tiny", "+model.block_size=16", "data.batch_size=4", "trainer.devices=1", "trainer.max_steps=8",
@@ -82,9 +84,48 @@ def test_crashing_job_is_marked_fail_and_the_sweep_goes_on(tmp_path: Path) -> No
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     study = load(tmp_path)
     by_head = {t.params["+model.n_head"]: t for t in study.trials}
-    assert by_head[3].state == TrialState.FAIL and "exited with code 2" in by_head[3].user_attrs["fail_reason"]
+    # The error names the searched setting: it depends on the sampled value, so only this trial fails.
+    reason = by_head[3].user_attrs["fail_reason"]
+    assert by_head[3].state == TrialState.FAIL and reason.startswith("the job exited with code 2: ")
+    assert "not divisible by model.n_head=3" in reason  # the job's own error, not only its exit code
     assert by_head[4].state == TrialState.COMPLETE
     assert "not divisible by model.n_head=3" in result.stderr
+
+
+@pytest.mark.parametrize(("code", "stderr", "searched", "reason", "fatal"), [
+    # lds-train's user error naming no searched setting: every trial would repeat it.
+    (2, "UserWarning: slow\nlds-train: error: data.path='x' does not exist\n(set LDS_DEBUG=1 for the full traceback)\n",
+     ["optim.learning_rate"], "the job exited with code 2: data.path='x' does not exist", True),
+    # The same kind of error naming a searched setting (with its + prefix) depends on the sampled value.
+    (2, "lds-train: error: n_embd=64 is not divisible by model.n_head=3\n", ["+model.n_head"],
+     "the job exited with code 2: n_embd=64 is not divisible by model.n_head=3", False),
+    # A crash (exit 1) is counted as a failure; its last lines are the reason.
+    (1, "Traceback (most recent call last):\n  File x\nRuntimeError: boom\n", ["a"],
+     "the job exited with code 1: Traceback (most recent call last): | File x | RuntimeError: boom", False),
+    # Nothing printed (e.g. a process launcher's job): only the exit code is known, never fatal.
+    (2, "", ["a"], "the job exited with code 2 and printed no error (see its log)", False),
+])
+def test_an_exiting_job_fails_with_its_printed_error(code: int, stderr: str, searched: list[str], reason: str,
+                                                     fatal: bool) -> None:
+    error = _exit_error(SystemExit(code), stderr, searched)
+    assert str(error) == reason and isinstance(error, FatalTrialError) == fatal
+
+
+def test_a_config_error_that_every_trial_would_repeat_stops_the_sweep_at_once(tmp_path: Path) -> None:
+    # hpo.monitor (a documented override, once rejected by Hydra as "not in struct") names a metric that is
+    # never logged: lds-train exits 2 whatever the learning rate, so the sweep must not try 4 trials.
+    result = subprocess.run(
+        sweep_cmd(tmp_path, "hydra.sweeper.n_trials=4", "hydra.sweeper.max_failure_rate=1.0", "hpo.monitor=val_los",
+                  "optim.learning_rate=tag(log, interval(1e-4, 1e-2))"), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    study = load(tmp_path)
+    assert states(study) == ["FAIL"]
+    reason = study.trials[0].user_attrs["fail_reason"]
+    assert reason.startswith("the job exited with code 2: OptunaPruning: monitor='val_los' was never logged")
+    assert [r["fail_reason"] for r in csv.DictReader((tmp_path / "trials.csv").open())] == [reason]
+    assert ("lds-train: error: lds_optuna: stopped the sweep after trial 0: the job exited with code 2: "
+            "OptunaPruning: monitor='val_los'") in result.stderr
+    assert "names none of the searched settings (optim.learning_rate)" in result.stderr
 
 
 def test_bad_sampler_fails_before_any_trial_with_the_field_named(tmp_path: Path) -> None:
