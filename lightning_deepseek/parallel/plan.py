@@ -107,6 +107,21 @@ def auto_plan(module: nn.Module, tp_size: int, min_params: int) -> tuple[list[Pl
     return entries, indivisible
 
 
+def why_auto_plan_is_empty(module: nn.Module, min_params: int) -> tuple[str, str]:
+    """Why ``auto_plan`` sharded nothing in ``module`` (no block found, or all under ``min_params``), and the fix."""
+    blocks = find_feed_forward_blocks(module)
+    if not blocks:
+        return (f"plan='auto' found no feed-forward block (nn.Linear d->h then h->d with h != d among one module's "
+                f"children) in {type(module).__name__}",
+                "Name the layers to shard in an explicit plan, e.g. plan={'*.mlp.fc1': 'colwise', "
+                "'*.mlp.fc2': 'rowwise'}.")
+    largest = max(blocks, key=lambda b: b.num_params)
+    return (f"no feed-forward block reaches min_shard_params={min_params}: the largest "
+            f"({', '.join((*largest.ups, largest.down))}) has {largest.num_params:,} parameters",
+            f"Set min_shard_params={largest.num_params} (lds-train: strategy.min_shard_params={largest.num_params}) "
+            "to shard it.")
+
+
 def explicit_plan(module: nn.Module, patterns: dict[str, str], tp_size: int) -> list[PlanEntry]:
     """The plan of a user mapping ``{module-name pattern: "colwise" | "rowwise"}`` (``fnmatch`` patterns).
 

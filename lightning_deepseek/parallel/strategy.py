@@ -19,6 +19,9 @@ expects the user to parallelize in ``configure_model``; this strategy keeps the 
 the model itself. Checkpoints are torch DCP folders that reload at another ``tp`` or world size, or (with
 ``save_distributed_checkpoint=False``) one full file gathered on rank 0; full files, also DDP's, load at any ``tp``.
 
+With nothing to shard (one process, ``tensor_parallel_size`` resolving to 1, no feed-forward block found or none
+reaching ``min_shard_params``) it trains as plain DDP, and warns why and which setting changes that.
+
 Costs: per micro-batch and sharded block, two all-gathers and two reduce-scatters of one rank's activations
 over ``tp``; per step, one all-reduce of the replicated gradients (world) and one of the shards (``dp``).
 Optimizers: torch's multi-tensor steps (``foreach``, the default on CUDA, and ``fused``) refuse a param group that
@@ -31,8 +34,6 @@ shapes (the last batch of an epoch must be full or dropped).
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -57,6 +58,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_deepseek.parallel import clipping
+from lightning_deepseek.parallel.arguments import check_ddp_kwargs
 from lightning_deepseek.parallel.placement import (
     POLICIES,
     CommVolume,
@@ -71,8 +73,8 @@ from lightning_deepseek.parallel.plan import (
     apply_plan,
     auto_plan,
     explicit_plan,
-    find_feed_forward_blocks,
     format_plan_table,
+    why_auto_plan_is_empty,
 )
 from lightning_deepseek.parallel.topology import Topology, discover_topology, parse_topology
 
@@ -82,39 +84,6 @@ _DEFAULT_TOKENS = 2048
 
 class MixedParamGroupError(ValueError):
     """A param group mixes DTensor and plain parameters and asks for a multi-tensor (``foreach``/``fused``) step."""
-
-
-class UnknownArgumentError(ValueError):
-    """A keyword argument is neither the strategy's, nor Lightning ``DDPStrategy``'s, nor torch
-    ``DistributedDataParallel``'s (a typo would otherwise surface at fit time as DDP's own ``TypeError``)."""
-
-
-def _parameter_names(fn: Any) -> list[str]:
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return [n for n, p in inspect.signature(fn).parameters.items() if n != "self" and p.kind in kinds]
-
-
-def _check_extra_kwargs(kwargs: dict[str, Any]) -> None:
-    """Raise ``UnknownArgumentError`` on the first of ``kwargs`` that neither ``DDPStrategy`` nor torch
-    ``DistributedDataParallel`` takes, with the closest valid name (checked against this torch's signature)."""
-    own = _parameter_names(HybridParallelStrategy.__init__)
-    lightning = [n for n in _parameter_names(DDPStrategy.__init__) if n not in own]
-    ddp = _parameter_names(DistributedDataParallel.__init__)
-    set_by_lightning = {"module", "device_ids"}  # DDPStrategy._setup_model passes both itself
-    for key, value in kwargs.items():
-        if key in set_by_lightning:
-            raise UnknownArgumentError(f"HybridParallelStrategy({key}={value!r}): Lightning sets "
-                                       f"DistributedDataParallel's {key} itself (from the Trainer's devices). "
-                                       f"Remove {key}.")
-        if key in lightning or key in ddp:
-            continue
-        valid = [n for n in (*own, *lightning, *ddp) if n not in set_by_lightning]
-        close = difflib.get_close_matches(key, valid, n=1)
-        hint = (f"did you mean {close[0]}?" if close else
-                f"HybridParallelStrategy takes {', '.join(own)}; other keyword arguments go to torch "
-                f"DistributedDataParallel ({', '.join(n for n in ddp if n not in set_by_lightning)}) or to Lightning's "
-                f"DDPStrategy ({', '.join(lightning)}).")
-        raise UnknownArgumentError(f"HybridParallelStrategy: unknown argument {key}={value!r}: {hint}")
 
 
 def _disable_foreach_on_mixed_groups(optimizers: list[Optimizer]) -> list[str]:
@@ -164,7 +133,8 @@ class HybridParallelStrategy(DDPStrategy):
             optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
         **ddp_kwargs: passed to torch ``DistributedDataParallel`` (or Lightning's ``DDPStrategy``, e.g.
-            ``cluster_environment``); any other name is an ``UnknownArgumentError`` naming the closest valid one.
+            ``cluster_environment``); any other name is an ``UnknownArgumentError`` naming the closest valid one
+            (:mod:`lightning_deepseek.parallel.arguments`).
     """
 
     strategy_name = "hybrid"
@@ -184,7 +154,7 @@ class HybridParallelStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **ddp_kwargs: Any,
     ) -> None:
-        _check_extra_kwargs(ddp_kwargs)
+        check_ddp_kwargs(type(self), ddp_kwargs)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
                          **ddp_kwargs)
         if tensor_parallel_size != "auto" and (not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1):
@@ -363,18 +333,8 @@ class HybridParallelStrategy(DDPStrategy):
                            f"not divisible by tensor_parallel_size={tp_size}.")
         if entries:
             return entries
-        blocks = find_feed_forward_blocks(module)
-        if not blocks:
-            return self._unsharded(
-                f"plan='auto' found no feed-forward block (nn.Linear d->h then h->d with h != d among one module's "
-                f"children) in {type(module).__name__}, so {plain_ddp}. Name the layers to shard in an explicit "
-                "plan, e.g. plan={'*.mlp.fc1': 'colwise', '*.mlp.fc2': 'rowwise'}.", warn=True)
-        largest = max(blocks, key=lambda b: b.num_params)
-        return self._unsharded(
-            f"no feed-forward block reaches min_shard_params={self._min_shard_params}: the largest "
-            f"({', '.join((*largest.ups, largest.down))}) has {largest.num_params:,} parameters, so {plain_ddp}. "
-            f"Set min_shard_params={largest.num_params} (lds-train: strategy.min_shard_params="
-            f"{largest.num_params}) to shard it.", warn=True)
+        cause, fix = why_auto_plan_is_empty(module, self._min_shard_params)
+        return self._unsharded(f"{cause}, so {plain_ddp}. {fix}", warn=True)
 
     def _unsharded(self, reason: str, warn: bool) -> list[PlanEntry]:
         self._unsharded_reason = reason

@@ -6,7 +6,12 @@ import pytest
 import torch.nn as nn
 
 from lightning_deepseek.models import GPT, GPTConfig
-from lightning_deepseek.parallel.plan import auto_plan, explicit_plan, find_feed_forward_blocks
+from lightning_deepseek.parallel.plan import (
+    auto_plan,
+    explicit_plan,
+    find_feed_forward_blocks,
+    why_auto_plan_is_empty,
+)
 
 
 class SwiGLU(nn.Module):
@@ -93,3 +98,15 @@ def test_explicit_plan_patterns() -> None:
         explicit_plan(model, {"blocks.0.mlp.fc1": "colwise"}, 3)
     with pytest.raises(ValueError, match="only nn.Linear"):
         explicit_plan(model, {"blocks.0.mlp": "colwise"}, 2)
+
+
+def test_empty_automatic_plan_explains_itself() -> None:
+    model = nn.ModuleDict({"a": nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)),
+                           "b": nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))})
+    assert auto_plan(model, 2, 1000)[0] == []
+    cause, fix = why_auto_plan_is_empty(model, 1000)
+    assert cause == "no feed-forward block reaches min_shard_params=1000: the largest (b.0, b.2) has 552 parameters"
+    assert fix.startswith("Set min_shard_params=552 (lds-train: strategy.min_shard_params=552)")
+    assert auto_plan(model, 2, 552)[0]  # the number it gives does shard the block
+    cause, fix = why_auto_plan_is_empty(NormedHidden(), 0)
+    assert cause.startswith("plan='auto' found no feed-forward block") and "explicit plan" in fix
