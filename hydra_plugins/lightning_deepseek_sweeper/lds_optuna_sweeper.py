@@ -21,9 +21,10 @@ launches trials in blocking batches. This sweeper:
 - records why a trial failed in ``trials.csv`` (``fail_reason``): the exception's message, or for a job that
   called ``sys.exit`` (lds-train does on bad input) its exit code and the error it printed (the in-process
   job's ``sys.stderr`` is kept while it runs; with process launchers only the exit code is known);
-- stops the sweep at once when a job exits with lds-train's user-error code 2 and its error names none of the
-  searched settings: such an error does not depend on the sampled values, so every trial would repeat it.
-  An error that names a searched setting (``model.n_head=3`` does not divide ``n_embd``) only fails its trial.
+- stops the sweep at once when a job exits with lds-train's user-error code 2, its error names none of the
+  searched settings, and no trial of the study has finished yet: such an error does not depend on the sampled
+  values, so every trial would repeat it. An error that names a searched setting (``model.n_head=3`` does not
+  divide ``n_embd``), or that comes after some trial finished (so some values work), only fails its trial.
 """
 
 from __future__ import annotations
@@ -107,7 +108,13 @@ class LdsOptunaSweeper(Sweeper):
                  f"n_jobs={n_jobs}, space {sorted(space)}, sweep folder {sweep_dir}")
 
         def run_trial(trial: optuna.Trial, params: dict[str, Any]) -> Any:
-            return self._launch(trial.number, fixed + to_overrides(params), searched=params)
+            try:
+                return self._launch(trial.number, fixed + to_overrides(params), searched=params)
+            except FatalTrialError as exc:
+                finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+                if study.get_trials(deepcopy=False, states=finished):  # other values worked: a bad draw
+                    raise RuntimeError(str(exc)) from None
+                raise
 
         counts = run_trials(study, space, run_trial, self.n_trials, n_jobs, self.max_failure_rate)
         best = write_report(study, sweep_dir)
@@ -117,8 +124,8 @@ class LdsOptunaSweeper(Sweeper):
             raise SweepFailedError(
                 f"lds_optuna: stopped the sweep after trial {number}: "
                 f"{study.trials[number].user_attrs.get('fail_reason', '')}. This configuration error names none of "
-                f"the searched settings ({', '.join(sorted(space))}), so every trial would repeat it. Fix it, then "
-                "re-run the same command to resume.")
+                f"the searched settings ({', '.join(sorted(space))}) and no trial has finished, so every trial "
+                "would repeat it. Fix it, then re-run the same command to resume.")
         if counts.get("aborted"):
             raise SweepFailedError(
                 f"lds_optuna: {counts['FAIL']} trials failed, more than hydra.sweeper.max_failure_rate="
