@@ -16,7 +16,7 @@ from hydra_plugins.lightning_deepseek_sweeper.lds_optuna_sweeper import _exit_er
 from lightning_deepseek.hpo import FatalTrialError, open_storage
 
 BIN = Path(sys.executable).parent
-TRIAL = ["model=tiny", "+model.block_size=16", "data.batch_size=4", "trainer.devices=1", "trainer.max_steps=8",
+TRIAL = ["model=tiny", "model.block_size=16", "data.batch_size=4", "trainer.devices=1", "trainer.max_steps=8",
          "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=2",
          "trainer.enable_progress_bar=false", "plot=false", "optim.warmup_steps=1"]
 
@@ -80,10 +80,10 @@ def test_crashing_job_is_marked_fail_and_the_sweep_goes_on(tmp_path: Path) -> No
     # n_head=3 does not divide n_embd=64: lds-train rejects it (exit code 2) inside the job.
     result = subprocess.run(
         sweep_cmd(tmp_path, "hydra.sweeper.n_trials=2", "hydra/sweeper/sampler=grid", "hydra/sweeper/pruner=none",
-                  "+model.n_head=choice(3,4)"), capture_output=True, text=True, timeout=240)
+                  "model.n_head=choice(3,4)"), capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     study = load(tmp_path)
-    by_head = {t.params["+model.n_head"]: t for t in study.trials}
+    by_head = {t.params["model.n_head"]: t for t in study.trials}
     # The error names the searched setting: it depends on the sampled value, so only this trial fails.
     reason = by_head[3].user_attrs["fail_reason"]
     assert by_head[3].state == TrialState.FAIL and reason.startswith("the job exited with code 2: ")
@@ -97,7 +97,7 @@ def test_crashing_job_is_marked_fail_and_the_sweep_goes_on(tmp_path: Path) -> No
     (2, "UserWarning: slow\nlds-train: error: data.path='x' does not exist\n(set LDS_DEBUG=1 for the full traceback)\n",
      ["optim.learning_rate"], "the job exited with code 2: data.path='x' does not exist", True),
     # The same kind of error naming a searched setting (with its + prefix) depends on the sampled value.
-    (2, "lds-train: error: n_embd=64 is not divisible by model.n_head=3\n", ["+model.n_head"],
+    (2, "lds-train: error: n_embd=64 is not divisible by model.n_head=3\n", ["model.n_head"],
      "the job exited with code 2: n_embd=64 is not divisible by model.n_head=3", False),
     # A crash (exit 1) is counted as a failure; its last lines are the reason.
     (1, "Traceback (most recent call last):\n  File x\nRuntimeError: boom\n", ["a"],
