@@ -2,7 +2,8 @@
 
 ``lds-train`` composes ``conf/train.yaml`` and its groups (model, data, trainer, strategy, precision,
 compression, hpo), then builds the model, data, strategy, plugins and callbacks from ``_target_`` nodes,
-so a component joins the app by adding a config file, not by editing this module. Bad input ends in one
+so a component joins the app by adding a config file, not by editing this module. The configs live in
+``lightning_deepseek/conf`` (installed with the package; ``./conf`` links there). Bad input ends in one
 paragraph on stderr and exit code 2; ``LDS_DEBUG=1`` shows the full traceback instead.
 """
 
@@ -32,7 +33,7 @@ from lightning_deepseek.hpo import OptunaPruning
 from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
 from lightning_deepseek.summary import RunSummary
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")  # packaged with the module; ./conf links here
 _USER_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, MisconfigurationException, InstantiationException)
 
 

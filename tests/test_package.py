@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
 import lightning_deepseek
 
@@ -21,3 +24,19 @@ def test_training_components_import_without_optuna_or_hydra() -> None:
             "assert 'optuna' not in [m for m, v in sys.modules.items() if v is not None]\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_built_wheel_carries_the_hydra_configs(tmp_path: Path) -> None:
+    # lds-train reads its configs next to cli.py: a plain (non-editable) install must ship every one of them.
+    root = Path(__file__).resolve().parents[1]
+    made_here = not (root / "build").exists()  # setuptools builds in the tree: remove what this test made
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path), str(root)], capture_output=True, text=True, timeout=300,
+                           cwd=tmp_path)
+    if made_here:
+        shutil.rmtree(root / "build", ignore_errors=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = tmp_path.glob("*.whl")
+    shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.startswith("lightning_deepseek/conf/")}
+    configs = {str(p.relative_to(root)) for p in (root / "lightning_deepseek" / "conf").rglob("*.yaml")}
+    assert configs and shipped == configs
