@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import logging
 import os
 import re
 import sys
@@ -50,7 +51,17 @@ def exit_on_user_error(exc: BaseException) -> NoReturn:
         cause = cause.__cause__
     message = " ".join(str(cause).split()) or type(cause).__name__
     print(f"lds-train: error: {message}\n(set LDS_DEBUG=1 for the full traceback)", file=sys.stderr, flush=True)
+    _log_to_files(f"lds-train: error: {message}")
     sys.exit(2)
+
+
+def _log_to_files(message: str) -> None:
+    """Also put the error in the run folder's log (Hydra's ``<job>.log``), which sweeps and batch jobs keep; the
+    console already has it."""
+    record = logging.LogRecord("lds-train", logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def _user_errors_exit(fn: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:

@@ -68,6 +68,7 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path: Path, args: list[str], 
     assert result.returncode == 2
     assert f"lds-train: error: {needle}" in result.stderr or needle in result.stderr.split("lds-train: error:")[-1]
     assert "Traceback" not in result.stderr
+    assert needle in (tmp_path / "cli.log").read_text()  # the run folder keeps it too (sweeps, batch jobs)
 
 
 def test_binary_data_file_is_rejected(tmp_path: Path) -> None:
