@@ -96,7 +96,7 @@ def test_crashing_job_is_marked_fail_and_the_sweep_goes_on(tmp_path: Path) -> No
     # lds-train's user error naming no searched setting: every trial would repeat it.
     (2, "UserWarning: slow\nlds-train: error: data.path='x' does not exist\n(set LDS_DEBUG=1 for the full traceback)\n",
      ["optim.learning_rate"], "the job exited with code 2: data.path='x' does not exist", True),
-    # The same kind of error naming a searched setting (with its + prefix) depends on the sampled value.
+    # The same kind of error naming a searched setting depends on the sampled value.
     (2, "lds-train: error: n_embd=64 is not divisible by model.n_head=3\n", ["model.n_head"],
      "the job exited with code 2: n_embd=64 is not divisible by model.n_head=3", False),
     # A crash (exit 1) is counted as a failure; its last lines are the reason.
