@@ -35,6 +35,8 @@ from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
 from lightning_deepseek.summary import RunSummary
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")  # packaged with the module; ./conf links here
+USER_ERROR_EXIT = 2  # the exit code of a bad setting (the sweeper tells these from crashes)
+USER_ERROR_PREFIX = "lds-train: error: "  # starts the one-paragraph message on stderr
 _USER_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, MisconfigurationException, InstantiationException)
 
 
@@ -50,9 +52,9 @@ def exit_on_user_error(exc: BaseException) -> NoReturn:
     while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
         cause = cause.__cause__
     message = " ".join(str(cause).split()) or type(cause).__name__
-    print(f"lds-train: error: {message}\n(set LDS_DEBUG=1 for the full traceback)", file=sys.stderr, flush=True)
-    _log_to_files(f"lds-train: error: {message}")
-    sys.exit(2)
+    print(f"{USER_ERROR_PREFIX}{message}\n(set LDS_DEBUG=1 for the full traceback)", file=sys.stderr, flush=True)
+    _log_to_files(f"{USER_ERROR_PREFIX}{message}")
+    sys.exit(USER_ERROR_EXIT)
 
 
 def _log_to_files(message: str) -> None:

@@ -46,15 +46,13 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_deepseek.cli import exit_on_user_error
+from lightning_deepseek.cli import USER_ERROR_EXIT, USER_ERROR_PREFIX, exit_on_user_error
 from lightning_deepseek.hpo.search import FatalTrialError, SweepFailedError, run_trials
 from lightning_deepseek.hpo.space import SearchSpaceError, build_space, parse_overrides, to_overrides
 from lightning_deepseek.hpo.study import StudyConfigError, create_study, mask_url, write_report
 
 log = logging.getLogger(__name__)
 _ARGV_FLAGS_WITH_VALUE = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir"}
-USER_ERROR_EXIT = 2  # lightning_deepseek.cli.exit_on_user_error: a bad setting, reported as one paragraph
-_USER_ERROR_PREFIX = "lds-train: error: "
 _STDERR_KEPT_CHARS = 8192
 
 
@@ -238,7 +236,7 @@ def _exit_error(exc: SystemExit, stderr: str, searched: Iterable[str]) -> Runtim
 def _error_text(stderr: str) -> str:
     """lds-train's one-paragraph error, else the last lines the job printed to stderr."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    errors = [line[len(_USER_ERROR_PREFIX):] for line in lines if line.startswith(_USER_ERROR_PREFIX)]
+    errors = [line[len(USER_ERROR_PREFIX):] for line in lines if line.startswith(USER_ERROR_PREFIX)]
     return errors[-1] if errors else " | ".join(lines[-5:])
 
 

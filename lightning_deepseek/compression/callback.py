@@ -56,20 +56,17 @@ def find_ddp_module(strategy: Strategy) -> DistributedDataParallel | None:
             f"GradientCompression does not support strategy={name}: it reduce-scatters sharded gradients itself "
             "and has no DDP communication hook. Use strategy='ddp' or 'hybrid', or remove GradientCompression.")
     module = getattr(strategy, "ddp_module", None) or strategy.model
-    if isinstance(module, DistributedDataParallel):
-        dp_size = dist.get_world_size(module.process_group)
-        if dp_size > 1:
-            return module
-        # Lightning wraps even one device in DDP (strategy='ddp', devices=1); a pure tensor-parallel run has
-        # one data-parallel rank. Either way nothing crosses a wire, so a hook would only cost time.
-        rank_zero_warn(f"GradientCompression does nothing with strategy={name} on a single data-parallel rank "
-                       f"(world size {strategy.world_size}): there is no gradient exchange to compress. Remove it, "
-                       "or train on several devices.")
-        return None
-    if strategy.world_size <= 1:
-        rank_zero_warn(f"GradientCompression does nothing with strategy={name} on a single device: there is no "
+    is_ddp = isinstance(module, DistributedDataParallel)
+    # Lightning wraps even one device in DDP (strategy='ddp', devices=1), and a pure tensor-parallel run has one
+    # data-parallel rank: either way nothing crosses a wire, so a hook would only cost time.
+    dp_size = dist.get_world_size(module.process_group) if is_ddp else strategy.world_size
+    if dp_size <= 1:
+        rank_zero_warn(f"GradientCompression does nothing with strategy={name} on a single data-parallel rank (a "
+                       f"single device, or world size {strategy.world_size} all tensor-parallel): there is no "
                        "gradient exchange to compress. Remove it, or train on several devices.")
         return None
+    if is_ddp:
+        return module
     raise CompressionStrategyError(
         f"GradientCompression found no DistributedDataParallel module on strategy={name} "
         f"(world_size={strategy.world_size}; strategy.model is {type(module).__name__}). Use strategy='ddp' or "
