@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	rm -f $(VENV)/.installed-torch-*
 	$(BIN)/pip install --quiet "torch==$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev]" "torch==$(TORCH)"  # torch stays pinned beside the extras
 	touch $(STAMP)
 
 demo: $(STAMP)

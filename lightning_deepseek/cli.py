@@ -11,71 +11,26 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import logging
 import os
 import re
-import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import hydra
 import lightning.pytorch as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_deepseek.data import TextDataModule
 from lightning_deepseek.data.text import VOCAB_SIZE
+from lightning_deepseek.errors import ConfigError, user_errors_exit
 from lightning_deepseek.hpo import OptunaPruning
 from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
 from lightning_deepseek.summary import RunSummary
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")  # packaged with the module; ./conf links here
-USER_ERROR_EXIT = 2  # the exit code of a bad setting (the sweeper tells these from crashes)
-USER_ERROR_PREFIX = "lds-train: error: "  # starts the one-paragraph message on stderr
-_USER_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, MisconfigurationException, InstantiationException)
-
-
-class ConfigError(ValueError):
-    """A setting has a bad value; the message names the setting, the value and the fix."""
-
-
-def exit_on_user_error(exc: BaseException) -> NoReturn:
-    """Print one paragraph for a user error and exit 2 (``LDS_DEBUG=1`` re-raises instead)."""
-    if os.environ.get("LDS_DEBUG"):
-        raise exc
-    cause = exc
-    while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
-        cause = cause.__cause__
-    message = " ".join(str(cause).split()) or type(cause).__name__
-    print(f"{USER_ERROR_PREFIX}{message}\n(set LDS_DEBUG=1 for the full traceback)", file=sys.stderr, flush=True)
-    _log_to_files(f"{USER_ERROR_PREFIX}{message}")
-    sys.exit(USER_ERROR_EXIT)
-
-
-def _log_to_files(message: str) -> None:
-    """Also put the error in the run folder's log (Hydra's ``<job>.log``), which sweeps and batch jobs keep; the
-    console already has it."""
-    record = logging.LogRecord("lds-train", logging.ERROR, __file__, 0, message, None, None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
-
-
-def _user_errors_exit(fn: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
-    def wrapped(cfg: DictConfig) -> Any:
-        try:
-            return fn(cfg)
-        except _USER_ERRORS as exc:
-            exit_on_user_error(exc)
-
-    wrapped.__name__ = fn.__name__
-    wrapped.__doc__ = fn.__doc__
-    return wrapped
 
 
 def build_model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
@@ -167,7 +122,7 @@ def _loggers(run_dir: Path) -> list[Any]:
     return loggers
 
 
-@_user_errors_exit
+@user_errors_exit()
 def run_training(cfg: DictConfig) -> dict[str, Any]:
     """Train with a composed config; returns the run summary (empty on ranks other than 0)."""
     run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.run_dir)
@@ -215,7 +170,7 @@ def load_model(path: Path) -> LightningGPT:
     return model
 
 
-@_user_errors_exit
+@user_errors_exit()
 def run_sampling(cfg: DictConfig) -> str:
     """Generate text from ``cfg.ckpt`` after ``cfg.prompt``; returns and prints it."""
     if not cfg.ckpt:

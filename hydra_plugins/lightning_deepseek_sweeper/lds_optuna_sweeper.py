@@ -46,7 +46,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_deepseek.cli import USER_ERROR_EXIT, USER_ERROR_PREFIX, exit_on_user_error
+from lightning_deepseek.errors import USER_ERROR_EXIT, USER_ERROR_PREFIX, exit_on_user_error
 from lightning_deepseek.hpo.search import FatalTrialError, SweepFailedError, run_trials
 from lightning_deepseek.hpo.space import SearchSpaceError, build_space, parse_overrides, to_overrides
 from lightning_deepseek.hpo.study import StudyConfigError, create_study, mask_url, write_report
