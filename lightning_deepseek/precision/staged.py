@@ -20,10 +20,10 @@ optimizer step; ``torch.amp`` users have long had to detect this by hand). The u
 in place: see :mod:`lightning_deepseek.precision.lr_scheduler`.
 
 Lightning's ``MixedPrecision`` contract: ``autocast_context_manager()``, ``forward_context()``, a ``scaler`` with
-``get_scale()`` / ``state_dict()``, and the autocast weight cache disabled as Lightning 2.6 does (with the cache on,
-a ``torch.no_grad()`` forward inside the autocast region caches weight casts without autograd history, and a later
-forward in the same region then yields a loss that does not require grad; the cache only saves re-casting a weight
-used more than once per forward). ``device`` is the autocast device type.
+``get_scale()`` / ``state_dict()``, and the autocast weight cache disabled as Lightning 2.6 does: with the cache on,
+older torch versions let a ``torch.no_grad()`` forward inside the autocast region cache weight casts without autograd
+history, so a later forward in the same region lost its graph (torch 2.13 no longer does); the cache only saves
+re-casting a weight used more than once per forward. ``device`` is the autocast device type.
 
 State: the schedule, the fallbacks taken, the scaler and the log of stage changes (``events()``). The current stage
 is not stored: it is the stage of the last logged change, and at each step the schedule decides from
