@@ -237,6 +237,8 @@ class HybridParallelStrategy(DDPStrategy):
             "hybrid_sharded_layers": len(self._plan),
             "hybrid_param_bytes_vs_ddp": round(local / max(full, 1), 3),
         }
+        if self.optimizers:
+            summary["hybrid_optimizer_state_bytes"] = sum(zero.state_bytes(o) for o in self.optimizers)
         if self._zero:
             state = sum(z.partition.state_fraction(self.global_rank) * local for z in self._zero) / len(self._zero)
             summary["hybrid_optimizer_state_bytes_vs_ddp"] = round(state / max(full, 1), 3)

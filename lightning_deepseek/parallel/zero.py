@@ -85,6 +85,12 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def state_bytes(optimizer: Optimizer) -> int:
+    """Bytes of the optimizer state this rank holds (DTensor states: the local shard)."""
+    tensors = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return sum(_local(t).numel() * t.element_size() for t in tensors)
+
+
 def check_shardable(optimizer: Optimizer, index: int = 0) -> None:
     """Raise ``UnshardableOptimizerError`` for an optimizer whose step couples parameters (e.g. LBFGS)."""
     if isinstance(optimizer, SHARDABLE):
