@@ -157,3 +157,11 @@ def test_unshardable_optimizer_is_named() -> None:
     with pytest.raises(UnshardableOptimizerError, match=r"cannot shard LBFGS .*shard_optimizer_states=False"):
         check_shardable(torch.optim.LBFGS([param]))
     check_shardable(torch.optim.AdamW([param]))
+
+
+def test_one_process_warns_that_there_is_nothing_to_shard() -> None:
+    pl.seed_everything(0, verbose=False)
+    strategy = HybridParallelStrategy(shard_optimizer_states=True)
+    trainer = make_trainer(1, strategy, max_steps=1)
+    with pytest.warns(UserWarning, match="shard_optimizer_states=True on one process"):
+        trainer.fit(TinyLM(), loader(token_data(2), MICRO))
