@@ -34,6 +34,7 @@ shapes (the last batch of an epoch must be full or dropped).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -57,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_deepseek.parallel import clipping
+from lightning_deepseek.parallel import clipping, zero
 from lightning_deepseek.parallel.arguments import check_ddp_kwargs
 from lightning_deepseek.parallel.placement import (
     POLICIES,
@@ -77,6 +78,7 @@ from lightning_deepseek.parallel.plan import (
     why_auto_plan_is_empty,
 )
 from lightning_deepseek.parallel.topology import Topology, discover_topology, parse_topology
+from lightning_deepseek.parallel.zero import ShardedOptimizerStates
 
 log = logging.getLogger(__name__)
 _DEFAULT_TOKENS = 2048
@@ -131,6 +133,9 @@ class HybridParallelStrategy(DDPStrategy):
             model; default: from ``example_input_array``, else 2048.
         save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
             optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
+        shard_optimizer_states: ZeRO-1: each replica of a parameter keeps the optimizer state of only the
+            parameters it owns (replicated ones over the world, tensor-parallel shards over ``dp``); updated
+            parameters are broadcast after each step (:mod:`lightning_deepseek.parallel.zero`).
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
         **ddp_kwargs: passed to torch ``DistributedDataParallel`` (or Lightning's ``DDPStrategy``, e.g.
             ``cluster_environment``); any other name is an ``UnknownArgumentError`` naming the closest valid one
@@ -149,6 +154,7 @@ class HybridParallelStrategy(DDPStrategy):
         link_costs: dict[str, dict[str, float]] | None = None,
         micro_batch_tokens: int | None = None,
         save_distributed_checkpoint: bool = True,
+        shard_optimizer_states: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -174,6 +180,8 @@ class HybridParallelStrategy(DDPStrategy):
                        if link_costs is not None else None)
         self._micro_batch_tokens = micro_batch_tokens
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._shard_optimizer_states = shard_optimizer_states
+        self._zero: list[ShardedOptimizerStates] = []
         self._topology: Topology | None = None
         self._mesh: DeviceMesh | None = None
         self._plan: list[PlanEntry] = []
@@ -224,11 +232,17 @@ class HybridParallelStrategy(DDPStrategy):
         full = sum(p.numel() * p.element_size() for p in params)
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
         dp_size = self.world_size // self.tensor_parallel_size
-        return {
+        summary = {
             "hybrid_mesh": f"dp={dp_size} x tp={self.tensor_parallel_size} ({self.placement})",
             "hybrid_sharded_layers": len(self._plan),
             "hybrid_param_bytes_vs_ddp": round(local / max(full, 1), 3),
         }
+        if self.optimizers:
+            summary["hybrid_optimizer_state_bytes"] = sum(zero.state_bytes(o) for o in self.optimizers)
+        if self._zero:
+            state = sum(z.partition.state_fraction(self.global_rank) * local for z in self._zero) / len(self._zero)
+            summary["hybrid_optimizer_state_bytes_vs_ddp"] = round(state / max(full, 1), 3)
+        return summary
 
     @property
     @override
@@ -275,6 +289,7 @@ class HybridParallelStrategy(DDPStrategy):
             self.configure_ddp()
             self.setup_optimizers(trainer)
             self._settle_mixed_param_groups()
+            self._shard_states()
         self.setup_precision_plugin()
         self._route_clipping()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -293,6 +308,30 @@ class HybridParallelStrategy(DDPStrategy):
                  else f"empty plan: {self._unsharded_reason}")
         rank_zero_info(f"HybridParallelStrategy plan (tp={self.tensor_parallel_size}, "
                        f"dp={self.world_size // self.tensor_parallel_size}):\n{table}")
+
+    def _shard_states(self) -> None:
+        """ZeRO-1 on every optimizer (``shard_optimizer_states=True``)."""
+        for handle in self._zero:
+            handle.remove()
+        self._zero = []
+        if not self._shard_optimizer_states:
+            return
+        if self.world_size == 1:
+            rank_zero_warn("HybridParallelStrategy: shard_optimizer_states=True on one process: every parameter has "
+                           "one replica, so there is nothing to shard. Run on 2 or more devices to shard the "
+                           "optimizer states.")
+            return
+        world = zero.ReplicaGroup(tuple(range(self.world_size)), None)
+        dp = world
+        if self._mesh is not None:
+            dp_group = self._mesh.get_group("dp")
+            dp = zero.ReplicaGroup(tuple(dist.get_process_group_ranks(dp_group)), dp_group)
+        for i, optimizer in enumerate(self.optimizers):
+            inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            zero.check_shardable(inner, i)
+            params = [p for group in inner.param_groups for p in group["params"]]
+            owners = zero.partition(params, lambda p: dp if isinstance(p, DTensor) else world)
+            self._zero.append(zero.ShardedOptimizerStates(inner, owners, self.global_rank))
 
     def _settle_mixed_param_groups(self) -> None:
         changed = _disable_foreach_on_mixed_groups(self.optimizers)
@@ -448,8 +487,21 @@ class HybridParallelStrategy(DDPStrategy):
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, optimizer, options=options)
+        full = not self._save_distributed_checkpoint
+        sharded = self._zero_of(optimizer)
+        with sharded.paused() if sharded else contextlib.nullcontext():
+            state = get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(
+                full_state_dict=full, cpu_offload=True))
+        if sharded and full:  # each rank holds the states it owns: rank 0 writes them all
+            states = [None] * self.world_size if self.global_rank == 0 else None
+            dist.gather_object(state["state"], states, dst=0)
+            if self.global_rank == 0:
+                state["state"] = {k: v for rank_states in states for k, v in rank_states.items()}
+        return state
+
+    def _zero_of(self, optimizer: Optimizer) -> ShardedOptimizerStates | None:
+        return next((z for z, o in zip(self._zero, self.optimizers)
+                     if (o._optimizer if isinstance(o, LightningOptimizer) else o) is optimizer), None)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -506,9 +558,13 @@ class HybridParallelStrategy(DDPStrategy):
         set_model_state_dict(self.model, model_state["state_dict"], options=StateDictOptions(strict=strict))
         for i, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{i}"
-            optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            sharded = self._zero_of(optimizer)
+            with sharded.paused() if sharded else contextlib.nullcontext():
+                # ZeRO-1: the template holds only the owned states, so each rank reads just the keys it owns
+                optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
             dcp.load(optim_state, checkpoint_id=path)
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key])
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
+                                     options=StateDictOptions(strict=sharded is None))
         _disable_foreach_on_mixed_groups(self.optimizers)  # loaded groups carry the saved run's foreach
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
@@ -528,5 +584,7 @@ class HybridParallelStrategy(DDPStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
             state = _rekey_optimizer_state_if_needed(state, self.lightning_module)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
+            if (sharded := self._zero_of(optimizer)) is not None:
+                sharded.drop_unowned_state(optimizer)  # a full file holds every state: keep the owned ones
         _disable_foreach_on_mixed_groups(self.optimizers)  # loaded groups carry the saved run's foreach
         return checkpoint
