@@ -133,7 +133,7 @@ class StagedPrecision(Precision):
     ) -> None:
         self.schedule = PrecisionSchedule(default_schedule() if schedule is None else schedule)
         uses_fp8 = any(stage.precision == "fp8-mixed" for stage in self.schedule.stages)
-        self.float8 = Float8Training(fp8_recipe, tuple(fp8_exclude), fp8_emulate) if uses_fp8 else None
+        self.float8 = Float8Training(fp8_recipe, fp8_exclude, fp8_emulate) if uses_fp8 else None
         if fallback_skipped_steps < 0 or fallback_window < 1:
             raise StagedPrecisionError(
                 f"fallback_skipped_steps={fallback_skipped_steps}, fallback_window={fallback_window}: use "

@@ -127,6 +127,8 @@ def test_fp8_matches_bf16_validation_loss_on_the_example_gpt(tmp_path, one_threa
 def test_fp8_errors_name_the_fix(monkeypatch):
     with pytest.raises(Float8ConfigError, match="fp8_recipe='blockwise' is not a torchao float8 recipe"):
         StagedPrecision([("fp8",)], fp8_recipe="blockwise")
+    with pytest.raises(Float8ConfigError, match="fp8_exclude='head' must be a list of module names"):
+        StagedPrecision([("fp8",)], fp8_exclude="head")
     with pytest.raises(Float8ConfigError, match="fp8_emulate=False but the strategy runs on CPU"):
         StagedPrecision([("fp8",)], fp8_emulate=False).check_device("cpu")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
