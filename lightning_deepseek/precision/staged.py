@@ -31,7 +31,10 @@ is not stored: it is the stage of the last logged change, and at each step the s
 
 Costs: in FP16 stages one fused unscale kernel, one all-reduce of one float and one host sync per optimizer step.
 Does not support: LBFGS or other closure-reevaluating optimizers in FP16 stages, optimizers that unscale
-internally (fused Adam with a scaler), true half-precision weights (``16-true``), FP8.
+internally (fused Adam with a scaler), true half-precision weights (``16-true``).
+
+FP8: ``Stage("fp8")`` converts the model's ``nn.Linear`` layers to torchao's float8 training at the stage boundary
+(and back after it); see :mod:`lightning_deepseek.precision.float8`.
 
 Why our own plugin: Lightning's ``MixedPrecision`` fixes one dtype for the run and uses ``torch.amp.GradScaler``,
 whose limits are listed in :mod:`lightning_deepseek.precision.loss_scaler`.
@@ -54,6 +57,8 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_deepseek.precision import float8
+from lightning_deepseek.precision.float8 import DEFAULT_EXCLUDE, Float8Training
 from lightning_deepseek.precision.loss_scaler import DynamicLossScaler
 from lightning_deepseek.precision.lr_scheduler import SkippedStepSchedulerGuard
 from lightning_deepseek.precision.schedule import AUTOCAST_DTYPES, PrecisionSchedule, default_schedule
@@ -105,6 +110,10 @@ class StagedPrecision(Precision):
         fallback_window: window, in optimizer steps, for ``fallback_skipped_steps``.
         skip_lr_scheduler_on_skipped_step: step-interval LR schedulers do not advance on a skipped step.
         device: autocast device type; ``None`` follows the strategy's device.
+        fp8_recipe: torchao float8 recipe of ``Stage("fp8")``: ``"tensorwise"``, ``"rowwise"``,
+            ``"rowwise_with_gw_hp"`` or a ``torchao.float8.Float8LinearConfig``.
+        fp8_exclude: module names whose ``nn.Linear`` layers FP8 stages leave alone (default: head and routers).
+        fp8_emulate: emulate FP8 GEMMs; ``None`` emulates on CPU only.
     """
 
     def __init__(
@@ -118,8 +127,13 @@ class StagedPrecision(Precision):
         fallback_window: int = 200,
         skip_lr_scheduler_on_skipped_step: bool = True,
         device: str | None = None,
+        fp8_recipe: Any = "tensorwise",
+        fp8_exclude: Sequence[str] = DEFAULT_EXCLUDE,
+        fp8_emulate: bool | None = None,
     ) -> None:
         self.schedule = PrecisionSchedule(default_schedule() if schedule is None else schedule)
+        uses_fp8 = any(stage.precision == "fp8-mixed" for stage in self.schedule.stages)
+        self.float8 = Float8Training(fp8_recipe, fp8_exclude, fp8_emulate) if uses_fp8 else None
         if fallback_skipped_steps < 0 or fallback_window < 1:
             raise StagedPrecisionError(
                 f"fallback_skipped_steps={fallback_skipped_steps}, fallback_window={fallback_window}: use "
@@ -139,6 +153,8 @@ class StagedPrecision(Precision):
         self._recent_skips: deque[int] = deque()
         self._events: list[_Event] = []
         self._trainer: pl.Trainer | None = None
+        self.float8_layers: list[str] = []  # paths of the layers the last FP8 stage converted
+        self._float8_active = False  # whether the model holds converted layers now
 
     def __repr__(self) -> str:
         return f"StagedPrecision(schedule={self.schedule!r})"
@@ -183,12 +199,17 @@ class StagedPrecision(Precision):
             self._resolve_schedule(trainer)
             if self.skip_lr_scheduler_on_skipped_step:
                 SkippedStepSchedulerGuard.install(module, self, lr_schedulers)
+        self._sync_float8(module)
         return model, optimizers, lr_schedulers
 
     @override
     def teardown(self) -> None:
-        if self._trainer is not None and self._trainer.lightning_module is not None:
-            SkippedStepSchedulerGuard.remove(self._trainer.lightning_module)
+        module = self._trainer.lightning_module if self._trainer is not None else None
+        if module is not None:
+            SkippedStepSchedulerGuard.remove(module)
+            if self._float8_active:  # the model leaves the run with the nn.Linear layers it came with
+                float8.revert(module)
+                self._float8_active = False
         super().teardown()
 
     def check_device(self, strategy_device: str) -> str:
@@ -206,6 +227,8 @@ class StagedPrecision(Precision):
                 raise StagedPrecisionError(
                     f"schedule[{i}] asks for {stage.precision!r} but {strategy_device!r} has no {dtype} autocast "
                     "(BF16 needs an Ampere or newer GPU). Use '16-mixed' or '32-true' for this stage.")
+        if self.float8 is not None:
+            self.float8.check_device(strategy_device)
         return strategy_device
 
     def _resolve_schedule(self, trainer: pl.Trainer) -> None:
@@ -293,6 +316,23 @@ class StagedPrecision(Precision):
         if index != self.stage_index:
             after = self.fallbacks.get(index, self.schedule.stages[index].precision)
             self._events.append(_Event(trainer.global_step, f"{self.precision} -> {after}", index))
+        self._sync_float8(trainer.lightning_module)
+
+    def _sync_float8(self, module: pl.LightningModule) -> None:
+        # Converts at the boundary into an FP8 stage (also the first step after a resume mid-FP8), reverts after it.
+        in_fp8 = self.precision == "fp8-mixed"
+        if in_fp8 and not self._float8_active:
+            assert self.float8 is not None
+            self.float8_layers = self.float8.convert(module, self.device)
+            self._float8_active = True
+            if not self.float8_layers:
+                raise StagedPrecisionError(
+                    f"Stage('fp8') found no nn.Linear layer to convert in {type(module).__name__} (excluded by "
+                    f"fp8_exclude={list(self.float8.exclude)}, dims not multiples of 16, or tensor-parallel). "
+                    "Use 'bf16-mixed' for this stage or narrow fp8_exclude.")
+        elif not in_fp8 and self._float8_active:
+            float8.revert(module)
+            self._float8_active = False
 
     def _after_scaled_step(self, step: int, found_inf: bool) -> None:
         counts_for_fallback = found_inf and self.scaler.calibrated
@@ -336,6 +376,7 @@ class StagedPrecision(Precision):
             "loss_scale_final": self.scaler.scale,
             "skipped_steps": self.num_skipped_steps,
             "precision_fallbacks": ", ".join(f"stage {i} -> {p}" for i, p in self.fallbacks.items()) or "none",
+            **({"fp8_layers": len(self.float8_layers)} if self.float8 is not None else {}),
         }
 
     def events(self) -> list[tuple[int, str]]:

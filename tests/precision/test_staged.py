@@ -155,8 +155,8 @@ def test_fp16_stage_matches_lightning_mixed_precision_with_grad_scaler(accumulat
 def test_bad_input_is_rejected_with_the_setting_named():
     with pytest.raises(ValueError, match="Received both `precision=16-mixed` and `plugins=.*StagedPrecision"):
         make_trainer(StagedPrecision(), precision="16-mixed")
-    with pytest.raises(ScheduleError, match="unknown precision 'fp8'"):
-        StagedPrecision([("fp8",)])
+    with pytest.raises(ScheduleError, match="unknown precision 'fp4'"):
+        StagedPrecision([("fp4",)])
     with pytest.raises(ScheduleError, match="not increasing"):
         StagedPrecision([("32-true", 0.5, "fraction"), ("16-mixed", 0.2, "fraction"), ("bf16-mixed",)])
     with pytest.raises(ScheduleError, match=r"schedule\[0\].until=20 step ends at optimizer step 20, beyond"):
