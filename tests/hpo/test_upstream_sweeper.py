@@ -10,6 +10,8 @@ functions of this module run in-process with Hydra's own sweep runner; where our
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from hydra.test_utils.test_utils import TSweepRunner
 from omegaconf import DictConfig
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
+from hydra_plugins.lightning_deepseek_sweeper._impl import LdsOptunaSweeperImpl
 from hydra_plugins.lightning_deepseek_sweeper.lds_optuna_sweeper import LdsOptunaSweeper
 from lightning_deepseek.hpo import build_space
 from lightning_deepseek.hpo.space import distribution_from_config, distribution_of, parse_overrides
@@ -62,6 +65,14 @@ def _sweep(runner: TSweepRunner, tmp_path: Path, config_name: str, task: Any, *o
 
 def test_discovery() -> None:  # upstream: test_discovery
     assert LdsOptunaSweeper.__name__ in [x.__name__ for x in Plugins.instance().discover(Sweeper)]
+
+
+def test_plugin_scan_imports_neither_torch_nor_optuna() -> None:
+    # Hydra imports every plugin module at the start of every app; ours must not make plain apps pay for torch.
+    code = ("import sys; from hydra.core.plugins import Plugins; from hydra.plugins.sweeper import Sweeper; "
+            "Plugins.instance().discover(Sweeper); print(sorted({'torch', 'optuna', 'lightning'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
 
 
 def _check_distribution(expected: BaseDistribution, actual: BaseDistribution) -> None:
@@ -201,8 +212,8 @@ def test_optuna_custom_search_space_example(hydra_sweep_runner: TSweepRunner, tm
     assert 0 <= returns["best_params"]["+w"] <= 1
 
 
-def _sweeper(search_space: dict[str, Any] | None, params: dict[str, Any] | None) -> LdsOptunaSweeper:
-    return LdsOptunaSweeper(sampler=None, pruner=None, direction="minimize", study_name="test", storage=None,
+def _sweeper(search_space: dict[str, Any] | None, params: dict[str, Any] | None) -> LdsOptunaSweeperImpl:
+    return LdsOptunaSweeperImpl(sampler=None, pruner=None, direction="minimize", study_name="test", storage=None,
                             n_trials=1, n_jobs=1, max_failure_rate=0.0, params=params, pruning_group=None,
                             search_space=search_space)
 
