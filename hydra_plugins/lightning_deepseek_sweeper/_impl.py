@@ -80,7 +80,7 @@ class LdsOptunaSweeperImpl(Sweeper):
                  search_space: dict[str, Any] | None = None, experiment_sequence: str | None = None) -> None:
         self.sampler = _plain(sampler)
         self.pruner = _plain(pruner)
-        self.directions = normalize_directions(_plain(direction), "hydra.sweeper.direction")
+        self.direction = _plain(direction)  # checked in sweep(), where a bad value exits with the user-error contract
         self.study_name = study_name or "lds"
         self.storage = storage
         self.n_trials = n_trials
@@ -109,6 +109,7 @@ class LdsOptunaSweeperImpl(Sweeper):
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        self.directions = normalize_directions(self.direction, "hydra.sweeper.direction")
         space, fixed = build_space(self.params, arguments)
         space = {**self._deprecated_search_space(), **space}
         extend_space = self._custom_search_space()
