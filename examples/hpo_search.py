@@ -5,7 +5,9 @@
 Each trial trains the example GPT for a few dozen steps with a sampled learning rate and warm-up; the
 callback reports the validation loss at every validation and stops trials that the median pruner rejects.
 Re-running the same command resumes the study in ``--out`` (only the missing trials run). Any LightningModule
-works the same way: build the Trainer with ``OptunaPruning(trial)`` and call ``check_pruned()`` after ``fit``.
+works the same way: build the Trainer with ``OptunaPruning(trial)``; a pruned trial's ``fit`` raises
+``optuna.TrialPruned`` once it has ended cleanly, and the search marks the trial PRUNED. Open the study with
+``optuna-dashboard <out>/optuna.journal``.
 """
 
 from __future__ import annotations
@@ -37,13 +39,12 @@ def main() -> None:
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, val_check_interval=5,
                              limit_val_batches=4, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, callbacks=[pruning])
-        trainer.fit(model, datamodule=data)
-        pruning.check_pruned()  # raises optuna.TrialPruned: search() marks the trial PRUNED
+        trainer.fit(model, datamodule=data)  # raises optuna.TrialPruned when pruned: search() marks it PRUNED
         return float(trainer.callback_metrics["val_loss"])
 
     study = search(
         objective,
-        {"learning_rate": "tag(log, interval(1e-4, 1e-1))", "warmup_steps": "range(0, 21, 5)"},
+        {"learning_rate": "tag(log, interval(1e-4, 1e-1))", "warmup_steps": "range(0, 20, 5)"},
         n_trials=args.trials,
         sampler={"_target_": "optuna.samplers.TPESampler", "multivariate": True, "seed": 0, "n_startup_trials": 4},
         pruner={"_target_": "optuna.pruners.MedianPruner", "n_startup_trials": 3, "n_warmup_steps": 10},

@@ -71,7 +71,10 @@ def train(params: dict[str, Any], max_steps: int, init_seed: int, data: TextData
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[curve] + ([pruning] if pruning else []),
     )
-    trainer.fit(model, datamodule=data)
+    try:
+        trainer.fit(model, datamodule=data)
+    except optuna.TrialPruned:
+        pass  # the objective counts the pruned run's steps first, then pruning.check_pruned() re-raises
     value = curve.points[-1][1] if curve.points else math.inf
     return value, curve.points, trainer.global_step, pruning
 

@@ -18,9 +18,12 @@ warning. :func:`dashboard_command` is the command that opens the study in optuna
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import logging
 import shlex
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +100,11 @@ def _plots_for(study: optuna.Study) -> dict[str, Any]:
     from optuna.visualization import matplotlib as ovm
 
     if len(study.directions) == 1:
-        return {"optimization_history.png": ovm.plot_optimization_history,
-                "param_importances.png": ovm.plot_param_importances,
-                "intermediate_values.png": ovm.plot_intermediate_values}
+        plots = {"optimization_history.png": ovm.plot_optimization_history,
+                 "param_importances.png": ovm.plot_param_importances}
+        if any(t.intermediate_values for t in study.get_trials(deepcopy=False)):  # none without pruning
+            plots["intermediate_values.png"] = ovm.plot_intermediate_values
+        return plots
     if len(study.directions) <= 3:
         return {"pareto_front.png": ovm.plot_pareto_front}
     return {}
@@ -113,8 +118,7 @@ def _plot(study: optuna.Study, out: Path) -> list[str]:
 
     written = []
     for filename, plot in _plots_for(study).items():
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with _caught_plot_messages() as notes:
             try:
                 axes = plot(study)
             except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. importances need 2+ parameters
@@ -125,10 +129,32 @@ def _plot(study: optuna.Study, out: Path) -> list[str]:
             figure.tight_layout()
             figure.savefig(out / filename, dpi=100)
             plt.close(figure)
-        # Optuna marks its matplotlib plots experimental on every call; other warnings are worth one line.
-        notes = {" ".join(str(w.message).split()) for w in caught
-                 if not issubclass(w.category, optuna.exceptions.ExperimentalWarning)}
-        for note in sorted(notes):
+        for note in sorted(set(notes)):
             print(f"hpo: {filename}: {note}", flush=True)
         written.append(str(out / filename))
     return written
+
+
+@contextlib.contextmanager
+def _caught_plot_messages() -> Iterator[list[str]]:
+    """Python warnings and Optuna's logged warnings while plotting, as one-line notes (not raw warnings)."""
+    notes: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            notes.append(" ".join(record.getMessage().split()))
+
+    handler = _Collect(logging.WARNING)
+    optuna_logger = logging.getLogger("optuna")
+    optuna_logger.addHandler(handler)
+    optuna.logging.disable_default_handler()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield notes
+        # Optuna marks its matplotlib plots experimental on every call; that one is not worth a line.
+        notes.extend(" ".join(str(w.message).split()) for w in caught
+                     if not issubclass(w.category, optuna.exceptions.ExperimentalWarning))
+    finally:
+        optuna.logging.enable_default_handler()
+        optuna_logger.removeHandler(handler)

@@ -193,3 +193,17 @@ def test_multi_objective_search_reports_the_pareto_front(tmp_path: Path) -> None
     study = search(lambda trial, params: 1.0, {"x": "interval(0, 2)"}, n_trials=1, max_failure_rate=1.0,
                    direction=["minimize", "maximize"])
     assert "this study has 2 objectives" in study.trials[0].user_attrs["fail_reason"]
+
+
+def test_no_raw_warning_escapes_the_report(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # Optuna marks its matplotlib plots experimental (a Python warning, raised as an error here if it escaped) and
+    # logs warnings of its own while plotting; the report turns those into `hpo:` lines.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any Python warning that escaped the report would fail here
+        search(quadratic, {"x": "interval(-10, 10)"}, n_trials=3, output_dir=tmp_path,
+               sampler={"_target_": "optuna.samplers.RandomSampler", "seed": 0})
+    out, err = capfd.readouterr()
+    assert "[W " not in out + err and "Warning" not in err  # no Optuna log warning, no warnings-module line
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["optimization_history.png", "param_importances.png"]

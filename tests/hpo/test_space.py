@@ -11,7 +11,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 
 from lightning_deepseek.hpo import SearchSpaceError, StudyConfigError, build_space, open_storage, to_overrides
 from lightning_deepseek.hpo.space import grid_of
-from lightning_deepseek.hpo.study import PRUNERS, build_component
+from lightning_deepseek.hpo.study import PRUNERS, build_component, normalize_directions
 
 
 def test_sweep_syntax_maps_to_optuna_distributions() -> None:
@@ -104,3 +104,11 @@ def test_a_new_journal_file_is_announced_so_a_mistyped_resume_path_is_seen(
             f"storage: {path} did not exist; created a new, empty study file there."]
         open_storage(path)  # resuming an existing file: nothing to say
         assert len(caplog.records) == 1
+
+
+def test_direction_is_one_or_a_list_of_minimize_and_maximize() -> None:
+    assert normalize_directions("maximize") == ["maximize"]
+    assert normalize_directions(["minimize", "Maximize"]) == ["minimize", "maximize"]  # a multi-objective study
+    with pytest.raises(StudyConfigError, match=r"hydra.sweeper.direction='minimise': use minimize or maximize, or a "
+                                               r"list of them \(one per objective\)"):
+        normalize_directions("minimise", "hydra.sweeper.direction")

@@ -12,7 +12,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hydra_plugins.lightning_deepseek_sweeper.lds_optuna_sweeper import _exit_error
+from hydra_plugins.lightning_deepseek_sweeper._impl import _exit_error
 from lightning_deepseek.hpo import FatalTrialError, open_storage
 
 BIN = Path(sys.executable).parent
