@@ -30,7 +30,6 @@ from lightning_deepseek.checkpointing import (
 from lightning_deepseek.config_checks import check_run_dir_override, expand_home_in_overrides
 from lightning_deepseek.data import TextDataModule
 from lightning_deepseek.errors import USER_ERRORS, ConfigError, exit_on_user_error, user_errors_exit
-from lightning_deepseek.hpo import OptunaPruning
 from lightning_deepseek.models import LightningGPT
 from lightning_deepseek.run import CONFIG_DIR, RunFolder, RunPlan, validate_config
 from lightning_deepseek.summary import RunSummary
@@ -53,14 +52,33 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[pl.Callback]) 
         trainer_kwargs["precision"] = cfg.precision.name
     strategy = cfg.strategy
     strategy = instantiate(strategy) if "_target_" in strategy else strategy.name
+    from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
+
+    monitors = [LearningRateMonitor(logging_interval="step"),  # lr-AdamW in metrics.csv and TensorBoard
+                ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_batch_tokens)]  # train/items_per_sec: tokens
     checkpoint = RunCheckpoint(run_dir / "checkpoints", every_n_steps=cfg.get("checkpoint", {}).get("every_n_steps"))
     watchdog = LostRankWatchdog(describe=lambda lost: _lost_rank_paragraph(lost, checkpoint, run_dir))
     # RunSummary before RunCheckpoint: a checkpoint then holds the curves up to its own step.
     return pl.Trainer(
         **trainer_kwargs, strategy=strategy, plugins=plugins or None, logger=_loggers(run_dir),
-        callbacks=[*callbacks, RunSummary(run_dir, plot=cfg.plot), checkpoint, watchdog],
+        callbacks=[*callbacks, *monitors, RunSummary(run_dir, plot=cfg.plot), checkpoint, watchdog],
         default_root_dir=run_dir, enable_checkpointing=False,  # RunCheckpoint writes the checkpoints
     )
+
+
+def _batch_size(batch: Any) -> int:
+    return batch[0].size(0)
+
+
+def _batch_tokens(batch: Any) -> int:
+    return batch[0].numel()
+
+
+def tensorboard_hint(run_dir: Path) -> str | None:
+    """How to open this run's TensorBoard logs, when they are written."""
+    if not (run_dir / "tb").exists():
+        return None
+    return f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}  (then open http://localhost:6006)"
 
 
 def _lost_rank_paragraph(lost: str, checkpoint: RunCheckpoint, run_dir: Path) -> str:
@@ -88,6 +106,7 @@ def prepare_training(cfg: DictConfig, folder: RunFolder) -> tuple[RunPlan, TextD
     (strategy, precision plugin and callbacks instantiated). Raises the user error of the first bad setting."""
     plan = validate_config(cfg, folder)
     folder.claim()
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
     data = TextDataModule(**plan.data_kwargs, cache_dir=folder.path)
     model = LightningGPT(plan.model_config, **cfg.optim)
     return plan, data, model, build_trainer(cfg, folder.path, build_callbacks(cfg))
@@ -108,6 +127,8 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
         exit_on_user_error(exc)
     if plan.note and folder.is_launcher:
         print(plan.note, flush=True)
+    if folder.is_launcher and any(type(lg).__name__ == "TensorBoardLogger" for lg in trainer.loggers):
+        print(f"TensorBoard: tensorboard --logdir {folder.path / 'tb'}  (then open http://localhost:6006)", flush=True)
     try:
         trainer.fit(model, datamodule=data, ckpt_path=plan.resume)
     except RunInterrupted as stop:
@@ -128,6 +149,10 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     summary = next(cb for cb in trainer.callbacks if isinstance(cb, RunSummary))
     if trainer.global_rank == 0:
         print(f"run folder: {folder.path}", flush=True)
+        if hint := tensorboard_hint(folder.path):
+            print(hint, flush=True)
+        from lightning_deepseek.hpo import OptunaPruning  # imported here: Optuna costs seconds at start-up
+
         for callback in trainer.callbacks:
             if isinstance(callback, OptunaPruning):
                 callback.check_pruned()  # raises optuna.TrialPruned; the sweeper marks the trial PRUNED

@@ -1,5 +1,6 @@
 """End-to-end tests of the ``lds-train`` and ``lds-sample`` console scripts, run as real processes."""
 
+import csv
 import json
 import subprocess
 import sys
@@ -37,11 +38,20 @@ def test_two_process_training_lowers_validation_loss(trained_run) -> None:
 
 
 def test_run_folder_has_plot_logs_and_checkpoint(trained_run) -> None:
-    run_dir, _ = trained_run
+    run_dir, result = trained_run
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
-    assert (run_dir / "logs" / "metrics.csv").exists()
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
     assert list(run_dir.glob("tokens-*.u8"))
+    # Lightning's monitors and the gradient norm are columns of metrics.csv (and TensorBoard scalars).
+    with open(run_dir / "logs" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {"lr-AdamW", "grad_norm", "train/items_per_sec", "train/samples_per_sec"} <= set(rows[0])
+    assert all(float(row["grad_norm"]) > 0 for row in rows if row["grad_norm"])
+    assert f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}" in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    learning_rates = [lr for _, lr in summary["lr_curve"]]
+    assert learning_rates[0] < max(learning_rates) and learning_rates[-1] < max(learning_rates)  # warm-up, decay
+    assert summary["checkpoint_saves"] >= 3 and summary["checkpoint_s_per_save"] > 0
 
 
 def test_sample_prints_text_from_checkpoint(trained_run) -> None:
