@@ -54,8 +54,12 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[pl.Callback]) 
     strategy = instantiate(strategy) if "_target_" in strategy else strategy.name
     from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
 
-    monitors = [LearningRateMonitor(logging_interval="step"),  # lr-AdamW in metrics.csv and TensorBoard
-                ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_batch_tokens)]  # train/items_per_sec: tokens
+    # lr-AdamW/pg1.. (one per parameter group) and train/items_per_sec (tokens/s) in metrics.csv and TensorBoard;
+    # the throughput is a rolling mean over as many batches as lie between two logged steps (Lightning's default
+    # window, 100, would leave short runs without any).
+    window = max(2, int(cfg.trainer.get("log_every_n_steps", 10)))
+    monitors = [LearningRateMonitor(logging_interval="step"),
+                ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_batch_tokens, window_size=window)]
     checkpoint = RunCheckpoint(run_dir / "checkpoints", every_n_steps=cfg.get("checkpoint", {}).get("every_n_steps"))
     watchdog = LostRankWatchdog(describe=lambda lost: _lost_rank_paragraph(lost, checkpoint, run_dir))
     # RunSummary before RunCheckpoint: a checkpoint then holds the curves up to its own step.
