@@ -3,8 +3,10 @@
 ``lds-train`` composes ``conf/train.yaml`` and its groups (model, data, trainer, strategy, precision,
 compression, hpo), then builds the model, data, strategy, plugins and callbacks from ``_target_`` nodes,
 so a component joins the app by adding a config file, not by editing this module. The configs live in
-``lightning_deepseek/conf`` (installed with the package; ``./conf`` links there). Bad input ends in one
-paragraph on stderr and exit code 2; ``LDS_DEBUG=1`` shows the full traceback instead.
+``lightning_deepseek/conf`` (installed with the package; ``./conf`` links there). The whole configuration is
+checked in the launching process first (``run.py``, ``config_checks.py``): bad input ends in one paragraph on
+stderr and exit code 2 before any training process starts; ``LDS_DEBUG=1`` shows the full traceback instead.
+Checkpoints, SIGTERM/SIGINT and resuming are ``checkpointing.py``'s; a lost rank is named by ``watchdog.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from lightning_deepseek.checkpointing import (
 )
 from lightning_deepseek.config_checks import check_run_dir_override, expand_home_in_overrides
 from lightning_deepseek.data import TextDataModule
-from lightning_deepseek.errors import USER_ERRORS, ConfigError, exit_on_user_error, user_errors_exit
+from lightning_deepseek.errors import USER_ERROR_EXIT, USER_ERRORS, ConfigError, exit_on_user_error, user_errors_exit
 from lightning_deepseek.models import LightningGPT
 from lightning_deepseek.run import CONFIG_DIR, RunFolder, RunPlan, validate_config
 from lightning_deepseek.summary import RunSummary
@@ -143,7 +145,8 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
         # Lightning's launcher takes a child's exit code != 0 for a crash and kills the job: only rank 0 reports.
         sys.exit(stop.exit_code if folder.is_launcher else 0)
     except USER_ERRORS as exc:  # a setting only a running job can check (e.g. a tensor-parallel plan)
-        _exit_if_rank_lost(trainer)
+        if not folder.is_launcher:
+            sys.exit(USER_ERROR_EXIT)  # every rank finds it; the launching process prints it, once
         folder.fail(exc)
         exit_on_user_error(exc)
     except Exception:
