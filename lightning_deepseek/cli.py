@@ -3,8 +3,10 @@
 ``lds-train`` composes ``conf/train.yaml`` and its groups (model, data, trainer, strategy, precision,
 compression, hpo), then builds the model, data, strategy, plugins and callbacks from ``_target_`` nodes,
 so a component joins the app by adding a config file, not by editing this module. The configs live in
-``lightning_deepseek/conf`` (installed with the package; ``./conf`` links there). Bad input ends in one
-paragraph on stderr and exit code 2; ``LDS_DEBUG=1`` shows the full traceback instead.
+``lightning_deepseek/conf`` (installed with the package; ``./conf`` links there). The whole configuration is
+checked in the launching process first (``run.py``, ``config_checks.py``): bad input ends in one paragraph on
+stderr and exit code 2 before any training process starts; ``LDS_DEBUG=1`` shows the full traceback instead.
+Checkpoints, SIGTERM/SIGINT and resuming are ``checkpointing.py``'s; a lost rank is named by ``watchdog.py``.
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ from lightning_deepseek.checkpointing import (
 )
 from lightning_deepseek.config_checks import check_run_dir_override, expand_home_in_overrides
 from lightning_deepseek.data import TextDataModule
-from lightning_deepseek.errors import USER_ERRORS, ConfigError, exit_on_user_error, user_errors_exit
-from lightning_deepseek.hpo import OptunaPruning
+from lightning_deepseek.errors import USER_ERROR_EXIT, USER_ERRORS, ConfigError, exit_on_user_error, user_errors_exit
 from lightning_deepseek.models import LightningGPT
 from lightning_deepseek.run import CONFIG_DIR, RunFolder, RunPlan, validate_config
 from lightning_deepseek.summary import RunSummary
@@ -53,14 +54,37 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[pl.Callback]) 
         trainer_kwargs["precision"] = cfg.precision.name
     strategy = cfg.strategy
     strategy = instantiate(strategy) if "_target_" in strategy else strategy.name
+    from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
+
+    # lr-AdamW/pg1.. (one per parameter group) and train/items_per_sec (tokens/s) in metrics.csv and TensorBoard;
+    # the throughput is a rolling mean over as many batches as lie between two logged steps (Lightning's default
+    # window, 100, would leave short runs without any).
+    window = max(2, int(cfg.trainer.get("log_every_n_steps", 10)))
+    monitors = [LearningRateMonitor(logging_interval="step"),
+                ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_batch_tokens, window_size=window)]
     checkpoint = RunCheckpoint(run_dir / "checkpoints", every_n_steps=cfg.get("checkpoint", {}).get("every_n_steps"))
     watchdog = LostRankWatchdog(describe=lambda lost: _lost_rank_paragraph(lost, checkpoint, run_dir))
     # RunSummary before RunCheckpoint: a checkpoint then holds the curves up to its own step.
     return pl.Trainer(
         **trainer_kwargs, strategy=strategy, plugins=plugins or None, logger=_loggers(run_dir),
-        callbacks=[*callbacks, RunSummary(run_dir, plot=cfg.plot), checkpoint, watchdog],
+        callbacks=[*callbacks, *monitors, RunSummary(run_dir, plot=cfg.plot), checkpoint, watchdog],
         default_root_dir=run_dir, enable_checkpointing=False,  # RunCheckpoint writes the checkpoints
     )
+
+
+def _batch_size(batch: Any) -> int:
+    return batch[0].size(0)
+
+
+def _batch_tokens(batch: Any) -> int:
+    return batch[0].numel()
+
+
+def tensorboard_hint(run_dir: Path) -> str | None:
+    """How to open this run's TensorBoard logs, when they are written."""
+    if not (run_dir / "tb").exists():
+        return None
+    return f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}  (then open http://localhost:6006)"
 
 
 def _lost_rank_paragraph(lost: str, checkpoint: RunCheckpoint, run_dir: Path) -> str:
@@ -88,6 +112,7 @@ def prepare_training(cfg: DictConfig, folder: RunFolder) -> tuple[RunPlan, TextD
     (strategy, precision plugin and callbacks instantiated). Raises the user error of the first bad setting."""
     plan = validate_config(cfg, folder)
     folder.claim()
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
     data = TextDataModule(**plan.data_kwargs, cache_dir=folder.path)
     model = LightningGPT(plan.model_config, **cfg.optim)
     return plan, data, model, build_trainer(cfg, folder.path, build_callbacks(cfg))
@@ -108,6 +133,8 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
         exit_on_user_error(exc)
     if plan.note and folder.is_launcher:
         print(plan.note, flush=True)
+    if folder.is_launcher and any(type(lg).__name__ == "TensorBoardLogger" for lg in trainer.loggers):
+        print(f"TensorBoard: tensorboard --logdir {folder.path / 'tb'}  (then open http://localhost:6006)", flush=True)
     try:
         trainer.fit(model, datamodule=data, ckpt_path=plan.resume)
     except RunInterrupted as stop:
@@ -118,7 +145,8 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
         # Lightning's launcher takes a child's exit code != 0 for a crash and kills the job: only rank 0 reports.
         sys.exit(stop.exit_code if folder.is_launcher else 0)
     except USER_ERRORS as exc:  # a setting only a running job can check (e.g. a tensor-parallel plan)
-        _exit_if_rank_lost(trainer)
+        if not folder.is_launcher:
+            sys.exit(USER_ERROR_EXIT)  # every rank finds it; the launching process prints it, once
         folder.fail(exc)
         exit_on_user_error(exc)
     except Exception:
@@ -128,6 +156,10 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     summary = next(cb for cb in trainer.callbacks if isinstance(cb, RunSummary))
     if trainer.global_rank == 0:
         print(f"run folder: {folder.path}", flush=True)
+        if hint := tensorboard_hint(folder.path):
+            print(hint, flush=True)
+        from lightning_deepseek.hpo import OptunaPruning  # imported here: Optuna costs seconds at start-up
+
         for callback in trainer.callbacks:
             if isinstance(callback, OptunaPruning):
                 callback.check_pruned()  # raises optuna.TrialPruned; the sweeper marks the trial PRUNED

@@ -94,17 +94,17 @@ def resolve_resume(resume: str | None, folder: RunFolder, model_config: GPTConfi
     """The checkpoint that ``resume`` names, checked to be complete and of this model shape; and a note."""
     if resume is None or resume == "":
         return None, None
-    if resume in ("last", "hpc"):  # Lightning resolves these in the run folder
+    if resume == "hpc":  # Lightning resolves it in the run folder (SLURM)
         return resume, None
     if os.environ.get(_RESOLVED_ENV) is not None and not _is_launcher():
         return os.environ[_RESOLVED_ENV] or None, None
-    if resume == "auto":
-        searched = folder.resume_candidates()
+    if resume in ("auto", "last"):  # last: Lightning's name for this run folder's newest checkpoint
+        searched = folder.resume_candidates() if resume == "auto" else [folder.path]
         found = next((cps[-1] for f in searched if (cps := checkpoints_in(f))), None)
         if found is None:
             where = str(folder.path) if len(searched) == 1 else f"{folder.path} or other runs under {folder.root}"
-            return _publish(None), f"resume=auto: no complete checkpoint in {where}; starting fresh."
-        path, note = found, f"resume=auto: continuing from {found}"
+            return _publish(None), f"resume={resume}: no complete checkpoint in {where}; starting fresh."
+        path, note = found, f"resume={resume}: continuing from {found}"
     else:
         path = Path(resume).expanduser()
         if not path.exists():

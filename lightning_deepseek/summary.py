@@ -35,6 +35,7 @@ class RunSummary(Callback):
         self.plot = plot
         self.train_curve: list[tuple[int, float]] = []
         self.val_curve: list[tuple[int, float]] = []
+        self.lr_curve: list[tuple[int, float]] = []
         self.num_tokens = 0
         self.train_seconds = 0.0
         self._fit_start = 0.0
@@ -58,6 +59,8 @@ class RunSummary(Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None and trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
             self.train_curve.append((trainer.global_step, float(loss.detach())))
+            if trainer.optimizers:  # the learning rate this step used (the scheduler steps after this hook)
+                self.lr_curve.append((trainer.global_step, float(trainer.optimizers[0].param_groups[0]["lr"])))
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -70,13 +73,14 @@ class RunSummary(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         """The curves and counts so far: a resumed run's summary covers the whole run."""
-        return {"train_curve": self.train_curve, "val_curve": self.val_curve, "num_tokens": self.num_tokens,
-                "train_seconds": self.train_seconds}
+        return {"train_curve": self.train_curve, "val_curve": self.val_curve, "lr_curve": self.lr_curve,
+                "num_tokens": self.num_tokens, "train_seconds": self.train_seconds}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.train_curve = [tuple(point) for point in state_dict["train_curve"]]
         self.val_curve = [tuple(point) for point in state_dict["val_curve"]]
+        self.lr_curve = [tuple(point) for point in state_dict.get("lr_curve", [])]
         self.num_tokens = state_dict["num_tokens"]
         self.train_seconds = state_dict["train_seconds"]
 
@@ -119,7 +123,8 @@ class RunSummary(Callback):
         text = self.format(self.report)
         (self.run_dir / "summary.txt").write_text(text + "\n")
         (self.run_dir / "summary.json").write_text(json.dumps(
-            {**self.report, "train_curve": self.train_curve, "val_curve": self.val_curve, "events": events},
+            {**self.report, "train_curve": self.train_curve, "val_curve": self.val_curve, "lr_curve": self.lr_curve,
+             "events": events},
             indent=2, default=str))
         if self.plot:
             self._plot(events)
@@ -142,18 +147,40 @@ class RunSummary(Callback):
 
         fig, ax = plt.subplots(figsize=(7, 4))
         if self.train_curve:
-            ax.plot(*zip(*self.train_curve), label="train loss", alpha=0.7)
+            steps, losses = zip(*self.train_curve)
+            ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train loss (raw)")
+            weight = min(0.9, max(0.0, 1 - 10 / len(losses)))  # about a tenth of the curve; none for a few points
+            ax.plot(steps, smooth(losses, weight), color="tab:blue", label=f"train loss (smoothed, {weight:.2f})")
         if self.val_curve:
-            ax.plot(*zip(*self.val_curve), "o-", label="validation loss")
+            ax.plot(*zip(*self.val_curve), "o-", color="tab:orange", label="validation loss")
         for step, label in events:
             ax.axvline(step, color="grey", linestyle=":", linewidth=1)
             ax.annotate(label, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top",
                         fontsize=7, color="grey")
+        handles, labels = ax.get_legend_handles_labels()
+        if self.lr_curve:
+            lr_ax = ax.twinx()
+            lr_ax.plot(*zip(*self.lr_curve), color="tab:green", linestyle="--", linewidth=1, label="learning rate")
+            lr_ax.set_ylabel("learning rate", color="tab:green")
+            lr_ax.tick_params(axis="y", colors="tab:green")
+            lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+            more_handles, more_labels = lr_ax.get_legend_handles_labels()
+            handles, labels = handles + more_handles, labels + more_labels
+        ax.set_title(f"run {self.run_dir.parent.name}/{self.run_dir.name}", fontsize=9)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("cross-entropy (nats/byte)")
-        ax.legend()
+        ax.legend(handles, labels, fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(self.run_dir / "loss.png", dpi=110)
         plt.close(fig)
 
+
+
+def smooth(values: Any, weight: float = 0.9) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average, debiased so that it starts at the first value."""
+    out, average = [], 0.0
+    for i, value in enumerate(values, start=1):
+        average = weight * average + (1 - weight) * value
+        out.append(average / (1 - weight**i))
+    return out

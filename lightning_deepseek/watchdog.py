@@ -85,6 +85,8 @@ class LostRankWatchdog(Callback):
             code = proc.poll()
             if code:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                if code == 2:
+                    how = "exited with code 2 (a setting it rejected: see the message above or its log)"
                 if code == -9:
                     how = "was killed by SIGKILL (out of memory, or killed by hand or by the scheduler)"
                 return f"rank {rank} (pid {proc.pid}) {how}"

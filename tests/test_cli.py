@@ -1,12 +1,12 @@
 """End-to-end tests of the ``lds-train`` and ``lds-sample`` console scripts, run as real processes."""
 
+import csv
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 BIN = Path(sys.executable).parent
 TINY = ["model=tiny", "data.batch_size=8", "trainer.val_check_interval=20", "trainer.limit_val_batches=5",
@@ -37,11 +37,20 @@ def test_two_process_training_lowers_validation_loss(trained_run) -> None:
 
 
 def test_run_folder_has_plot_logs_and_checkpoint(trained_run) -> None:
-    run_dir, _ = trained_run
+    run_dir, result = trained_run
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
-    assert (run_dir / "logs" / "metrics.csv").exists()
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
     assert list(run_dir.glob("tokens-*.u8"))
+    # Lightning's monitors and the gradient norm are columns of metrics.csv (and TensorBoard scalars).
+    with open(run_dir / "logs" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {"lr-AdamW/pg1", "grad_norm", "train/items_per_sec", "train/samples_per_sec"} <= set(rows[0])
+    assert all(float(row["grad_norm"]) > 0 for row in rows if row["grad_norm"])
+    assert f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}" in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    learning_rates = [lr for _, lr in summary["lr_curve"]]
+    assert learning_rates[0] < max(learning_rates) and learning_rates[-1] < max(learning_rates)  # warm-up, decay
+    assert summary["checkpoint_saves"] >= 3 and summary["checkpoint_s_per_save"] > 0
 
 
 def test_sample_prints_text_from_checkpoint(trained_run) -> None:
@@ -51,17 +60,11 @@ def test_sample_prints_text_from_checkpoint(trained_run) -> None:
     assert result.stdout.startswith("Python") and len(result.stdout) >= 40
 
 
+# Two cases as real processes, for the run folder's log; tests/test_config_errors.py has the whole battery in-process.
 @pytest.mark.parametrize("args, needle", [
     (["data.path=/nonexistent/corpus.txt"], "data.path='/nonexistent/corpus.txt' does not exist"),
-    (["trainer.devices=4096"], "trainer.devices=4096"),
-    (["model.preset=huge"], "model.preset='huge'"),
-    (["optim.learning_rate=-1"], "optim.learning_rate=-1"),
-    (["trainer.devices=abc"], "trainer.devices='abc' is not a device count"),
-    pytest.param(["trainer.accelerator=gpu"], "trainer.accelerator=gpu but this machine has no GPU",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
     (["+trainer.max_step=5"], "trainer.max_step is not an argument of Lightning's Trainer: did you mean "
                               "trainer.max_steps?"),
-    (["resume=/nonexistent/last.ckpt"], "resume='/nonexistent/last.ckpt' does not exist"),
 ])
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
     result = run("lds-train", *TINY, "trainer.max_steps=2", "trainer.devices=1", f"hydra.run.dir={tmp_path}", *args)
@@ -71,19 +74,8 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path: Path, args: list[str], 
     assert needle in (tmp_path / "cli.log").read_text()  # the run folder keeps it too (sweeps, batch jobs)
 
 
-def test_binary_data_file_is_rejected(tmp_path: Path) -> None:
-    blob = tmp_path / "weights.bin"
-    blob.write_bytes(bytes(range(256)) * 4)
-    result = run("lds-train", *TINY, "trainer.devices=1", f"data.path={blob}", f"hydra.run.dir={tmp_path / 'r'}")
-    assert result.returncode == 2 and "binary" in result.stderr and "Traceback" not in result.stderr
-
-
 def test_unknown_group_option_lists_the_choices(tmp_path: Path) -> None:
     result = run("lds-train", "model=nope", f"hydra.run.dir={tmp_path}")
     assert result.returncode != 0
     assert "model/nope" in result.stderr and "tiny" in result.stderr
 
-
-def test_sample_without_checkpoint(tmp_path: Path) -> None:
-    result = run("lds-sample", f"ckpt={tmp_path / 'none.ckpt'}")
-    assert result.returncode == 2 and "does not exist" in result.stderr

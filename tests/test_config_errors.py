@@ -161,7 +161,7 @@ def test_sample_errors_say_lds_sample(args: str, needle: str, files: Path, capsy
 # -- the real console scripts -------------------------------------------------------------------------------
 
 def _run(script: str, *args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / script), *args], capture_output=True, text=True, timeout=120, cwd=cwd,
+    return subprocess.run([str(BIN / script), *args], capture_output=True, text=True, timeout=240, cwd=cwd,
                           env={**os.environ, **(env or {})})
 
 
@@ -190,3 +190,13 @@ def test_unwritable_run_folder_and_sample_prefix(tmp_path: Path) -> None:
     result = _run("lds-sample", f"ckpt={tmp_path}", cwd=tmp_path)
     assert result.returncode == 2
     _assert_one_paragraph(result.stderr, "lds-sample: error: ", "is a folder with no complete checkpoint")
+
+
+def test_an_error_found_by_the_running_ranks_is_printed_once(tmp_path: Path) -> None:
+    # A precision schedule past the run's end is only known once the plugin sees the trainer (in every rank).
+    result = _run("lds-train", "model=tiny", "strategy=ddp", "compression=none", "trainer.devices=2",
+                  "trainer.max_steps=4", "precision=staged", "plot=false",
+                  "precision.plugin.schedule=[{precision: 32-true, until: 50}, {precision: bf16-mixed}]",
+                  "hydra.run.dir=run", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    _assert_one_paragraph(result.stderr, "lds-train: error: ", "until=50 step ends at optimizer step 50")

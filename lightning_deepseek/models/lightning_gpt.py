@@ -42,6 +42,8 @@ class LightningGPT(pl.LightningModule):
         self.save_hyperparameters()
         self.config = config
         self.model = GPT(config)
+        self._num_params = sum(p.numel() for p in self.model.parameters())
+        self._batch_tokens = 0
 
     @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -55,8 +57,29 @@ class LightningGPT(pl.LightningModule):
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
+        self._batch_tokens = batch[0].numel()
         self.log("train_loss", loss, prog_bar=True, sync_dist=False)
         return loss
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # The gradient norm before clipping, on the steps the loggers write (a sharded gradient's norm is a
+        # collective, so not on the others). Reading the gradients changes nothing in the step.
+        if (self.trainer.global_step + 1) % max(1, self.trainer.log_every_n_steps):
+            return
+        squares = []
+        for param in self.parameters():
+            if param.grad is not None:
+                norm = param.grad.detach().float().norm(2)
+                squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).pow(2))
+        if squares:
+            self.log("grad_norm", torch.stack(squares).sum().sqrt(), on_step=True, on_epoch=False)
+
+    @property
+    def flops_per_batch(self) -> int:
+        """Training FLOPs of the last batch, estimated as 6 x parameters x tokens (forward and backward; the
+        attention scores are left out), for Lightning's ``ThroughputMonitor``."""
+        return 6 * self._num_params * self._batch_tokens
 
     @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
