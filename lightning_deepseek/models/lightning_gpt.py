@@ -25,6 +25,8 @@ class LightningGPT(pl.LightningModule):
         warmup_steps: linear warm-up steps before the cosine decay.
         min_lr_ratio: final learning rate as a fraction of the peak.
         betas: AdamW betas.
+        moment_dtype: ``"fp32"`` (torch's AdamW) or ``"bf16"``: AdamW moments kept in BF16 with stochastic
+            rounding, as DeepSeek-V3 does (:class:`lightning_deepseek.optim.AdamW`; half the moment bytes).
     """
 
     def __init__(
@@ -35,10 +37,14 @@ class LightningGPT(pl.LightningModule):
         warmup_steps: int = 20,
         min_lr_ratio: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
+        moment_dtype: str = "fp32",
     ) -> None:
         super().__init__()
         if learning_rate <= 0:
             raise ValueError(f"optim.learning_rate={learning_rate} must be positive.")
+        if moment_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"optim.moment_dtype={moment_dtype!r} is not a moment precision: use fp32 (torch's AdamW) "
+                             "or bf16 (BF16 moments, half the optimizer bytes).")
         self.save_hyperparameters()
         self.config = config
         self.model = GPT(config)
@@ -99,7 +105,12 @@ class LightningGPT(pl.LightningModule):
         groups = [{"params": list(run), "weight_decay": weight_decay}
                   for params, weight_decay in ((decay, hp.weight_decay), (no_decay, 0.0))
                   for _, run in itertools.groupby(params, key=lambda p: isinstance(p, DTensor))]
-        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
+        if hp.get("moment_dtype", "fp32") == "bf16":
+            from lightning_deepseek.optim import AdamW
+
+            optimizer = AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), moment_dtype=torch.bfloat16)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1000
         total = max(int(total), 1) if math.isfinite(total) else 1000
 

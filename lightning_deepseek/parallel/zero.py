@@ -41,11 +41,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_deepseek.optim import AdamW  # BF16 moments: per-parameter too
+
 # Their step updates each parameter from its own gradient and state only; a parameter with grad None is skipped.
 SHARDABLE: tuple[type[Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
     torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop,
-    torch.optim.ASGD,
+    torch.optim.ASGD, AdamW,
 )
 
 
