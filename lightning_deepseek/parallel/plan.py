@@ -113,8 +113,11 @@ def why_auto_plan_is_empty(module: nn.Module, min_params: int) -> tuple[str, str
     """Why ``auto_plan`` sharded nothing in ``module`` (no block found, or all under ``min_params``), and the fix."""
     blocks = plan_blocks(module)
     if not blocks:
+        declaring = sorted({type(owner).__name__ for owner, _ in declaring_modules(module).values()})
+        declared = (f"; {', '.join(declaring)} declares a tensor-parallel plan, but none of its entries is a "
+                    "feed-forward linear pair (fused expert weights are expert parallelism's)" if declaring else "")
         return (f"plan='auto' found no feed-forward block (a linear d->h then h->d with h != d among one module's "
-                f"children, or declared by the model) in {type(module).__name__}",
+                f"children, or declared by the model) in {type(module).__name__}{declared}",
                 "Name the layers to shard in an explicit plan, {module-name pattern: 'colwise' for an up-projection, "
                 f"'rowwise' for its down-projection}}; the linear layers of {type(module).__name__} are: "
                 f"{_linear_names(module) or 'none'}.")

@@ -251,3 +251,15 @@ def test_tiny_deepseek_v3_structure_never_pairs_mla() -> None:
     assert {b.down for b in find_feed_forward_blocks(model)} == {"layers.0.mlp.down_proj",
                                                                   "layers.1.mlp.shared_experts.down_proj"}
     assert {e.source for e in auto_plan(model, 2, 0)[0]} == {"declared by DeepseekV3Model"}
+
+
+def test_empty_plan_says_a_declared_plan_had_no_feed_forward_pair() -> None:
+    class ExpertsOnly(nn.Module):
+        _tp_plan = {"layers.*.attn.q": "colwise", "layers.*.experts.gate_up_proj": "packed_colwise"}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.ModuleDict({"attn": nn.ModuleDict({"q": nn.Linear(8, 8)})})])
+
+    cause, _ = why_auto_plan_is_empty(ExpertsOnly(), 0)
+    assert "ExpertsOnly declares a tensor-parallel plan, but none of its entries is a feed-forward linear pair" in cause
