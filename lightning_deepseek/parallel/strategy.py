@@ -298,7 +298,8 @@ class HybridParallelStrategy(DDPStrategy):
         _sync_module_states(module)  # tp groups shard from their first rank: make every rank hold rank 0's weights
         self._plan = decide_plan(module, self._plan_arg, dims.world_size, dims.tp, self._tp_arg == "auto",
                                  self._min_shard_params)
-        self._mesh = self._build_mesh(module, trainer)
+        if self._mesh is None:  # built once: a later setup of an unsharded model (fit, then test) reuses it
+            self._mesh = self._build_mesh(module, trainer)
         module._device_mesh = self._mesh
         apply_tensor_parallel(module, self._plan.styles, self._mesh["tp"])
         self._log_plan(module)
