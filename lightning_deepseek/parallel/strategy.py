@@ -425,7 +425,9 @@ class HybridParallelStrategy(DDPStrategy):
         # parameter, which fails while an exception's traceback still holds the autograd graph and would replace
         # the user's exception by "Couldn't swap Linear.weight".
         if isinstance(self.model, DistributedDataParallel):
-            self.model = self.lightning_module
+            self.model = module
+        if self._layer_sync and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING:
+            self.model = self._layer_sync.revert(self.model)
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
