@@ -3,7 +3,11 @@
 #   1. the compression hook's CUDA path (tests/compression/test_cuda.py: NCCL, device futures, residual reset,
 #      both exchanges, event timings under Lightning) and the topology probe's (tests/parallel/test_cuda.py);
 #   2. quantize + dequantize throughput next to a device memory copy (benchmarks/compression/kernels.py, #7);
-#   3. FP32 / FP16 / BF16 / staged throughput and final loss at GPT-2 124M size (bench_precision.py, #4).
+#   3. FP32 / FP16 / BF16 / staged throughput and final loss at GPT-2 124M size (bench_precision.py, #4);
+#   4. FP8 (torchao float8 training, real FP8 GEMMs on compute capability >= 8.9) against BF16 at GPT-2 124M:
+#      tokens/s and final loss (bench_fp8_moments.py --part fp8, #20). Needs torchao on the device machine (it has
+#      no network: carry a wheel or site-packages copy); without it the step says so and is skipped. Alone:
+#      python3 benchmarks/precision/bench_fp8_moments.py --device cuda --size gpt2-124m --part fp8 --steps 100
 # Usage, from the repository root on the device machine:  bash benchmarks/gpu_checks.sh "$OUT"
 # Only torch and Lightning are needed there (the package imports its search stack lazily).
 set -uo pipefail
@@ -18,4 +22,10 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider tests/compression/test_cuda
 timeout 90 python3 benchmarks/compression/kernels.py --device cuda --numel 67108864 2>&1 | tee "$out/kernels.md"
 timeout 360 python3 benchmarks/precision/bench_precision.py --device cuda --size gpt2-124m 2>"$out/precision.log" \
   | tee "$out/precision.md"
+if python3 -c "import torchao" 2>/dev/null; then
+  timeout 150 python3 benchmarks/precision/bench_fp8_moments.py --device cuda --size gpt2-124m --part fp8 --steps 100 \
+    2>"$out/fp8.log" | tee "$out/fp8.md"
+else
+  echo "FP8 check skipped: torchao is not importable here (pip install 'lightning-deepseek[fp8]')" | tee "$out/fp8.md"
+fi
 echo "exit codes: ${PIPESTATUS[*]}"

@@ -1,6 +1,6 @@
 """Train the example GPT from plain Python, no Hydra: the same job as ``lds-train``, in a dozen lines.
 
-    python examples/train_gpt.py            # 2 CPU processes, 200 steps
+    .venv/bin/python examples/train_gpt.py   # 2 CPU processes, 200 steps (or `python ...` in the activated venv)
 """
 
 import lightning.pytorch as pl

@@ -9,78 +9,32 @@ paragraph on stderr and exit code 2; ``LDS_DEBUG=1`` shows the full traceback in
 
 from __future__ import annotations
 
-import difflib
-import inspect
-import os
-import re
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning.pytorch as pl
 import torch
-from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_deepseek.checkpointing import (
+    RunCheckpoint,
+    RunInterrupted,
+    checkpoint_model_config,
+    checkpoints_in,
+    is_complete,
+)
+from lightning_deepseek.config_checks import check_run_dir_override, expand_home_in_overrides
 from lightning_deepseek.data import TextDataModule
-from lightning_deepseek.data.text import VOCAB_SIZE
-from lightning_deepseek.errors import ConfigError, user_errors_exit
+from lightning_deepseek.errors import USER_ERRORS, ConfigError, exit_on_user_error, user_errors_exit
 from lightning_deepseek.hpo import OptunaPruning
-from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
+from lightning_deepseek.models import LightningGPT
+from lightning_deepseek.run import CONFIG_DIR, RunFolder, RunPlan, validate_config
 from lightning_deepseek.summary import RunSummary
-
-CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")  # packaged with the module; ./conf links here
-
-
-def build_model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
-    """``GPTConfig`` from ``model.preset`` plus any field set explicitly in the ``model`` group."""
-    preset = cfg.model.preset
-    if preset not in PRESETS:
-        raise ConfigError(f"model.preset={preset!r} is not a known preset. Choose one of {sorted(PRESETS)} "
-                          "(for example `model=tiny`).")
-    fields = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "preset" and v is not None}
-    return GPTConfig(vocab_size=vocab_size, **{**PRESETS[preset], **fields})
-
-
-def check_devices(trainer_cfg: DictConfig, allow_oversubscribe: bool) -> None:
-    """Fail early when ``trainer.devices`` is malformed or asks for more devices than this machine has."""
-    devices, accelerator = trainer_cfg.get("devices", 1), str(trainer_cfg.get("accelerator", "cpu"))
-    if isinstance(devices, str) and devices != "auto":
-        if not re.fullmatch(r"\s*-?\d+\s*|(\s*\d+\s*,)+(\s*\d+\s*)?", devices):
-            raise ConfigError(f"trainer.devices={devices!r} is not a device count or a list of device ids. Use a "
-                              "number (trainer.devices=2), 'auto', or ids (trainer.devices=[0,1]).")
-        return  # "0,1" and "-1": Lightning parses those
-    if not isinstance(devices, int):
-        return  # lists of ids: Lightning validates those
-    if accelerator in ("gpu", "cuda"):
-        available, unit = torch.cuda.device_count(), "GPU(s)"
-        if available == 0:
-            raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no GPU that torch can use "
-                              f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'}). Train on "
-                              "CPU with trainer=cpu, or install a CUDA build of torch.")
-    elif accelerator == "cpu":
-        available, unit = (os.cpu_count() or 1), "CPU core(s); each CPU device is one process"
-        if allow_oversubscribe:
-            return
-    else:
-        return
-    if devices > available:
-        hint = " or pass allow_oversubscribe=true" if accelerator == "cpu" else ""
-        raise ConfigError(f"trainer.devices={devices} but this machine has {available} {unit}. "
-                          f"Set trainer.devices to at most {available}{hint}.")
-
-
-def check_trainer_keys(trainer_kwargs: dict[str, Any]) -> None:
-    """Name a misspelt ``trainer.*`` key (added with ``+``, as Hydra suggests) before ``Trainer`` rejects it."""
-    known = set(inspect.signature(pl.Trainer.__init__).parameters) - {"self", "strategy", "plugins", "logger",
-                                                                        "callbacks", "default_root_dir"}
-    for key in trainer_kwargs:
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f"did you mean trainer.{close[0]}?" if close else "see lightning.pytorch.Trainer's arguments."
-            raise ConfigError(f"trainer.{key} is not an argument of Lightning's Trainer: {hint} (strategy, "
-                              "precision, callbacks and loggers come from their own groups.)")
+from lightning_deepseek.watchdog import LostRankWatchdog, wait_for_watchdog
 
 
 def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
@@ -91,10 +45,7 @@ def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
 
 def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
     """``Trainer`` from the ``trainer`` group with the strategy, precision, logger and checkpoints wired in."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    check_trainer_keys(trainer_kwargs)
     plugins = []
     if cfg.precision.get("plugin") is not None:
         plugins.append(instantiate(cfg.precision.plugin))
@@ -102,11 +53,21 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[pl.Callback]) 
         trainer_kwargs["precision"] = cfg.precision.name
     strategy = cfg.strategy
     strategy = instantiate(strategy) if "_target_" in strategy else strategy.name
-    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0)
+    checkpoint = RunCheckpoint(run_dir / "checkpoints", every_n_steps=cfg.get("checkpoint", {}).get("every_n_steps"))
+    watchdog = LostRankWatchdog(describe=lambda lost: _lost_rank_paragraph(lost, checkpoint, run_dir))
+    # RunSummary before RunCheckpoint: a checkpoint then holds the curves up to its own step.
     return pl.Trainer(
         **trainer_kwargs, strategy=strategy, plugins=plugins or None, logger=_loggers(run_dir),
-        callbacks=[*callbacks, checkpoint, RunSummary(run_dir, plot=cfg.plot)], default_root_dir=run_dir,
+        callbacks=[*callbacks, RunSummary(run_dir, plot=cfg.plot), checkpoint, watchdog],
+        default_root_dir=run_dir, enable_checkpointing=False,  # RunCheckpoint writes the checkpoints
     )
+
+
+def _lost_rank_paragraph(lost: str, checkpoint: RunCheckpoint, run_dir: Path) -> str:
+    saved = f"the last complete checkpoint is {checkpoint.last_path}" if checkpoint.last_path else \
+        "no checkpoint was written in this run yet"
+    return (f"{lost}; the other ranks cannot continue without it, so the job stops. {saved[0].upper()}{saved[1:]}; "
+            f"continue with the same settings plus resume={run_dir}.")
 
 
 def _loggers(run_dir: Path) -> list[Any]:
@@ -122,34 +83,67 @@ def _loggers(run_dir: Path) -> list[Any]:
     return loggers
 
 
-@user_errors_exit()
+def prepare_training(cfg: DictConfig, folder: RunFolder) -> tuple[RunPlan, TextDataModule, LightningGPT, pl.Trainer]:
+    """Everything before ``fit``, in the launching process: the checked plan, the data, the model, the trainer
+    (strategy, precision plugin and callbacks instantiated). Raises the user error of the first bad setting."""
+    plan = validate_config(cfg, folder)
+    folder.claim()
+    data = TextDataModule(**plan.data_kwargs, cache_dir=folder.path)
+    model = LightningGPT(plan.model_config, **cfg.optim)
+    return plan, data, model, build_trainer(cfg, folder.path, build_callbacks(cfg))
+
+
 def run_training(cfg: DictConfig) -> dict[str, Any]:
-    """Train with a composed config; returns the run summary (empty on ranks other than 0)."""
-    run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.run_dir)
-    check_devices(cfg.trainer, cfg.allow_oversubscribe)
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    model_config = build_model_config(cfg, VOCAB_SIZE)
-    data_kwargs = OmegaConf.to_container(cfg.data, resolve=True)
-    data_kwargs["block_size"] = data_kwargs.get("block_size") or model_config.block_size
-    if data_kwargs["block_size"] > model_config.block_size:
-        raise ConfigError(f"data.block_size={data_kwargs['block_size']} exceeds model.block_size="
-                          f"{model_config.block_size}: lower data.block_size or pick a larger model preset.")
-    data = TextDataModule(**data_kwargs, cache_dir=run_dir)
-    data.validate()
-    model = LightningGPT(model_config, **cfg.optim)
-    resume = cfg.get("resume")
-    if resume not in (None, "last", "hpc") and not Path(resume).exists():  # Lightning resolves "last" and "hpc"
-        raise ConfigError(f"resume={resume!r} does not exist. Pass a checkpoint written by lds-train (for example "
-                          "resume=outputs/<date>/<time>/checkpoints/last.ckpt), or drop resume to start fresh.")
-    trainer = build_trainer(cfg, run_dir, build_callbacks(cfg))
-    trainer.fit(model, datamodule=data, ckpt_path=resume)
+    """Train with a composed config; returns the run summary (empty on ranks other than 0).
+
+    The whole configuration is checked first (``validate_config``), in the launching process, so that a mistake
+    ends in one paragraph and exit code 2 before any other process starts. A SIGTERM or SIGINT during training
+    writes a checkpoint and exits 143 or 130.
+    """
+    folder = RunFolder.from_config(cfg)
+    try:
+        plan, data, model, trainer = prepare_training(cfg, folder)
+    except USER_ERRORS as exc:
+        folder.fail(exc)
+        exit_on_user_error(exc)
+    if plan.note and folder.is_launcher:
+        print(plan.note, flush=True)
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=plan.resume)
+    except RunInterrupted as stop:
+        folder.release()
+        if trainer.global_rank == 0:
+            print(f"lds-train: stopped by {signal.Signals(stop.signum).name} at step {stop.step}; checkpoint "
+                  f"{stop.checkpoint}. Continue with the same settings plus resume={folder.path}", flush=True)
+        # Lightning's launcher takes a child's exit code != 0 for a crash and kills the job: only rank 0 reports.
+        sys.exit(stop.exit_code if folder.is_launcher else 0)
+    except USER_ERRORS as exc:  # a setting only a running job can check (e.g. a tensor-parallel plan)
+        _exit_if_rank_lost(trainer)
+        folder.fail(exc)
+        exit_on_user_error(exc)
+    except Exception:
+        _exit_if_rank_lost(trainer)
+        raise
+    folder.release()
     summary = next(cb for cb in trainer.callbacks if isinstance(cb, RunSummary))
     if trainer.global_rank == 0:
-        print(f"run folder: {run_dir}", flush=True)
+        print(f"run folder: {folder.path}", flush=True)
         for callback in trainer.callbacks:
             if isinstance(callback, OptunaPruning):
                 callback.check_pruned()  # raises optuna.TrialPruned; the sweeper marks the trial PRUNED
     return summary.report
+
+
+def _exit_if_rank_lost(trainer: pl.Trainer) -> None:
+    """After a failed collective: if a peer rank died, say which in one paragraph and exit 1."""
+    watchdog = next((cb for cb in trainer.callbacks if isinstance(cb, LostRankWatchdog)), None)
+    if watchdog is None or trainer.world_size < 2:
+        return
+    wait_for_watchdog(watchdog, seconds=3.0)
+    paragraph = watchdog.report()
+    if paragraph is not None:
+        print(f"lds-train: error: {paragraph}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
@@ -170,19 +164,45 @@ def load_model(path: Path) -> LightningGPT:
     return model
 
 
-@user_errors_exit()
+SAMPLE_ERROR_PREFIX = "lds-sample: error: "
+
+
+def resolve_sample_checkpoint(ckpt: str | None) -> Path:
+    """The checkpoint ``ckpt`` names: a file, a DCP folder, or the newest complete one of a run or checkpoints
+    folder."""
+    if not ckpt:
+        raise ConfigError("ckpt is not set. Pass ckpt=PATH: a run folder of lds-train (outputs/<date>/<time>) or a "
+                          "checkpoint in it (outputs/<date>/<time>/checkpoints/last.ckpt).")
+    path = Path(ckpt).expanduser()
+    if not path.exists():
+        raise ConfigError(f"ckpt={ckpt!r} does not exist. Pass a run folder of lds-train or a checkpoint in it "
+                          "(a .ckpt file, or the folder that strategy=hybrid writes).")
+    if path.is_dir() and not is_complete(path):
+        found = checkpoints_in(path)
+        if not found:
+            raise ConfigError(f"ckpt={ckpt!r} is a folder with no complete checkpoint in it (no step-*.ckpt, "
+                              "last.ckpt or DCP meta.pt). Pass a run folder of lds-train or a checkpoint in it.")
+        path = found[-1]
+    try:
+        checkpoint_model_config(path)
+    except ValueError as exc:
+        raise ConfigError(f"ckpt={ckpt!r}: {exc}. Pass a checkpoint written by lds-train, or its run folder.") \
+            from None
+    return path
+
+
+@user_errors_exit(SAMPLE_ERROR_PREFIX)
 def run_sampling(cfg: DictConfig) -> str:
     """Generate text from ``cfg.ckpt`` after ``cfg.prompt``; returns and prints it."""
-    if not cfg.ckpt:
-        raise ConfigError("ckpt is not set. Pass ckpt=PATH to a checkpoint written by lds-train "
-                          "(for example outputs/<date>/<time>/checkpoints/last.ckpt).")
-    path = Path(cfg.ckpt)
-    if not path.exists():
-        raise ConfigError(f"ckpt={cfg.ckpt!r} does not exist. Pass a checkpoint written by lds-train "
-                          "(a .ckpt file, or the folder that strategy=hybrid writes).")
+    path = resolve_sample_checkpoint(cfg.ckpt)
+    for key in ("max_new_tokens", "top_k"):
+        if cfg[key] is not None and (not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1):
+            raise ConfigError(f"{key}={cfg[key]!r} must be a positive whole number, e.g. {key}=100.")
+    if not isinstance(cfg.temperature, (int, float)) or isinstance(cfg.temperature, bool) or cfg.temperature <= 0:
+        raise ConfigError(f"temperature={cfg.temperature!r} must be a positive number, e.g. temperature=0.8.")
     torch.manual_seed(cfg.seed)
     model = load_model(path).eval()
-    prompt = cfg.prompt.encode("utf-8") or b"\n"
+    prompt = str(cfg.prompt).encode("utf-8") or b"\n"
     idx = torch.tensor([list(prompt)], dtype=torch.long)
     out = model.model.generate(idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k)
     text = bytes(out[0].tolist()).decode("utf-8", errors="replace")
@@ -197,6 +217,11 @@ def _sample_app(cfg: DictConfig) -> None:
 
 def train() -> None:
     """Console entry point of ``lds-train``."""
+    sys.argv[1:] = expand_home_in_overrides(sys.argv[1:])
+    try:
+        check_run_dir_override(sys.argv[1:])
+    except ConfigError as exc:
+        exit_on_user_error(exc)
     _train_app()
 
 

@@ -68,7 +68,30 @@ class RunSummary(Callback):
             self.val_curve.append((trainer.global_step, float(val)))
 
     @override
+    def state_dict(self) -> dict[str, Any]:
+        """The curves and counts so far: a resumed run's summary covers the whole run."""
+        return {"train_curve": self.train_curve, "val_curve": self.val_curve, "num_tokens": self.num_tokens,
+                "train_seconds": self.train_seconds}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.train_curve = [tuple(point) for point in state_dict["train_curve"]]
+        self.val_curve = [tuple(point) for point in state_dict["val_curve"]]
+        self.num_tokens = state_dict["num_tokens"]
+        self.train_seconds = state_dict["train_seconds"]
+
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        from lightning_deepseek.checkpointing import RunInterrupted
+
+        if isinstance(exception, RunInterrupted):  # every rank stopped at the same step: report as at the end
+            self._finish(trainer, stopped_by=str(exception))
+
+    def _finish(self, trainer: pl.Trainer, stopped_by: str | None = None) -> None:
         extras: dict[str, Any] = {}
         events: list[tuple[int, str]] = []
         for component in _components(trainer):
@@ -90,6 +113,8 @@ class RunSummary(Callback):
             "val_loss_final": self.val_curve[-1][1] if self.val_curve else None,
             **extras,
         }
+        if stopped_by:
+            self.report["stopped_by"] = stopped_by
         self.run_dir.mkdir(parents=True, exist_ok=True)
         text = self.format(self.report)
         (self.run_dir / "summary.txt").write_text(text + "\n")

@@ -38,7 +38,7 @@ CONFIGS = ["fp32", "fp16_hook", "powersgd_r4"] + [
 # Also accepted: any of ours with an "_eager" suffix runs the eager torch quantizer instead of the native CPU
 # kernels (same numerics), e.g. "int8_ef_eager", to measure what the kernels buy side by side; with a "_nohold"
 # suffix, the final writes of early buckets run as their data arrive instead of being held until the last bucket is
-# launched (CompressionState.hold_writes; same numerics); and "wire_int8" / "wire_int4", a timing oracle (see
+# launched (CompressionConfig.hold_writes; same numerics); and "wire_int8" / "wire_int4", a timing oracle (see
 # WireOnly).
 
 
@@ -105,8 +105,7 @@ def wrap(model: torch.nn.Module, name: str, bucket_mb: str = "25") -> tuple[Dist
         bits = int(name[3])  # the presets' block sizes (conf/compression): int8 128, int4 64 (0.133x the fp32 bytes)
         state = register_compression_hook(ddp, bits=bits, block_size=128 if bits == 8 else 64,
                                           error_feedback="_ef" in name, warmup_steps=1, min_bucket_numel=4096,
-                                          overlap="nooverlap" not in name)
-        state.hold_writes = "_nohold" not in name
+                                          overlap="nooverlap" not in name, hold_writes="_nohold" not in name)
     return ddp, state
 
 

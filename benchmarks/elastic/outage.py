@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from lightning_deepseek.elastic import Reports  # noqa: E402
-from lightning_deepseek.elastic.backend import JobSpec, LocalBackend, RendezvousTuning  # noqa: E402
+from lightning_deepseek.elastic.controller.backend import JobSpec, LocalBackend, RendezvousTuning  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 

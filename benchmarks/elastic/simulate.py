@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_deepseek.elastic.policy import JobStatus, ScalingPolicy  # noqa: E402
+from lightning_deepseek.elastic.controller.policy import JobStatus, ScalingPolicy  # noqa: E402
 
 OVERHEAD = 0.03
 

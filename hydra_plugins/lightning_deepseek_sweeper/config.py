@@ -1,7 +1,8 @@
 """Config of the ``lds_optuna`` sweeper and its sampler/pruner presets, registered in Hydra's ConfigStore.
 
-Select with ``hydra/sweeper=lds_optuna``; presets with ``hydra/sweeper/sampler=tpe|gp|cmaes|random|grid`` and
-``hydra/sweeper/pruner=median|hyperband|sha|none``. Any other sampler or pruner: set its ``_target_``.
+Select with ``hydra/sweeper=lds_optuna``; presets with ``hydra/sweeper/sampler=tpe|gp|cmaes|random|grid|nsgaii|
+qmc|motpe`` and ``hydra/sweeper/pruner=median|hyperband|sha|none``. Any other sampler or pruner: set its
+``_target_``. The field names are hydra-optuna-sweeper's, so its configs run with ``hydra/sweeper=lds_optuna``.
 """
 
 from dataclasses import dataclass, field
@@ -21,8 +22,9 @@ class LdsOptunaSweeperConf:
     """``_target_`` node of an Optuna sampler."""
     pruner: Any = None
     """``_target_`` node of an Optuna pruner, or null for no pruning."""
-    direction: str = "minimize"
-    """``minimize`` or ``maximize`` the value that the Hydra app returns."""
+    direction: Any = "minimize"
+    """``minimize`` or ``maximize`` the value that the Hydra app returns, or a list of them (one per value of
+    the list the app returns) for a multi-objective study: the report then holds the Pareto front, no pruning."""
     study_name: str = "lds"
     """Study name inside the storage; several sweepers with the same name and storage share one study."""
     storage: str | None = None
@@ -32,11 +34,19 @@ class LdsOptunaSweeperConf:
     n_jobs: int = 1
     """Trials in flight at once. The basic launcher runs jobs in this process, so it forces 1."""
     max_failure_rate: float = 0.5
-    """Stop launching once FAIL trials exceed this fraction of ``n_trials``."""
+    """Stop launching once more than this fraction of the trials this run finished failed; 1.0: never."""
     params: dict[str, Any] = field(default_factory=dict)
     """Search space: ``key: choice(...) | range(...) | interval(...) | tag(log, ...)`` or a fixed value."""
+    custom_search_space: str | None = None
+    """Dotted path of ``fn(cfg, trial)`` that suggests more parameters from those already sampled (a leading
+    ``.`` looks in the app's own script, as hydra-optuna-sweeper's examples write it)."""
+    search_space: dict[str, Any] | None = None
+    """hydra-optuna-sweeper's deprecated form of ``params`` (``{type, low, high, step, log, choices}``)."""
+    experiment_sequence: str | None = None
+    """Accepted for hydra-optuna-sweeper configs and ignored (with a warning): this sweeper runs its own loop."""
     pruning_group: str | None = "hpo"
-    """Config group that attaches ``OptunaPruning`` in each job (``hpo=optuna`` of lds-train); null: none."""
+    """Config group whose ``optuna`` option attaches ``OptunaPruning`` in each job (``hpo=optuna`` of lds-train),
+    used only when the app has that group; null: never."""
 
 
 _SAMPLERS = {
@@ -47,6 +57,10 @@ _SAMPLERS = {
     "cmaes": {"_target_": "optuna.samplers.CmaEsSampler", "seed": None, "n_startup_trials": 1},
     "random": {"_target_": "optuna.samplers.RandomSampler", "seed": None},
     "grid": {"_target_": "optuna.samplers.GridSampler", "search_space": None, "seed": None},
+    "nsgaii": {"_target_": "optuna.samplers.NSGAIISampler", "seed": None, "population_size": 50},
+    "qmc": {"_target_": "optuna.samplers.QMCSampler", "seed": None},
+    # Optuna 4 removed MOTPESampler: its TPESampler handles several objectives (hydra-optuna-sweeper's motpe).
+    "motpe": {"_target_": "optuna.samplers.TPESampler", "seed": None, "n_startup_trials": 10},
 }
 _PRUNERS = {
     "median": {"_target_": "optuna.pruners.MedianPruner", "n_startup_trials": 2, "n_warmup_steps": 0,

@@ -1,23 +1,27 @@
 """``LdsOptunaSweeper``: Hydra sweeper on Optuna >= 4 with pruning, asynchronous trials and resume.
 
-Why not ``hydra-optuna-sweeper``: it pins ``optuna<3``, cannot prune (jobs never see their trial) and
-launches trials in blocking batches. This sweeper:
+A drop-in for ``hydra-optuna-sweeper`` (its config fields, search-space meaning, ``custom_search_space``,
+multi-objective studies and ``optimization_results.yaml``; differences are listed in docs/hpo.md and warned
+at sweep start), which cannot prune (jobs never see their trial) and launches trials in blocking batches.
+This sweeper:
 
-- reads the search space from sweep overrides (``choice``/``range``/``interval``/``tag(log, ...)``) and
-  ``hydra.sweeper.params`` (see ``lightning_deepseek.hpo.space``);
+- reads the search space from sweep overrides (``choice``/``range``/``interval``/``tag(log, ...)``),
+  ``hydra.sweeper.params`` (see ``lightning_deepseek.hpo.space``) and ``custom_search_space``;
 - launches one job per trial through the configured launcher, keeping ``n_jobs`` in flight from as many
   threads. The basic launcher runs jobs inside this process (global state: cwd, logging, ``sys.argv``), so it
   is sequential; process launchers (joblib, submitit) run trials concurrently;
-- tells every job its study through overrides of the ``hpo`` group (``hpo=optuna hpo.storage=...
+- when the app has the ``pruning_group`` (``hpo``) with an ``optuna`` option and the study has one objective,
+  tells every job its study through overrides of that group (``hpo=optuna hpo.storage=...
   hpo.study_name=... hpo.trial_number=N``) rather than environment variables, because overrides reach any
   launcher's workers (reused joblib processes, SLURM jobs) and DDP children alike;
 - points ``hydra.run.dir`` of each job at its sweep subfolder and, with the basic launcher, sets ``sys.argv``
   to the trial's own command line while it runs, so that Lightning's DDP launcher (which re-runs the script
   with ``sys.argv[1:] hydra.run.dir=<run.dir>``) starts ranks > 0 on this trial, in this folder, instead of
   re-running the whole multirun;
-- marks a job that returned a number COMPLETE, one that raised ``optuna.TrialPruned`` PRUNED, and any other
-  failure (including ``sys.exit``) FAIL, then writes ``best_params.yaml``, ``trials.csv`` and plots to the
-  sweep folder and prints the best trial;
+- marks a job that returned a number (a list of them for several directions) COMPLETE, one that raised
+  ``optuna.TrialPruned`` PRUNED, and any other failure (including ``sys.exit``) FAIL, then writes the report
+  (``lightning_deepseek.hpo.report``) to the sweep folder and prints the best trial (or the Pareto front) and
+  the optuna-dashboard command that opens the study;
 - records why a trial failed in ``trials.csv`` (``fail_reason``): the exception's message, or for a job that
   called ``sys.exit`` (lds-train does on bad input) its exit code and the error it printed (the in-process
   job's ``sys.stderr`` is kept while it runs; with process launchers only the exit code is known);
@@ -34,7 +38,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +48,22 @@ from hydra.core.plugins import Plugins
 from hydra.core.utils import JobStatus
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
+from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_deepseek.errors import USER_ERROR_EXIT, USER_ERROR_PREFIX, exit_on_user_error
-from lightning_deepseek.hpo.search import FatalTrialError, SweepFailedError, run_trials
-from lightning_deepseek.hpo.space import SearchSpaceError, build_space, parse_overrides, to_overrides
-from lightning_deepseek.hpo.study import StudyConfigError, create_study, mask_url, write_report
+from lightning_deepseek.hpo.loop import FatalTrialError, SweepFailedError, run_trials, sweep_failure
+from lightning_deepseek.hpo.report import dashboard_command, write_report
+from lightning_deepseek.hpo.space import (
+    SearchSpaceError,
+    build_space,
+    distribution_from_config,
+    parse_overrides,
+    parse_space,
+    to_overrides,
+    upstream_notes,
+)
+from lightning_deepseek.hpo.study import StudyConfigError, create_study, mask_url, normalize_directions
 
 log = logging.getLogger(__name__)
 _ARGV_FLAGS_WITH_VALUE = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir"}
@@ -59,18 +73,22 @@ _STDERR_KEPT_CHARS = 8192
 class LdsOptunaSweeper(Sweeper):
     """See the module docstring; the arguments are the fields of ``LdsOptunaSweeperConf``."""
 
-    def __init__(self, sampler: Any, pruner: Any, direction: str, study_name: str, storage: str | None,
+    def __init__(self, sampler: Any, pruner: Any, direction: Any, study_name: str, storage: str | None,
                  n_trials: int, n_jobs: int, max_failure_rate: float, params: dict[str, Any] | None,
-                 pruning_group: str | None) -> None:
+                 pruning_group: str | None, custom_search_space: str | None = None,
+                 search_space: dict[str, Any] | None = None, experiment_sequence: str | None = None) -> None:
         self.sampler = _plain(sampler)
         self.pruner = _plain(pruner)
-        self.direction = direction
-        self.study_name = study_name
+        self.directions = normalize_directions(_plain(direction), "hydra.sweeper.direction")
+        self.study_name = study_name or "lds"
         self.storage = storage
         self.n_trials = n_trials
         self.n_jobs = n_jobs
         self.max_failure_rate = max_failure_rate
         self.params = _plain(params)
+        self.search_space = _plain(search_space)
+        self.custom_search_space = custom_search_space
+        self.experiment_sequence = experiment_sequence
         self.pruning_group = pruning_group
         self._argv_lock = threading.Lock()
 
@@ -91,67 +109,111 @@ class LdsOptunaSweeper(Sweeper):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         space, fixed = build_space(self.params, arguments)
-        if not space:
+        space = {**self._deprecated_search_space(), **space}
+        extend_space = self._custom_search_space()
+        if not space and extend_space is None:
             raise SearchSpaceError(
                 "lds_optuna: the search space is empty. Add sweep overrides such as "
                 "'optim.learning_rate=tag(log, interval(1e-4, 1e-2))' or a hydra.sweeper.params block.")
         storage = self.storage or str(sweep_dir / "optuna.journal")
-        fixed += self._pruning_overrides(fixed, storage)
+        pruning = self._pruning_overrides(fixed, storage)
+        fixed += pruning
         probe = {name: _first_value(dist) for name, dist in space.items()}
         self.validate_batch_is_legal([fixed + to_overrides(probe)])  # a typo fails here, not in every trial
-        study = create_study(self.study_name, storage, self.sampler, self.pruner, self.direction, space,
+        study = create_study(self.study_name, storage, self.sampler, self.pruner, self.directions, space,
                              prefix="hydra.sweeper.")
+        self._warn_upstream_differences(arguments)
         n_jobs = self._effective_n_jobs()
         log.info(f"lds_optuna: study {self.study_name!r} in {mask_url(storage)}, {self.n_trials} trials, "
-                 f"n_jobs={n_jobs}, space {sorted(space)}, sweep folder {sweep_dir}")
+                 f"n_jobs={n_jobs}, directions {self.directions}, space {sorted(space)}, "
+                 f"pruning {'on' if pruning else 'off'}, sweep folder {sweep_dir}")
 
         def run_trial(trial: optuna.Trial, params: dict[str, Any]) -> Any:
             try:
-                return self._launch(trial.number, fixed + to_overrides(params), searched=params)
+                return self._launch(trial.number, fixed + to_overrides(params), searched=params, pruning=bool(pruning))
             except FatalTrialError as exc:
                 finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
                 if study.get_trials(deepcopy=False, states=finished):  # other values worked: a bad draw
                     raise RuntimeError(str(exc)) from None
                 raise
 
-        counts = run_trials(study, space, run_trial, self.n_trials, n_jobs, self.max_failure_rate)
+        outcome = run_trials(study, space, run_trial, self.n_trials, n_jobs, self.max_failure_rate, extend_space)
         best = write_report(study, sweep_dir)
-        self._print_best(best, sweep_dir)
-        if "fatal_trial" in counts:
-            number = counts["fatal_trial"]
-            raise SweepFailedError(
-                f"lds_optuna: stopped the sweep after trial {number}: "
-                f"{study.trials[number].user_attrs.get('fail_reason', '')}. This configuration error names none of "
-                f"the searched settings ({', '.join(sorted(space))}) and no trial has finished, so every trial "
-                "would repeat it. Fix it, then re-run the same command to resume.")
-        if counts.get("aborted"):
-            raise SweepFailedError(
-                f"lds_optuna: {counts['FAIL']} trials failed, more than hydra.sweeper.max_failure_rate="
-                f"{self.max_failure_rate} of n_trials={self.n_trials}; see fail_reason in {sweep_dir / 'trials.csv'}"
-                " and the trials' logs, fix the cause, then re-run the same command to resume.")
+        self._print_best(best, sweep_dir, storage)
+        error = sweep_failure(
+            outcome, study, max_failure_rate=self.max_failure_rate, setting_prefix="hydra.sweeper.",
+            resume_hint="re-run the same command",
+            fatal_why=f"This configuration error names none of the searched settings ({', '.join(sorted(space))}) "
+                      "and no trial has finished, so every trial would repeat it.")
+        if error is not None:
+            raise SweepFailedError(f"lds_optuna: {error}")
         return study
 
+    def _deprecated_search_space(self) -> dict[str, optuna.distributions.BaseDistribution]:
+        """hydra-optuna-sweeper's ``search_space`` (ignored when ``params`` is set, as upstream does)."""
+        if not self.search_space:
+            return {}
+        if self.params:
+            log.warning("lds_optuna: both hydra.sweeper.params and hydra.sweeper.search_space are set; using "
+                        "params and ignoring search_space (as hydra-optuna-sweeper does).")
+            return {}
+        log.warning("lds_optuna: hydra.sweeper.search_space is deprecated (as in hydra-optuna-sweeper); write the "
+                    "space in hydra.sweeper.params, e.g. x: 'int(interval(0, 10))'.")
+        return {name: distribution_from_config(name, node) for name, node in self.search_space.items()}
+
+    def _custom_search_space(self) -> Callable[[optuna.Trial], None] | None:
+        """``custom_search_space(cfg, trial)`` bound to this sweep's config, or ``None``."""
+        path = self.custom_search_space
+        if not path:
+            return None
+        try:
+            if path.startswith("."):  # upstream's examples: a function of the app's own script
+                function = getattr(sys.modules["__main__"], path.rsplit(".", 1)[-1])
+            else:
+                function = get_method(path)
+        except (AttributeError, ImportError, ValueError) as exc:
+            raise SearchSpaceError(f"hydra.sweeper.custom_search_space={path!r} could not be loaded "
+                                   f"({' '.join(str(exc).split())}); give the dotted path of a function "
+                                   "fn(cfg, trial) that calls trial.suggest_*().") from None
+        config = self.config
+        return lambda trial: function(config, trial)
+
+    def _warn_upstream_differences(self, arguments: list[str]) -> None:
+        grid = str((self.sampler or {}).get("_target_", "")).endswith("GridSampler")
+        notes = upstream_notes([o for o in parse_space(self.params, arguments) if o.is_sweep_override()], grid)
+        if self.experiment_sequence:
+            notes.append("hydra.sweeper.experiment_sequence is ignored: this sweeper runs its own asynchronous loop")
+        for note in notes:
+            log.warning(f"lds_optuna: differs from hydra-optuna-sweeper: {note} (docs/hpo.md)")
+
     def _pruning_overrides(self, fixed: list[str], storage: str) -> list[str]:
+        """Overrides that attach ``OptunaPruning`` in each job; none when the app has no such group option or
+        the study has several objectives (Optuna cannot prune those)."""
         group = self.pruning_group
         if not group:
+            return []
+        options = self.hydra_context.config_loader.get_group_options(group)
+        if "optuna" not in options:
+            log.info(f"lds_optuna: the app has no config group option {group}=optuna; trials run without pruning "
+                     "(set hydra.sweeper.pruning_group to the group that attaches OptunaPruning, or null).")
+            return []
+        if len(self.directions) > 1:
+            log.info("lds_optuna: multi-objective study: Optuna cannot prune it, so trials run without pruning.")
             return []
         chosen = any(o.key_or_group == group for o in parse_overrides(fixed))
         identity = to_overrides({f"++{group}.storage": storage, f"++{group}.study_name": self.study_name})
         return ([] if chosen else [f"{group}=optuna"]) + identity
 
     def _effective_n_jobs(self) -> int:
-        from hydra._internal.core_plugins.basic_launcher import BasicLauncher
-
-        if self.n_jobs > 1 and isinstance(self.launcher, BasicLauncher):
+        if self.n_jobs > 1 and _runs_in_process(self.launcher):
             log.warning(f"lds_optuna: hydra.sweeper.n_jobs={self.n_jobs} but the basic launcher runs jobs in this "
                         "process, one at a time; running sequentially. Use a process launcher (for example "
                         "hydra/launcher=joblib) for concurrent trials.")
             return 1
         return self.n_jobs
 
-    def _launch(self, number: int, overrides: list[str], searched: Iterable[str]) -> Any:
-        group = self.pruning_group
-        identity = [f"++{group}.trial_number={number}"] if group else []
+    def _launch(self, number: int, overrides: list[str], searched: Iterable[str], pruning: bool) -> Any:
+        identity = [f"++{self.pruning_group}.trial_number={number}"] if pruning else []
         job = [*overrides, *identity]
         run_dir = ["hydra.run.dir=${hydra.sweep.dir}/${hydra.sweep.subdir}"]
         with self._trial_process(job) as stderr:
@@ -160,7 +222,8 @@ class LdsOptunaSweeper(Sweeper):
             except SystemExit as exc:  # a job that called sys.exit (lds-train does on bad input)
                 raise _exit_error(exc, stderr.text if stderr is not None else "", searched) from None
         if ret.status == JobStatus.FAILED:
-            # JobReturn.return_value would re-raise too, but prints "Error executing job" even for a pruned trial.
+            # Private name: the public JobReturn.return_value re-raises too, but first logs "Error executing job"
+            # with a traceback, even for a pruned trial.
             raise ret._return_value
         return ret.return_value
 
@@ -174,9 +237,7 @@ class LdsOptunaSweeper(Sweeper):
         group, so both are undone after the job. ``sys.stderr`` is teed so that the error a job prints before
         ``sys.exit`` reaches ``fail_reason`` (a process launcher's job writes to its own process: ``None``).
         """
-        from hydra._internal.core_plugins.basic_launcher import BasicLauncher
-
-        if not isinstance(self.launcher, BasicLauncher):
+        if not _runs_in_process(self.launcher):
             yield None
             return
         with self._argv_lock:
@@ -193,16 +254,21 @@ class LdsOptunaSweeper(Sweeper):
                 if torch.distributed.is_available() and torch.distributed.is_initialized():
                     torch.distributed.destroy_process_group()
 
-    def _print_best(self, best: dict[str, Any], sweep_dir: Path) -> None:
+    def _print_best(self, best: dict[str, Any], sweep_dir: Path, storage: str) -> None:
         states = ", ".join(f"{n} {s}" for s, n in best["trials"].items() if n)
         if "best_trial" in best:
             params = " ".join(to_overrides(best["best_params"]))
             message = f"best trial {best['best_trial']}: value={best['best_value']:.5g} with {params}"
+        elif best.get("pareto_front"):
+            rows = [f"\n    trial {row['number']}: values={row['values']} with {' '.join(to_overrides(row['params']))}"
+                    for row in best["pareto_front"]]
+            message = f"Pareto front of {len(rows)} trials ({', '.join(best['directions'])}):{''.join(rows)}"
         else:
             message = "no trial completed, so there is no best trial"
+        plots = ", ".join(Path(p).name for p in best["plots"]) or "no plots"
         print(f"\nlds_optuna: {message}\n  trials: {states}\n  written to {sweep_dir}: best_params.yaml, "
-              f"trials.csv, {', '.join(Path(p).name for p in best['plots']) or 'no plots'}\n  resume or extend: "
-              f"re-run the same command with hydra.sweep.dir={sweep_dir}", flush=True)
+              f"optimization_results.yaml, trials.csv, {plots}\n  dashboard: {dashboard_command(storage)}\n"
+              f"  resume or extend: re-run the same command with hydra.sweep.dir={sweep_dir}", flush=True)
 
 
 class _StderrTail:
@@ -238,6 +304,14 @@ def _error_text(stderr: str) -> str:
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     errors = [line[len(USER_ERROR_PREFIX):] for line in lines if line.startswith(USER_ERROR_PREFIX)]
     return errors[-1] if errors else " | ".join(lines[-5:])
+
+
+def _runs_in_process(launcher: Any) -> bool:
+    """Whether ``launcher`` is Hydra's basic launcher, which runs each job inside this process."""
+    # Private name: Hydra exports no public name or flag for its basic launcher.
+    from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+
+    return isinstance(launcher, BasicLauncher)
 
 
 def _plain(node: Any) -> Any:

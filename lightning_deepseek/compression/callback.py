@@ -36,8 +36,9 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_deepseek.compression import native
+from lightning_deepseek.compression.config import CompressionConfig
 from lightning_deepseek.compression.hook import register_compression_hook
-from lightning_deepseek.compression.state import CompressionConfig, CompressionState
+from lightning_deepseek.compression.state import CompressionState
 
 
 class CompressionStrategyError(ValueError):
@@ -76,27 +77,23 @@ def find_ddp_module(strategy: Strategy) -> DistributedDataParallel | None:
 class GradientCompression(Callback):
     """Compress data-parallel gradient traffic to 8 or 4 bits with error feedback, overlapped with backward.
 
+    ``GradientCompression(bits=4, block_size=64)``: the exchange's settings are the fields of
+    :class:`~lightning_deepseek.compression.CompressionConfig` (``bits``, ``block_size``, ``error_feedback``,
+    ``warmup_steps``, ``min_bucket_numel``, ``stochastic_rounding``, ``overlap``, ``seed``...), where each one's
+    default and meaning are documented.
+
     Args:
-        bits: 8 (int8, ~0.25x the bytes of fp32) or 4 (int4 packed two per byte, ~0.13x).
-        block_size: values per bfloat16 scale (even, 16..4096; 64-256 usual).
-        error_feedback: carry each step's quantization residual into the next step (keeps training unbiased).
-        warmup_steps: synchronising steps exchanged in fp32 before compression starts.
-        min_bucket_numel: DDP buckets below this size, or holding only 1-D parameters, stay fp32.
-        stochastic_rounding: unbiased stochastic rounding instead of round-to-nearest.
-        overlap: set False to wait for each bucket's exchange inside the hook (for measurements only).
-        seed: seed of the stochastic-rounding generators.
+        config: the exchange's settings as one value; or pass them as keyword arguments (``**settings``).
         checkpoint_residuals: store every rank's error-feedback residuals in checkpoints, so that a resume continues
             exactly. They cost world size x one fp32 gradient in rank 0's host memory while a checkpoint is written,
             and as much in the file; with False a resume starts them from zero (the quantization error of one step
             is lost, once).
+        **settings: fields of ``CompressionConfig``, when ``config`` is not given.
     """
 
-    def __init__(self, bits: int = 8, block_size: int = 128, error_feedback: bool = True, warmup_steps: int = 10,
-                 min_bucket_numel: int = 4096, stochastic_rounding: bool = False, overlap: bool = True,
-                 seed: int = 0, checkpoint_residuals: bool = True) -> None:
-        self.config = CompressionConfig(bits=bits, block_size=block_size, error_feedback=error_feedback,
-                                        warmup_steps=warmup_steps, min_bucket_numel=min_bucket_numel,
-                                        stochastic_rounding=stochastic_rounding, overlap=overlap, seed=seed)
+    def __init__(self, config: CompressionConfig | None = None, *, checkpoint_residuals: bool = True,
+                 **settings: Any) -> None:
+        self.config = CompressionConfig.from_settings("GradientCompression", config, settings)
         if not isinstance(checkpoint_residuals, bool):
             raise ValueError(f"GradientCompression checkpoint_residuals={checkpoint_residuals!r} must be True or "
                              "False.")

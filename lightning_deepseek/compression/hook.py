@@ -1,4 +1,4 @@
-"""The compressed DDP communication hook: the exchange of one bucket, its per-bucket plans, and registration.
+"""The compressed DDP communication hook: the exchange of one bucket, and registration.
 
 Supports: any ``torch.nn.parallel.DistributedDataParallel`` module on gloo (CPU) or NCCL (CUDA), uneven bucket
 sizes, ``no_sync`` gradient accumulation (the hook only runs on synchronising steps), AMP (fp16/bf16 buckets are
@@ -28,11 +28,12 @@ On CPU the final write of every bucket but the step's last (dequantize, average,
 until the last bucket is on the wire: run when its data arrive, it would take the core from backward, while after
 the last launch the core only waits for the wire (``CompressionState.hold``; with ``overlap=False`` nothing is held).
 
-Memory traffic: each bucket has a plan (made on first use) holding its residual and its four message buffers, reused
-every step. On CPU every step works tile by tile (2 MiB of fp32): a tile is gathered from the gradients (adding the
-residual), quantized straight into the send buffer with the new residual written back in the same pass; phase 2
-dequantizes and sums every rank's tile into one cache-resident accumulator; the received rows are averaged straight
-into the gradients by one native kernel (on the eager path, one tile at a time through a work buffer and a scatter).
+Memory traffic: each bucket has a plan (``plan.py``, made on first use) holding its residual and its four message
+buffers, reused every step. On CPU every step works tile by tile (2 MiB of fp32): a tile is gathered from the
+gradients (adding the residual), quantized straight into the send buffer with the new residual written back in the
+same pass; phase 2 dequantizes and sums every rank's tile into one cache-resident accumulator; the received rows are
+averaged straight into the gradients by one native kernel (on the eager path, one tile at a time through a work
+buffer and a scatter).
 No full-size fp32 temporary exists: about five fp32 passes over the bucket reach DRAM (read gradient and residual,
 write residual and result, the owned chunk's residual once more) instead of about fifteen for the straightforward
 formulation (concatenate, add, quantize, pack, dequantize all ranks, sum, re-quantize, dequantize, copy back). The
@@ -58,62 +59,27 @@ and it crashes on gloo), PowerSGD is low-rank (biased without warm start, not by
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations against real classes.
-import bisect
 import contextlib
-import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_deepseek.compression import native
-from lightning_deepseek.compression.quantize import TILE_VALUES, dequantize, payload_bytes, quantize
-from lightning_deepseek.compression.state import (
-    CompressionConfig,
-    CompressionState,
-    _make_generators,
-    fp32_allreduce_bytes,
-)
+from lightning_deepseek.compression.config import CompressionConfig
+from lightning_deepseek.compression.plan import BucketPlan
+from lightning_deepseek.compression.quantize import TILE_VALUES, dequantize, quantize
+from lightning_deepseek.compression.state import CompressionState, fp32_allreduce_bytes
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _completed(value: object, device: torch.device) -> torch.futures.Future:
-    fut = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
-    fut.set_result(value)
-    return fut
-
-
-def begin_step(state: CompressionState) -> None:
-    """Start a synchronising step: zero counters, decide whether last step's residuals survive."""
-    state.release(hold_again=True)  # nothing is held past a step, even one whose last bucket never reached the hook
-    state.reset_counters()
-    if state._finite_flags:
-        keep = torch.stack(state._finite_flags).all()
-        state._finite_flags = []
-        buffers = [plan.residual for plan in state.plans.values() if plan.residual is not None]
-        if keep.device.type == "cpu":  # free to read here; on an accelerator it would stall backward
-            if not keep:
-                for buffer in buffers:
-                    buffer.zero_()
-        else:
-            dropped = keep.logical_not()
-            for buffer in buffers:
-                buffer.masked_fill_(dropped, 0.0)
-    state._issued = None
-
-
-def end_step(state: CompressionState) -> None:
-    state.step += 1
-
-
 def allreduce_average(state: CompressionState, flat: torch.Tensor) -> torch.futures.Future:
     """Uncompressed fp32 all-reduce average (warm-up steps, small and 1-D buckets)."""
-    state._add(fp32_allreduce_bytes(flat.numel(), state.world_size),
-               fp32_allreduce_bytes(flat.numel(), state.world_size))
+    state.count_bucket(fp32_allreduce_bytes(flat.numel(), state.world_size),
+                       fp32_allreduce_bytes(flat.numel(), state.world_size))
     flat.div_(state.world_size)
     fut = dist.all_reduce(flat, group=state.process_group, async_op=True).get_future()
     if not state.compressing:
@@ -121,115 +87,10 @@ def allreduce_average(state: CompressionState, flat: torch.Tensor) -> torch.futu
 
     def record_finite(f: torch.futures.Future) -> torch.Tensor:
         out = f.value()[0]
-        state._finite_flags.append(torch.isfinite(out).all())
+        state.record_finite(torch.isfinite(out).all())
         return out
 
     return fut.then(record_finite)
-
-
-class _Layout:
-    """Where each gradient of one bucket lies in the bucket's canonical (parameter-order) flat layout.
-
-    The exchange works on a padded flat vector of ``world_size * chunk`` values that never exists in full outside
-    the residual buffer: each tile is gathered from the gradients right before it is quantized and scattered back
-    right after it is dequantized, while it is in cache.
-    """
-
-    def __init__(self, sizes: Sequence[int], world_size: int, block_size: int) -> None:
-        self.sizes = list(sizes)
-        self.offsets = [0]
-        for size in self.sizes:
-            self.offsets.append(self.offsets[-1] + size)
-        self.numel = self.offsets[-1]
-        self.chunk = math.ceil(self.numel / (world_size * block_size)) * block_size
-
-    def segments(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
-        """``(tensor index, start in the tensor, start in [lo, hi), length)`` of every piece overlapping."""
-        out = []
-        for i in range(bisect.bisect_right(self.offsets, lo) - 1, len(self.sizes)):
-            start = self.offsets[i]
-            if start >= hi:
-                break
-            a, b = max(lo, start), min(hi, self.offsets[i + 1])
-            if b > a:
-                out.append((i, a - start, a - lo, b - a))
-        return out
-
-    def gather(self, flats: Sequence[torch.Tensor], lo: int, hi: int, dst: torch.Tensor, add: bool) -> None:
-        """``dst (+)= values [lo, hi)`` of the canonical vector; the padding past ``numel`` reads as zero."""
-        if not add and hi > self.numel:
-            dst[max(0, self.numel - lo):].zero_()
-        for i, src, pos, n in self.segments(lo, hi):
-            piece = dst[pos:pos + n]
-            if add:
-                piece.add_(flats[i][src:src + n])
-            else:
-                piece.copy_(flats[i][src:src + n])
-
-    def scatter(self, src: torch.Tensor, lo: int, hi: int, flats: Sequence[torch.Tensor]) -> None:
-        """Write ``src`` (values ``[lo, hi)`` of the canonical vector) back into the gradients."""
-        for i, dst, pos, n in self.segments(lo, hi):
-            flats[i][dst:dst + n].copy_(src[pos:pos + n])
-
-
-@dataclass
-class _Plan:
-    """One bucket's persistent buffers: its layout, residual (the error-feedback memory) and message buffers.
-
-    Buffers are reused every step (a fresh >32 MiB tensor is mmap-ed and page-faulted on every CPU allocation).
-    """
-
-    layout: _Layout
-    residual: torch.Tensor | None  # padded fp32, canonical order; None without error feedback
-    send: torch.Tensor  # (W, row bytes): per destination chunk, its codes then its scales
-    recv: torch.Tensor
-    send2: torch.Tensor  # (row bytes,): the re-quantized own chunk
-    gathered: torch.Tensor  # (W, row bytes)
-    bits: int
-    block_size: int
-    single: bool  # one all-gather of whole quantized buckets (W <= 2): `recv` is (W, W, row bytes), no phase 2
-    def codes(self, buffer: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """The codes of values ``[lo, hi)`` of a chunk, in a message row (or rows)."""
-        return buffer[..., lo * self.bits // 8:hi * self.bits // 8]
-
-    def scales(self, buffer: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """The bfloat16 scales of values ``[lo, hi)`` of a chunk; they follow the chunk's codes in a row."""
-        code_bytes = self.layout.chunk * self.bits // 8
-        return buffer[..., code_bytes:].view(torch.bfloat16)[..., lo // self.block_size:hi // self.block_size]
-
-
-def _plan(state: CompressionState, names: Sequence[str], sizes: Sequence[int], device: torch.device) -> _Plan:
-    """The bucket's plan, made on first use (or after DDP rebuilt its buckets, or after a state load)."""
-    key = tuple(names)
-    plan = state.plans.get(key)
-    if plan is not None and plan.layout.sizes == list(sizes):
-        return plan
-    cfg, ws = state.config, state.world_size
-    layout = _Layout(sizes, ws, cfg.block_size)
-    residual = None
-    if cfg.error_feedback:
-        residual = torch.zeros(ws * layout.chunk, device=device)
-        for name, lo, size in zip(names, layout.offsets, sizes):
-            old = state.residuals.get(name)
-            if old is not None:
-                if old.numel() != size:
-                    raise ValueError(f"GradientCompression: the saved error-feedback residual of {name!r} has "
-                                     f"{old.numel()} values, the parameter has {size}: the checkpoint is from a "
-                                     "different model. Resume from a checkpoint of this model.")
-                residual[lo:lo + size].copy_(old.reshape(-1))
-            state.residuals[name] = residual[lo:lo + size]
-    for other in [k for k in state.plans if set(k) & set(key)]:
-        del state.plans[other]  # DDP rebuilt its buckets: the residuals moved into the new plan above
-    row = payload_bytes(layout.chunk, cfg.bits, cfg.block_size)
-    single = ws <= state.single_exchange_max_world
-
-    def buffer(*shape: int) -> torch.Tensor:
-        return torch.empty(*shape, dtype=torch.uint8, device=device)
-
-    plan = _Plan(layout, residual, buffer(ws, row), buffer(ws, ws, row) if single else buffer(ws, row),
-                 buffer(0 if single else row), buffer(0 if single else ws, row), cfg.bits, cfg.block_size, single)
-    state.plans[key] = plan
-    return plan
 
 
 def _tiles(length: int, device: torch.device, block_size: int) -> list[tuple[int, int]]:
@@ -237,25 +98,68 @@ def _tiles(length: int, device: torch.device, block_size: int) -> list[tuple[int
     return [(a, min(a + step, length)) for a in range(0, length, step)]
 
 
-def _write_average(state: CompressionState, plan: _Plan, flats: Sequence[torch.Tensor],
-                   tiles: Sequence[tuple[int, int]], rows: Callable[[int], list[torch.Tensor]]) -> None:
-    """For every chunk ``r``: dequantize and sum the message rows ``rows(r)`` in order (the same on every rank, so
-    replicas stay identical), average them, and write the result into the gradients: straight from the messages
-    with the native CPU kernels when every gradient is contiguous float32, else tile by tile through a work buffer
-    and a scatter."""
+def _quantize_bucket(state: CompressionState, plan: BucketPlan, flats: Sequence[torch.Tensor],
+                     tiles: Sequence[tuple[int, int]], generator: torch.Generator | None) -> None:
+    """Phase 1: for every destination ``r``, gather each tile of chunk ``r`` (plus the residual) and quantize it
+    into row ``r`` of ``plan.send``, writing the new residual back in the same pass."""
+    layout, chunk, device = plan.layout, plan.layout.chunk, flats[0].device
+    keep_residual = plan.residual is not None or state.track_error
+    scratch_or_none = state.scratch(tiles[0][1], device) if plan.residual is None else contextlib.nullcontext()
+    with state.timed(device), scratch_or_none as scratch:
+        for r in range(plan.world_size):
+            for a, b in tiles:
+                lo, hi = r * chunk + a, r * chunk + b
+                x = plan.residual[lo:hi] if plan.residual is not None else scratch[:b - a]
+                layout.gather(flats, lo, hi, x, add=plan.residual is not None)
+                if state.track_error:
+                    state.input_sq.append(x.square().sum())
+                quantize(x, plan.bits, plan.block_size, generator, residual=x if keep_residual else None,
+                         codes=plan.codes(plan.send[r], a, b), scales=plan.scales(plan.send[r], a, b))
+                if state.track_error:
+                    state.error_sq.append(x.square().sum())
+
+
+def _reduce_and_regather(state: CompressionState, plan: BucketPlan, tiles: Sequence[tuple[int, int]],
+                         generator: torch.Generator | None, a2a: torch.futures.Future) -> dist.Work:
+    """Phase 2 (chunk r = this rank): dequantize and sum every rank's codes, re-quantize, launch the all-gather."""
+    # wait(), not value(): collect_all's future carries no CUDA events, so on NCCL (whose futures complete at
+    # launch) only wait() makes the current (phase-2) stream wait for the all-to-all before reading `recv`.
+    a2a.wait()
+    ws, bits, bs, device = plan.world_size, plan.bits, plan.block_size, plan.recv.device
+    own = state.rank * plan.layout.chunk
+    with state.timed(device), state.scratch(tiles[0][1], device) as acc:
+        for a, b in tiles:  # dequantize and sum every rank's codes for this chunk, re-quantize, per tile
+            total = acc[:b - a]
+            for r in range(ws):
+                dequantize(plan.codes(plan.recv[r], a, b), plan.scales(plan.recv[r], a, b), bits, bs,
+                           out=total, accumulate=r > 0)
+            total.div_(ws)
+            # The owner's re-quantization residual enters the next average once, through the owner.
+            quantize(total, bits, bs, generator,
+                     residual=plan.residual[own + a:own + b] if plan.residual is not None else None,
+                     codes=plan.codes(plan.send2, a, b), scales=plan.scales(plan.send2, a, b), residual_alpha=ws)
+    return _all_gather_single(plan.gathered.view(-1), plan.send2, group=state.exchange_group, async_op=True)
+
+
+def _write_average(state: CompressionState, plan: BucketPlan, flats: Sequence[torch.Tensor],
+                   tiles: Sequence[tuple[int, int]]) -> None:
+    """For every chunk ``r``: dequantize and sum the received rows ``plan.rows(r)`` in order (the same on every
+    rank, so replicas stay identical), average them, and write the result into the gradients: straight from the
+    messages with the native CPU kernels when every gradient is contiguous float32, else tile by tile through a
+    work buffer and a scatter."""
     layout, chunk, bits, bs = plan.layout, plan.layout.chunk, plan.bits, plan.block_size
     if native.usable(*flats) and all(f.dtype == torch.float32 for f in flats) and native.library() is not None:
-        for r in range(plan.send.shape[0]):
+        for r in range(plan.world_size):
             lo, hi = r * chunk, min((r + 1) * chunk, layout.numel)
             if lo >= hi:
                 break
-            sources = [(plan.codes(row, 0, chunk), plan.scales(row, 0, chunk)) for row in rows(r)]
+            sources = [(plan.codes(row, 0, chunk), plan.scales(row, 0, chunk)) for row in plan.rows(r)]
             for i, start, pos, n in layout.segments(lo, hi):
                 native.average_range(sources, flats[i][start:start + n], pos, bits, bs)
         return
     with state.scratch(tiles[0][1], flats[0].device) as acc:
-        for r in range(plan.send.shape[0]):  # chunk r of the bucket
-            sources = rows(r)
+        for r in range(plan.world_size):  # chunk r of the bucket
+            sources = plan.rows(r)
             for a, b in tiles:
                 lo = r * chunk + a
                 if lo >= layout.numel:
@@ -269,16 +173,13 @@ def _write_average(state: CompressionState, plan: _Plan, flats: Sequence[torch.T
                 layout.scatter(total, lo, min(r * chunk + b, layout.numel), flats)
 
 
-def _average_into(state: CompressionState, plan: _Plan, flats: Sequence[torch.Tensor],
-                  tiles: Sequence[tuple[int, int]]) -> None:
-    """Single all-gather exchange: every rank's quantized bucket is in ``plan.recv``; average them."""
-    _write_average(state, plan, flats, tiles, lambda r: list(plan.recv[:, r]))
-
-
-def _dequantize_into(state: CompressionState, plan: _Plan, flats: Sequence[torch.Tensor],
-                     tiles: Sequence[tuple[int, int]]) -> None:
-    """Two-phase exchange: the owners' re-quantized averages are in ``plan.gathered``; write them."""
-    _write_average(state, plan, flats, tiles, lambda r: [plan.gathered[r]])
+def _failing_into(result: torch.futures.Future, step: Callable[..., None], *args: object) -> None:
+    """Run one step of the exchange; its exception (or the collective's, raised by a ``value()`` in it) completes
+    ``result``, so that DDP raises it from backward instead of it vanishing in a callback thread."""
+    try:
+        step(*args)
+    except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
+        result.set_exception(exc)
 
 
 def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor], names: Sequence[str],
@@ -295,104 +196,51 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
             hook holds every bucket but the step's last: see ``CompressionState.hold``). A held future completes
             only after ``state.release()`` or the next ``begin_step``: do not wait on it before either.
     """
-    cfg, ws, bits, bs = state.config, state.world_size, state.config.bits, state.config.block_size
     device = out.device
     flats = [t.view(-1) for t in tensors]
-    plan = _plan(state, names, [f.numel() for f in flats], device)
-    layout, chunk, numel = plan.layout, plan.layout.chunk, plan.layout.numel
-    if state.generators is None and cfg.stochastic_rounding:
-        state.generators = _make_generators(cfg.seed, device)
-    gen1, gen2 = state.generators if cfg.stochastic_rounding else (None, None)
-    tiles = _tiles(chunk, device, bs)
-    keep_residual = plan.residual is not None or state.track_error
-    scratch_or_none = state.scratch(tiles[0][1], device) if plan.residual is None else contextlib.nullcontext()
-    with state.timed(device), scratch_or_none as scratch:
-        for r in range(ws):  # phase 1: gather a tile (+ residual), quantize it into destination r's row of `send`
-            for a, b in tiles:
-                lo, hi = r * chunk + a, r * chunk + b
-                x = plan.residual[lo:hi] if plan.residual is not None else scratch[:b - a]
-                layout.gather(flats, lo, hi, x, add=plan.residual is not None)
-                if state.track_error:
-                    state.input_sq.append(x.square().sum())
-                quantize(x, bits, bs, gen1, residual=x if keep_residual else None,
-                         codes=plan.codes(plan.send[r], a, b), scales=plan.scales(plan.send[r], a, b))
-                if state.track_error:
-                    state.error_sq.append(x.square().sum())
+    plan = state.plan(names, [f.numel() for f in flats], device)
+    tiles = _tiles(plan.layout.chunk, device, plan.block_size)
+    phase1_generator, phase2_generator = state.rounding_generators(device)
     result = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
     hold = hold and device.type == "cpu"
 
-    def finish(fut: torch.futures.Future, received: torch.Tensor, write: Callable[..., None], sent: int) -> None:
-        """The last collective is done: write the average (now, or held on CPU: see ``CompressionState.hold``)."""
-        try:
-            fut.value()
-        except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
-            result.set_exception(exc)
-            return
-        if hold:
-            state.hold(lambda: complete(received, write, sent))
-        else:
-            complete(received, write, sent)
-
-    def complete(received: torch.Tensor, write: Callable[..., None], sent: int) -> None:
-        """Write the average into the gradients, check finiteness, count."""
-        try:
-            with state.timed(device):
-                write(state, plan, flats, tiles)
-            if plan.residual is not None:
-                # A non-finite bucket leaves NaN residuals: the next step's begin_step zeroes them all.
-                state._finite_flags.append(torch.isfinite(plan.scales(received, 0, chunk)).all())
-            state._add(sent, fp32_allreduce_bytes(numel, ws))
-            state.num_compressed_buckets += 1
-        except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
-            result.set_exception(exc)
-            return
+    def write() -> None:
+        """Last step: write the average into the gradients, record finiteness, count, complete ``result``."""
+        with state.timed(device):
+            _write_average(state, plan, flats, tiles)
+        if plan.residual is not None:
+            # A non-finite bucket leaves NaN residuals: the next step's begin_step zeroes them all.
+            state.record_finite(torch.isfinite(plan.scales(plan.received, 0, plan.layout.chunk)).all())
+        state.count_bucket(plan.bytes_sent, fp32_allreduce_bytes(plan.layout.numel, state.world_size),
+                           compressed=True)
         result.set_result(out)
 
-    if plan.single:  # every rank's whole quantized bucket, to every other rank
-        gathered = _all_gather_single(plan.recv.view(-1), plan.send.view(-1), group=state.process_group,
-                                      async_op=True).get_future()
-        gathered.then(lambda f: finish(f, plan.recv, _average_into, (ws - 1) * plan.send.numel()))
-        return result
+    def arrived(last: torch.futures.Future) -> None:
+        """The last collective is done: write now, or (CPU) hold the write (``CompressionState.hold``)."""
+        last.value()  # raises the collective's error
+        if hold:
+            state.hold(lambda: _failing_into(result, write))
+        else:
+            write()
 
-    a2a = dist.all_to_all_single(plan.recv, plan.send, group=state.process_group, async_op=True).get_future()
-    issued = torch.futures.Future()
-    previous = state._issued if state._issued is not None else _completed(None, torch.device("cpu"))
-    state._issued = issued
-
-    def reduce_and_regather() -> dist.Work:
-        """Phase 2 (chunk r = this rank): dequantize and sum every rank's codes, re-quantize, launch the all-gather."""
-        # wait(), not value(): collect_all's future carries no CUDA events, so on NCCL (whose futures complete at
-        # launch) only wait() makes the current (phase-2) stream wait for the all-to-all before reading `recv`.
-        a2a.wait()
-        own = state.rank * chunk
-        with state.timed(device), state.scratch(tiles[0][1], device) as acc:
-            for a, b in tiles:  # dequantize and sum every rank's codes for this chunk, re-quantize, per tile
-                total = acc[:b - a]
-                for r in range(ws):
-                    dequantize(plan.codes(plan.recv[r], a, b), plan.scales(plan.recv[r], a, b), bits, bs,
-                               out=total, accumulate=r > 0)
-                total.div_(ws)
-                # The owner's re-quantization residual enters the next average once, through the owner.
-                quantize(total, bits, bs, gen2,
-                         residual=plan.residual[own + a:own + b] if plan.residual is not None else None,
-                         codes=plan.codes(plan.send2, a, b), scales=plan.scales(plan.send2, a, b),
-                         residual_alpha=ws)
-        return _all_gather_single(plan.gathered.view(-1), plan.send2, group=state.exchange_group, async_op=True)
-
-    def reduce_chunk(_: torch.futures.Future) -> None:
+    def phase2(a2a: torch.futures.Future, issued: torch.futures.Future) -> None:
+        """This bucket's all-to-all and the previous bucket's phase 2 are issued: run phase 2, then chain on."""
         try:
             with state.phase2_stream(device):
-                work = reduce_and_regather()
-        except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
-            issued.set_result(None)
-            result.set_exception(exc)
-            return
-        issued.set_result(None)
-        # Sent: a row to each other rank in the all-to-all, the re-quantized chunk to each in the all-gather.
-        sent = (ws - 1) * (plan.send.shape[1] + plan.send2.numel())
-        work.get_future().then(lambda f: finish(f, plan.gathered, _dequantize_into, sent))
+                work = _reduce_and_regather(state, plan, tiles, phase2_generator, a2a)
+        finally:
+            issued.set_result(None)  # even on error: the next bucket's phase 2 waits for it
+        work.get_future().then(lambda f: _failing_into(result, arrived, f))
 
-    torch.futures.collect_all([a2a, previous]).then(reduce_chunk)
+    _quantize_bucket(state, plan, flats, tiles, phase1_generator)  # on the calling thread: overlaps with backward
+    if plan.single:  # every rank's whole quantized bucket, to every other rank; then average them
+        gathered = _all_gather_single(plan.recv.view(-1), plan.send.view(-1), group=state.process_group,
+                                      async_op=True).get_future()
+        gathered.then(lambda f: _failing_into(result, arrived, f))
+        return result
+    a2a = dist.all_to_all_single(plan.recv, plan.send, group=state.process_group, async_op=True).get_future()
+    previous, issued = state.phase2_turn()
+    torch.futures.collect_all([a2a, previous]).then(lambda _: _failing_into(result, phase2, a2a, issued))
     return result
 
 
@@ -404,7 +252,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
             state.last_bucket_event = torch.cuda.Event(enable_timing=True)
             state.last_bucket_event.record()
     if bucket.index() == 0:
-        begin_step(state)
+        state.begin_step()
     flat = bucket.buffer()
     params = bucket.parameters()
     small = flat.numel() < state.config.min_bucket_numel or all(p.dim() <= 1 for p in params)
@@ -414,11 +262,11 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         order = sorted(range(len(params)), key=lambda i: state.param_order[id(params[i])])
         grads = bucket.gradients()
         fut = compressed_average(state, [grads[i] for i in order], [state.param_names[id(params[i])] for i in order],
-                                 flat, hold=state.hold_writes and state.config.overlap and not bucket.is_last())
+                                 flat, hold=state.config.hold_writes and state.config.overlap and not bucket.is_last())
     if not state.config.overlap:
         fut.wait()
     if bucket.is_last():
-        end_step(state)
+        state.end_step()
         state.release()
     return fut
 
@@ -456,9 +304,7 @@ def register_compression_hook(ddp_module: DistributedDataParallel, config: Compr
     if not isinstance(ddp_module, DistributedDataParallel):
         raise TypeError(f"register_compression_hook needs a torch DistributedDataParallel module, got "
                         f"{type(ddp_module).__name__}. Wrap the model in DistributedDataParallel first.")
-    if config is not None and kwargs:
-        raise ValueError("register_compression_hook: pass either `config=` or keyword settings, not both.")
-    config = config or CompressionConfig(**kwargs)  # type: ignore[arg-type]
+    config = CompressionConfig.from_settings("register_compression_hook", config, kwargs)
     group = ddp_module.process_group
     state = CompressionState(config, group, _exchange_group(group))
     named = list(ddp_module.module.named_parameters())

@@ -1,10 +1,12 @@
-"""Settings and per-rank state of the compressed exchange: error-feedback residuals, counters, held writes, timing.
+"""Per-rank state of the compressed exchange: error-feedback residuals, bucket plans, counters, held writes, timing.
 
 Split from ``hook.py`` (the exchange itself) so that the state's contract reads on its own: what a checkpoint
 holds (``state_dict``: the step, every residual by parameter name, the stochastic-rounding generators), how the
-callback reads telemetry (``bytes_sent``, ``compress_seconds`` or CUDA event spans, ``relative_error``), and the
-CPU-only scheduling aid that holds final writes until the step's last bucket is on the wire (``hold``/``release``).
-The message buffers and residual storage themselves live in the hook's per-bucket plans (``plans``).
+callback reads telemetry (``bytes_sent``, ``compress_seconds`` or CUDA event spans, ``relative_error``), the
+CPU-only scheduling aid that holds final writes until the step's last bucket is on the wire (``hold``/``release``),
+and what the hook asks of it each step (``begin_step``, ``plan``, ``record_finite``, ``count_bucket``,
+``phase2_turn``, ``end_step``). The message buffers and residual storage themselves live in the per-bucket plans
+(``plan.py``); the settings in ``CompressionConfig`` (``config.py``).
 
 The byte formulas here are what tests and benchmarks compare the counters against.
 """
@@ -15,49 +17,14 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from lightning_deepseek.compression.quantize import payload_bytes, validate
-
-if TYPE_CHECKING:
-    from lightning_deepseek.compression.hook import _Plan
-
-
-@dataclass
-class CompressionConfig:
-    """Settings of the compressed exchange.
-
-    Args:
-        bits: 8 (int8) or 4 (int4 packed two per byte).
-        block_size: values sharing one bfloat16 scale; even, 16..4096.
-        error_feedback: add each step's quantization residual to the next step's gradient.
-        warmup_steps: synchronising steps exchanged uncompressed (fp32) before compression starts.
-        min_bucket_numel: buckets smaller than this, or holding only 1-D parameters (biases, norms), stay fp32.
-        stochastic_rounding: unbiased stochastic rounding instead of round-to-nearest.
-        overlap: if False the hook waits for its exchange before returning (no overlap; for measurements).
-        seed: seed of the stochastic-rounding generators (offset by the global rank).
-    """
-
-    bits: int = 8
-    block_size: int = 128
-    error_feedback: bool = True
-    warmup_steps: int = 10
-    min_bucket_numel: int = 4096
-    stochastic_rounding: bool = False
-    overlap: bool = True
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        validate(self.bits, self.block_size)
-        for name in ("warmup_steps", "min_bucket_numel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"compression {name}={value!r} must be a non-negative integer.")
+from lightning_deepseek.compression.config import CompressionConfig
+from lightning_deepseek.compression.plan import BucketPlan, make_plan
+from lightning_deepseek.compression.quantize import payload_bytes
 
 
 class CompressionState:
@@ -78,7 +45,7 @@ class CompressionState:
         self.rank = dist.get_rank(process_group)
         self.step = 0
         self.residuals: dict[str, torch.Tensor] = {}  # views into the plans' residual buffers
-        self.plans: dict[tuple[str, ...], _Plan] = {}
+        self.plans: dict[tuple[str, ...], BucketPlan] = {}
         self.param_names: dict[int, str] = {}
         self.param_order: dict[int, int] = {}
         self.generators: tuple[torch.Generator, torch.Generator] | None = None
@@ -90,13 +57,34 @@ class CompressionState:
         self._lock = threading.Lock()
         self._spare: list[torch.Tensor] = []  # CPU work buffers, see scratch()
         self._finite_flags: list[torch.Tensor] = []
-        self._issued: torch.futures.Future | None = None
+        self._issued: torch.futures.Future | None = None  # the last bucket's phase 2 is issued, see phase2_turn()
         self._phase2_stream: torch.cuda.Stream | None = None
-        self.hold_writes = True  # on CPU, see hold(); False only to measure what holding buys
-        self.single_exchange_max_world = 2  # up to this world size, one all-gather (module docstring); 0: tests
         self._held: list[Callable[[], None]] = []  # final writes waiting for the step's last bucket
         self._last_launched = False
         self.track_error = False
+
+    def begin_step(self) -> None:
+        """Start a synchronising step: zero the counters, drop last step's residuals if any bucket was non-finite."""
+        self.release(hold_again=True)  # nothing is held past a step, even one whose last bucket never reached the hook
+        self.reset_counters()
+        with self._lock:
+            flags, self._finite_flags = self._finite_flags, []
+        if flags:
+            keep = torch.stack(flags).all()
+            buffers = [plan.residual for plan in self.plans.values() if plan.residual is not None]
+            if keep.device.type == "cpu":  # free to read here; on an accelerator it would stall backward
+                if not keep:
+                    for buffer in buffers:
+                        buffer.zero_()
+            else:
+                dropped = keep.logical_not()
+                for buffer in buffers:
+                    buffer.masked_fill_(dropped, 0.0)
+        self._issued = None
+
+    def end_step(self) -> None:
+        """The step's last bucket is handed over: count the step."""
+        self.step += 1
 
     def reset_counters(self) -> None:
         """Zero the per-step counters (called at the first bucket of every synchronising step)."""
@@ -127,13 +115,63 @@ class CompressionState:
                 "generators": gens}
 
     def load_state_dict(self, state: dict, device: torch.device) -> None:
+        """Restore what ``state_dict`` returned (the plans are rebuilt from the residuals on first use)."""
         self.step = int(state["step"])
         self.residuals = {k: v.to(device) for k, v in state["residuals"].items()}
-        self.plans = {}  # rebuilt on first use, from the loaded residuals
+        self.plans = {}
         if state.get("generators") is not None:
             self.generators = _make_generators(self.config.seed, device)
             for gen, gen_state in zip(self.generators, state["generators"]):
                 gen.set_state(gen_state)
+
+    def plan(self, names: Sequence[str], sizes: Sequence[int], device: torch.device) -> BucketPlan:
+        """The plan of the bucket holding parameters ``names`` (of ``sizes`` values), made on first use, or after
+        DDP rebuilt its buckets, or after a state load; its residual starts from the one kept by name."""
+        key = tuple(names)
+        plan = self.plans.get(key)
+        if plan is not None and plan.layout.sizes == list(sizes):
+            return plan
+        plan = make_plan(names, sizes, self.world_size, self.config, device, self.residuals)
+        for other in [k for k in self.plans if set(k) & set(key)]:
+            del self.plans[other]  # DDP rebuilt its buckets: the residuals moved into the new plan
+        self.residuals.update(plan.residual_views())
+        self.plans[key] = plan
+        return plan
+
+    def rounding_generators(self, device: torch.device) -> tuple[torch.Generator | None, torch.Generator | None]:
+        """The stochastic-rounding generators of (phase 1, phase 2), made on first use; ``None`` without
+        stochastic rounding."""
+        if not self.config.stochastic_rounding:
+            return None, None
+        if self.generators is None:
+            self.generators = _make_generators(self.config.seed, device)
+        return self.generators
+
+    def record_finite(self, finite: torch.Tensor) -> None:
+        """Record whether a bucket's exchanged values were finite (a 0-d bool tensor, read at the next
+        ``begin_step``, where a non-finite bucket resets every residual)."""
+        with self._lock:
+            self._finite_flags.append(finite)
+
+    def count_bucket(self, bytes_sent: int, bytes_fp32: int, compressed: bool = False) -> None:
+        """Add one bucket's exchange to the byte counters (``bytes_fp32``: what a ring fp32 all-reduce sends)."""
+        with self._lock:
+            self.bytes_sent += bytes_sent
+            self.bytes_fp32 += bytes_fp32
+            self.total_bytes_sent += bytes_sent
+            self.total_bytes_fp32 += bytes_fp32
+            self.num_compressed_buckets += int(compressed)
+
+    def phase2_turn(self) -> tuple[torch.futures.Future, torch.futures.Future]:
+        """``(previous, mine)``: phase-2 collectives are issued in bucket order on every rank, so a bucket's phase 2
+        starts after ``previous`` (the prior bucket's is issued) and must complete ``mine`` once its own is."""
+        mine: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            previous, self._issued = self._issued, mine
+        if previous is None:
+            previous = torch.futures.Future()
+            previous.set_result(None)
+        return previous, mine
 
     @contextlib.contextmanager
     def scratch(self, numel: int, device: torch.device) -> Iterator[torch.Tensor]:
@@ -215,13 +253,6 @@ class CompressionState:
         with self._lock:
             spans, self._gpu_spans = self._gpu_spans, []
         return spans
-
-    def _add(self, bytes_sent: int, bytes_fp32: int) -> None:
-        with self._lock:
-            self.bytes_sent += bytes_sent
-            self.bytes_fp32 += bytes_fp32
-            self.total_bytes_sent += bytes_sent
-            self.total_bytes_fp32 += bytes_fp32
 
 
 def _make_generators(seed: int, device: torch.device) -> tuple[torch.Generator, torch.Generator]:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from typing_extensions import override
+
+from lightning_deepseek.data.loader import LoaderPosition, ResumableDataLoader
 
 VOCAB_SIZE = 256
 _TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".yaml", ".yml", ".csv", ".tex", ".html", ".xml", ""}
@@ -100,7 +103,9 @@ class TextDataModule(pl.LightningDataModule):
 
     Attributes:
         train_sampler: when set (e.g. by ``ElasticTraining``), the training ``DataLoader`` draws its indices from
-            this sampler instead of shuffling.
+            this sampler instead of shuffling; the sampler then keeps its own position across a resume.
+            Otherwise the training loader is a ``ResumableDataLoader``: a resumed run continues the epoch at
+            the next unused batch.
     """
 
     def __init__(
@@ -115,7 +120,7 @@ class TextDataModule(pl.LightningDataModule):
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
             raise DataError(f"data.val_fraction={val_fraction} must lie strictly between 0 and 1, e.g. 0.1.")
-        if batch_size < 1:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise DataError(f"data.batch_size={batch_size} must be a positive integer.")
         self.path = path
         self.block_size = block_size
@@ -127,10 +132,22 @@ class TextDataModule(pl.LightningDataModule):
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
         self.train_sampler: Sampler | None = None
+        self.train_position = LoaderPosition()
 
     def validate(self) -> None:
-        """Read the corpus once to fail before any process starts; cheap next to training."""
-        read_corpus(self.path)
+        """Read the corpus once and check both splits hold a sequence, to fail before any process starts."""
+        self._check_splits(len(read_corpus(self.path)))
+
+    def _check_splits(self, num_tokens: int) -> int:
+        split = int(num_tokens * (1 - self.val_fraction))
+        for name, size in (("training", split), ("validation", num_tokens - split)):
+            if size <= self.block_size + 1:
+                raise DataError(
+                    f"data.path: the {name} split has {size} bytes, fewer than one sequence of "
+                    f"block_size={self.block_size}. Use more text, a smaller data.block_size, or change "
+                    f"data.val_fraction={self.val_fraction}."
+                )
+        return split
 
     @property
     def cache_file(self) -> Path:
@@ -154,22 +171,25 @@ class TextDataModule(pl.LightningDataModule):
         if not self.cache_file.exists():  # a process that did not run prepare_data (e.g. another node)
             self.prepare_data()
         tokens = np.memmap(self.cache_file, dtype=np.uint8, mode="r")
-        split = int(len(tokens) * (1 - self.val_fraction))
+        split = self._check_splits(len(tokens))
         train, val = tokens[:split], tokens[split:]
-        for name, part in (("training", train), ("validation", val)):
-            if len(part) <= self.block_size + 1:
-                raise DataError(
-                    f"data.path: the {name} split has {len(part)} bytes, fewer than one sequence of "
-                    f"block_size={self.block_size}. Use more text, a smaller model.block_size, or change "
-                    f"data.val_fraction={self.val_fraction}."
-                )
         self.train_set = TokenWindows(train, self.block_size)
         self.val_set = TokenWindows(val, self.block_size)
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.train_sampler is None,
-                          sampler=self.train_sampler, drop_last=True, num_workers=self.num_workers)
+        if self.train_sampler is not None:
+            return DataLoader(self.train_set, batch_size=self.batch_size, sampler=self.train_sampler,
+                              drop_last=True, num_workers=self.num_workers)
+        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                                   num_workers=self.num_workers, position=self.train_position)
+
+    @override
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # Runs once per batch the training step uses (Lightning fetches one ahead): the loader's resume position.
+        if self.trainer is not None and self.trainer.training:
+            self.train_position.consumed += 1
+        return batch
 
     @override
     def val_dataloader(self) -> DataLoader:

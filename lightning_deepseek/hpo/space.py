@@ -1,15 +1,21 @@
-"""Search spaces in Hydra's sweep syntax, turned into Optuna distributions.
+"""Search spaces in Hydra's sweep syntax, turned into Optuna distributions as hydra-optuna-sweeper does.
 
-Supported, with the same meaning as Hydra's basic sweeper:
+A config written for hydra-optuna-sweeper searches the same space here:
 
-- ``choice(a, b, ...)`` and the shorthand ``a,b,c``: categorical;
-- ``range(start, stop[, step])``: ordered integers (or floats) with Python's exclusive ``stop``; kept ordinal
-  (``IntDistribution``/``FloatDistribution`` with ``step``) so TPE, GP and CMA-ES can use the order;
-- ``interval(low, high)``: continuous floats (integers when both ends are written as integers);
-- ``tag(log, interval(low, high))`` / ``tag(log, range(...))``: the same on a log scale.
+- ``choice(a, b, ...)``, the shorthand ``a,b,c`` and ``shuffle(choice(...))``: categorical;
+- ``range(start, stop[, step])``: ordered integers (floats if any bound or the step is a float) from ``start`` to
+  ``stop`` **inclusive** (hydra-optuna-sweeper's meaning, unlike Hydra's basic sweeper), kept ordinal so TPE,
+  GP and CMA-ES can use the order; a ``stop`` off the step grid is lowered onto it (as Optuna would, silently);
+- ``shuffle(range(...))``: categorical over Hydra's own range, which **excludes** ``stop`` (upstream's meaning
+  too: the one inconsistency of upstream that we keep, and :func:`upstream_notes` warns about at sweep start);
+- ``interval(low, high)``: floats, even for integer ends (Hydra stores them as floats);
+  ``int(interval(low, high))``: integers;
+- ``tag(log, interval(...))``, ``tag(log, int(interval(...)))``: the same on a log scale;
+  ``tag(log, range(...))`` (integers, step 1) is log-scaled too, where upstream drops the tag silently.
 
-Not supported: ``glob(...)``, ``shuffle(...)``, nested lists as choices. Every error names the parameter and
-the bad string, and says how to write it.
+Also hydra-optuna-sweeper's deprecated ``search_space`` entries (``{type: int|float|categorical, low, high,
+step, log, choices}``): :func:`distribution_from_config`. Not supported: ``glob(...)``, nested lists as choices.
+Every error names the parameter and the bad string, and says how to write it.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Overrid
 from hydra.errors import HydraException
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
-SYNTAX_HELP = ("write choice(a,b,...), range(start,stop,step), interval(low,high) or "
+SYNTAX_HELP = ("write choice(a,b,...), range(start,stop,step), interval(low,high), int(interval(low,high)) or "
                "tag(log, interval(low,high)), for example 'tag(log, interval(1e-4, 1e-2))'")
 
 
@@ -52,35 +58,34 @@ def _categorical(name: str, values: list[Any]) -> CategoricalDistribution:
     return CategoricalDistribution(values)
 
 
-def _range(name: str, sweep: RangeSweep, log: bool) -> BaseDistribution:
-    if sweep.shuffle:
-        raise SearchSpaceError(f"search space {name}: shuffle(range(...)) is meaningless for a sampler; drop shuffle.")
+def _range(name: str, override: Override, log: bool) -> BaseDistribution:
+    sweep = override.value()
     start, stop, step = sweep.start, sweep.stop, sweep.step
-    if step is None or step <= 0 or stop <= start:
+    if step is None or step <= 0 or stop < start:
         raise SearchSpaceError(f"search space {name}: range({start}, {stop}, {step}) is empty or descending; "
-                               "write range(start, stop, step) with start < stop and step > 0.")
-    count = int((stop - start - 1e-12) // step) + 1  # Python's exclusive stop
-    last = start + (count - 1) * step
+                               "write range(start, stop, step) with start <= stop and step > 0.")
+    if sweep.shuffle:  # upstream: the values of Hydra's range (stop excluded), in any order
+        return _categorical(name, list(override.sweep_iterator()))
+    count = int((stop - start) / step + 1e-9) + 1  # stop included (hydra-optuna-sweeper's meaning)
     if all(isinstance(x, int) for x in (start, stop, step)):
         if log and step != 1:
             raise SearchSpaceError(f"search space {name}: tag(log, range(...)) needs step 1 (Optuna's rule).")
-        return IntDistribution(start, last, log=log, step=1 if log else step)
+        return IntDistribution(start, start + (count - 1) * step, log=log, step=step)
     if log:
         raise SearchSpaceError(f"search space {name}: tag(log, range(...)) needs integers; "
                                "use tag(log, interval(low, high)) for floats.")
-    return FloatDistribution(float(start), float(last), step=float(step))
+    return FloatDistribution(float(start), float(start + (count - 1) * step), step=float(step))
 
 
-def _interval(name: str, sweep: IntervalSweep, log: bool, text: str) -> BaseDistribution:
+def _interval(name: str, sweep: IntervalSweep, log: bool) -> BaseDistribution:
     low, high = sweep.start, sweep.end
     if low is None or high is None or not low < high:
         raise SearchSpaceError(f"search space {name}: interval({low}, {high}) needs low < high.")
     if log and low <= 0:
         raise SearchSpaceError(f"search space {name}: tag(log, interval({low}, {high})) needs low > 0.")
-    # Hydra stores interval ends as floats; written integers ("interval(1, 8)") mean an integer parameter.
-    inner = text.split("interval", 1)[1]
-    if "." not in inner and "e" not in inner.lower() and low == int(low) and high == int(high):
-        return IntDistribution(int(low), int(high), log=log)
+    # Hydra stores interval ends as floats; only int(interval(...)) keeps them integers (as upstream reads it).
+    if isinstance(low, int) and isinstance(high, int):
+        return IntDistribution(low, high, log=log)
     return FloatDistribution(float(low), float(high), log=log)
 
 
@@ -98,11 +103,42 @@ def distribution_of(override: Override) -> BaseDistribution:
             raise SearchSpaceError(f"search space {name}: tag(log, ...) applies to interval or range, not choice.")
         return _categorical(name, list(value.list))
     if isinstance(value, RangeSweep):
-        return _range(name, value, log)
+        return _range(name, override, log)
     if isinstance(value, IntervalSweep):
-        return _interval(name, value, log, override.input_line or "")
+        return _interval(name, value, log)
     raise SearchSpaceError(f"search space {name}: {override.input_line!r} is not supported here (glob and "
                            f"lists are not search spaces); {SYNTAX_HELP}.")
+
+
+def distribution_from_config(name: str, node: Mapping[str, Any]) -> BaseDistribution:
+    """A hydra-optuna-sweeper ``search_space`` entry (``{type, low, high, step, log, choices}``) as a distribution."""
+    kind = str(getattr(node.get("type"), "name", node.get("type")))
+    low, high, step, log = node.get("low"), node.get("high"), node.get("step"), bool(node.get("log", False))
+    if kind == "categorical" and node.get("choices"):
+        return _categorical(name, list(node["choices"]))
+    if kind in ("int", "float") and low is not None and high is not None:
+        if kind == "int":
+            return IntDistribution(int(low), int(high), log=log, step=1 if log or step is None else int(step))
+        return FloatDistribution(float(low), float(high), log=log, step=None if log or step is None else float(step))
+    raise SearchSpaceError(f"hydra.sweeper.search_space.{name}={dict(node)!r}: needs type: int|float with low and "
+                           "high, or type: categorical with choices; better, write it in hydra.sweeper.params as "
+                           "'int(interval(low, high))', 'interval(low, high)' or 'choice(a, b)'.")
+
+
+def upstream_notes(overrides: list[Override], grid: bool) -> list[str]:
+    """Where these sweep overrides mean something that hydra-optuna-sweeper itself is inconsistent about."""
+    notes = []
+    for override in overrides:
+        value, name = override.value(), override.get_key_element()
+        if isinstance(value, RangeSweep) and value.shuffle:
+            notes.append(f"{name}: shuffle(range(...)) is a choice over Hydra's range, which excludes stop, while "
+                         "range(...) without shuffle includes stop (both as hydra-optuna-sweeper reads them)")
+        elif isinstance(value, RangeSweep) and grid:
+            notes.append(f"{name}: with the grid sampler, range(...) includes stop here as it does for every other "
+                         "sampler; hydra-optuna-sweeper's grid leaves stop out")
+        elif isinstance(value, RangeSweep) and "log" in (value.tags or ()):
+            notes.append(f"{name}: tag(log, range(...)) samples on a log scale; hydra-optuna-sweeper ignores the tag")
+    return notes
 
 
 def build_space(params: Mapping[str, Any] | None, overrides: list[str] | None = None,
@@ -119,8 +155,7 @@ def build_space(params: Mapping[str, Any] | None, overrides: list[str] | None = 
     Returns:
         ``(space, fixed)``: name -> distribution, and the non-sweep overrides to pass to every job.
     """
-    lines = [f"{name}={_as_override_value(value)}" for name, value in (params or {}).items()]
-    entries = parse_overrides(lines, field=field) + parse_overrides(overrides or [])
+    entries = parse_space(params, overrides, field)
     space: dict[str, BaseDistribution] = {}
     fixed: dict[str, str] = {}
     names: dict[str, str] = {}  # key -> name with its +/++ prefix, so a later entry replaces an earlier one
@@ -134,6 +169,13 @@ def build_space(params: Mapping[str, Any] | None, overrides: list[str] | None = 
         else:
             fixed[key] = override.input_line
     return space, list(fixed.values())
+
+
+def parse_space(params: Mapping[str, Any] | None, overrides: list[str] | None = None,
+                field: str = "hydra.sweeper.params") -> list[Override]:
+    """The ``params:`` block then the command-line overrides, parsed (see :func:`build_space`)."""
+    lines = [f"{name}={_as_override_value(value)}" for name, value in (params or {}).items()]
+    return parse_overrides(lines, field=field) + parse_overrides(overrides or [])
 
 
 def _as_override_value(value: Any) -> str:

@@ -5,22 +5,17 @@
   connect timeout so an unreachable server fails in seconds with the URL (password masked) and the fix;
 - sampler and pruner from ``_target_`` config nodes, checked to be Optuna samplers/pruners; the pruner's
   config is stored in the study so that every job (another process, another machine) prunes with the same rule;
-- the end-of-sweep report: best parameters (YAML), all trials (CSV), optimisation history and parameter
-  importance plots (PNG, Optuna's matplotlib backend).
+(the end-of-sweep report is ``report.py``).
 """
 
 from __future__ import annotations
 
-import csv
 import logging
-import math
-import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import optuna
-import yaml
 from hydra.utils import instantiate
 from optuna.distributions import BaseDistribution
 from optuna.trial import TrialState
@@ -159,24 +154,38 @@ def build_component(node: Any, base: type, field: str, known: str,
 
 
 def create_study(study_name: str, storage: str, sampler_node: Mapping[str, Any] | None,
-                 pruner_node: Mapping[str, Any] | None, direction: str,
+                 pruner_node: Mapping[str, Any] | None, direction: str | Sequence[str],
                  space: Mapping[str, BaseDistribution], prefix: str = "") -> optuna.Study:
     """Create or load (resume) ``study_name`` and record its pruner config for the jobs.
 
-    ``prefix`` (``"hydra.sweeper."``) is put before the field names in error messages.
+    ``direction`` is one direction, or a list of them for a multi-objective study (which Optuna cannot prune:
+    its pruner is recorded as none). ``prefix`` (``"hydra.sweeper."``) goes before field names in errors.
     """
-    if direction not in ("minimize", "maximize"):
-        raise StudyConfigError(f"{prefix}direction={direction!r}: use minimize or maximize.")
+    wanted = normalize_directions(direction, f"{prefix}direction")
+    if len(wanted) > 1:
+        pruner_node = None
     sampler = build_component(sampler_node, optuna.samplers.BaseSampler, f"{prefix}sampler", SAMPLERS, space)
     pruner = build_component(pruner_node, optuna.pruners.BasePruner, f"{prefix}pruner", PRUNERS)
     backend = open_storage(storage, field=f"{prefix}storage")
     study = optuna.create_study(study_name=study_name, storage=backend, sampler=sampler,
-                                pruner=pruner, direction=direction, load_if_exists=True)
-    if study.direction.name.lower() != direction:
-        raise StudyConfigError(f"study {study_name!r} in {mask_url(storage)} was created with direction="
-                               f"{study.direction.name.lower()}; pass that direction or a new study_name.")
+                                pruner=pruner, directions=wanted, load_if_exists=True)
+    found = [d.name.lower() for d in study.directions]
+    if found != wanted:
+        raise StudyConfigError(f"study {study_name!r} in {mask_url(storage)} was created with {prefix}direction="
+                               f"{found if len(found) > 1 else found[0]}; pass that direction or a new study_name.")
     study.set_user_attr(PRUNER_ATTR, dict(pruner_node) if pruner_node is not None else None)
     return study
+
+
+def normalize_directions(direction: str | Sequence[str], field: str = "direction") -> list[str]:
+    """``direction`` as a list of ``minimize``/``maximize`` (one per objective); an error names ``field``."""
+    wanted = [direction] if isinstance(direction, str) else list(direction)
+    # hydra-optuna-sweeper's Direction enum arrives as its name (``Direction.minimize`` -> "minimize").
+    wanted = [str(getattr(d, "name", d)).lower() for d in wanted]
+    if not wanted or any(d not in ("minimize", "maximize") for d in wanted):
+        raise StudyConfigError(f"{field}={direction!r}: use minimize or maximize, or a list of them (one per "
+                               "objective) for a multi-objective study, e.g. [minimize, maximize].")
+    return wanted
 
 
 def load_trial(storage: str, study_name: str, trial_number: int) -> optuna.Trial:
@@ -195,81 +204,3 @@ def load_trial(storage: str, study_name: str, trial_number: int) -> optuna.Trial
         raise StudyConfigError(f"hpo.trial_number={trial_number} of study {study_name!r} is not running; "
                                "it was already finished (a resumed or repeated job?).")
     return optuna.Trial(study, trial_id)
-
-
-def count_states(study: optuna.Study) -> dict[str, int]:
-    """Number of trials per state name (``COMPLETE``, ``PRUNED``, ``FAIL``, ``RUNNING``, ``WAITING``)."""
-    counts = {state.name: 0 for state in TrialState}
-    for trial in study.get_trials(deepcopy=False):
-        counts[trial.state.name] += 1
-    return counts
-
-
-def write_report(study: optuna.Study, out_dir: str | Path) -> dict[str, Any]:
-    """Write ``best_params.yaml``, ``trials.csv`` and the plots to ``out_dir``; return the best-trial summary."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    trials = study.get_trials(deepcopy=False)
-    _write_csv(trials, out / "trials.csv")
-    complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    best: dict[str, Any] = {"study_name": study.study_name, "direction": study.direction.name.lower(),
-                            "trials": count_states(study)}
-    if complete:
-        trial = study.best_trial
-        best.update(best_trial=trial.number, best_value=trial.value, best_params=dict(trial.params))
-    (out / "best_params.yaml").write_text(yaml.safe_dump(best, sort_keys=False))
-    best["plots"] = _plot(study, out) if complete else []
-    return best
-
-
-def _write_csv(trials: list[optuna.trial.FrozenTrial], path: Path) -> None:
-    names = sorted({name for t in trials for name in t.params})
-    with path.open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["number", "state", "value", "last_step", "duration_s", *[f"params_{n}" for n in names],
-                         "fail_reason"])
-        for t in trials:
-            duration = t.duration.total_seconds() if t.duration is not None else None
-            last_step = max(t.intermediate_values) if t.intermediate_values else None
-            writer.writerow([t.number, t.state.name, t.value, last_step, duration,
-                             *[t.params.get(n) for n in names], t.user_attrs.get("fail_reason", "")])
-
-
-def _plot(study: optuna.Study, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from optuna.visualization import matplotlib as ovm
-
-    written = []
-    plots = {"optimization_history.png": ovm.plot_optimization_history,
-             "param_importances.png": ovm.plot_param_importances,
-             "intermediate_values.png": ovm.plot_intermediate_values}
-    for filename, plot in plots.items():
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                axes = plot(study)
-        except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. importances need 2+ parameters
-            print(f"hpo: skipped {filename}: {exc}", flush=True)
-            continue
-        figure = getattr(axes, "figure", None) or plt.gcf()
-        figure.set_size_inches(7, 4.5)
-        figure.tight_layout()
-        figure.savefig(out / filename, dpi=100)
-        plt.close(figure)
-        written.append(str(out / filename))
-    return written
-
-
-def objective_value(value: Any) -> float:
-    """``value`` as a finite float, or ``TypeError``/``ValueError`` saying what the job must return."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
-        raise TypeError(f"the job returned {value!r}; it must return the objective as a number (lds-train "
-                        "returns the final val_loss: make sure validation runs, trainer.val_check_interval "
-                        "<= trainer.max_steps).")
-    number = float(value)
-    if not math.isfinite(number):
-        raise ValueError(f"the job returned a non-finite objective ({number}); the run diverged.")
-    return number

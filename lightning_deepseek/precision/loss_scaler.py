@@ -8,6 +8,15 @@ all-reduce of a single float and one host sync per optimizer step (``torch.amp.G
 
 Does not support: optimizers that unscale inside ``step`` (fused Adam with a scaler), sparse gradients.
 
+GradScaler-like surface: ``unscale_(optimizer)``, ``get_scale()``, ``get_growth_factor()``,
+``get_backoff_factor()``, ``get_growth_interval()``, ``is_enabled()``, ``state_dict()`` / ``load_state_dict()``.
+Differences: the loss is scaled by ``scale_loss(loss)`` (the attribute ``scale`` holds the value, where GradScaler
+has a method), ``unscale_`` returns the (all-ranks) overflow verdict, and ``update(found_inf)`` takes it instead of
+reading per-optimizer state, because the plugin decides once per step for all ranks; there is no ``step()`` (the
+plugin calls ``optimizer.step()`` itself when no rank overflowed). ``state_dict()`` has its own keys (the scale,
+calibration and the consecutive counters), not GradScaler's, so one scaler's checkpoint does not load into the
+other.
+
 Why not ``torch.amp.GradScaler``: it backs off on every overflow (no hysteresis), has no lower bound on the
 scale (a model that overflows in the forward pass drives it to zero instead of saying so), and decides per rank:
 its ``unscale_`` does not all-reduce ``found_inf``, so a rank whose gradients alone overflow (after the DDP
@@ -95,6 +104,23 @@ class DynamicLossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale``, for the backward pass."""
         return loss * self.scale
+
+    def get_scale(self) -> float:
+        """The current scale (as ``torch.amp.GradScaler.get_scale``)."""
+        return self.scale
+
+    def get_growth_factor(self) -> float:
+        return self.growth_factor
+
+    def get_backoff_factor(self) -> float:
+        return self.backoff_factor
+
+    def get_growth_interval(self) -> int:
+        return self.growth_interval
+
+    def is_enabled(self) -> bool:
+        """Always True: the plugin decides per stage whether the scaler is used (``StagedPrecision.scaling``)."""
+        return True
 
     def unscale_(self, optimizer: Optimizer) -> bool:
         """Divide every gradient of ``optimizer`` by the scale in place; return whether any rank overflowed.

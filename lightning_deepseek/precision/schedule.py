@@ -1,10 +1,10 @@
 """``Stage`` and ``PrecisionSchedule``: which compute precision runs at which point of training.
 
-A schedule is a list of stages; each names a precision (``"32-true"``, ``"16-mixed"`` or ``"bf16-mixed"``) and
-where it ends, in optimizer steps (``unit="step"``), epochs (``unit="epoch"``) or as a fraction of the total
+A schedule is a list of stages; each names a precision (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"fp8"``)
+and where it ends, in optimizer steps (``unit="step"``), epochs (``unit="epoch"``) or as a fraction of the total
 number of optimizer steps (``unit="fraction"``). The last stage has no end. Steps are attempted optimizer steps
-(``trainer.global_step``, which counts steps skipped on overflow too), so a boundary never moves with the
-number of overflows.
+(``trainer.global_step``, which counts steps skipped on overflow too), so a boundary never moves with the number of
+overflows.
 
 Construction validates what it can alone (known precisions, units, strictly increasing boundaries within a
 unit); ``resolve`` checks the rest against the trainer (every boundary inside the run, order across units).
@@ -19,12 +19,14 @@ from typing import Any
 
 import torch
 
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "fp8-mixed")
+# "fp8-mixed": FP8 GEMMs in the converted nn.Linear layers (precision/float8.py), BF16 autocast for the rest.
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {
-    "32-true": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16,
+    "32-true": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8-mixed": torch.bfloat16,
 }
 # Lightning's short forms, and the names of lds-train's precision group options.
-_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true", "fp16": "16-mixed"}
+_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true", "fp16": "16-mixed",
+            "fp8": "fp8-mixed"}
 UNITS = ("step", "epoch", "fraction")
 
 
@@ -46,7 +48,7 @@ class Stage:
     """One stage of a precision schedule.
 
     Args:
-        precision: ``"32-true"``, ``"16-mixed"`` or ``"bf16-mixed"``.
+        precision: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"`` or ``"fp8"`` (``"fp8-mixed"``; needs torchao).
         until: where the stage ends (exclusive); ``None`` for the last stage.
         unit: ``"step"`` (optimizer steps), ``"epoch"`` or ``"fraction"`` (of the run's optimizer steps).
     """

@@ -15,12 +15,26 @@ BF16, or FP32 where the device has no BF16 autocast; the reason is logged and ma
 takes the decision at the same step because it is derived from the all-reduced overflow flag.
 
 Skipped steps: ``last_step_skipped`` tells callbacks whether the last optimizer step was skipped, and by default
-the LR schedulers of the run are wrapped so that they do not advance on a skipped step (Lightning steps them
-unconditionally after every optimizer step; ``torch.amp`` users have long had to detect this by hand).
+step-interval LR schedulers do not advance on a skipped step (Lightning steps them unconditionally after every
+optimizer step; ``torch.amp`` users have long had to detect this by hand). The user's own scheduler objects stay
+in place: see :mod:`lightning_deepseek.precision.lr_scheduler`.
+
+Lightning's ``MixedPrecision`` contract: ``autocast_context_manager()``, ``forward_context()``, a ``scaler`` with
+``get_scale()`` / ``state_dict()``, and the autocast weight cache disabled as Lightning 2.6 does: with the cache on,
+older torch versions let a ``torch.no_grad()`` forward inside the autocast region cache weight casts without autograd
+history, so a later forward in the same region lost its graph (torch 2.13 no longer does); the cache only saves
+re-casting a weight used more than once per forward. ``device`` is the autocast device type.
+
+State: the schedule, the fallbacks taken, the scaler and the log of stage changes (``events()``). The current stage
+is not stored: it is the stage of the last logged change, and at each step the schedule decides from
+``trainer.global_step`` and ``trainer.current_epoch`` whether a change is due.
 
 Costs: in FP16 stages one fused unscale kernel, one all-reduce of one float and one host sync per optimizer step.
 Does not support: LBFGS or other closure-reevaluating optimizers in FP16 stages, optimizers that unscale
-internally (fused Adam with a scaler), true half-precision weights (``16-true``), FP8.
+internally (fused Adam with a scaler), true half-precision weights (``16-true``).
+
+FP8: ``Stage("fp8")`` converts the model's ``nn.Linear`` layers to torchao's float8 training at the stage boundary
+(and back after it); see :mod:`lightning_deepseek.precision.float8`.
 
 Why our own plugin: Lightning's ``MixedPrecision`` fixes one dtype for the run and uses ``torch.amp.GradScaler``,
 whose limits are listed in :mod:`lightning_deepseek.precision.loss_scaler`.
@@ -32,7 +46,7 @@ import contextlib
 import math
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -43,9 +57,19 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_deepseek.precision import float8
+from lightning_deepseek.precision.float8 import DEFAULT_EXCLUDE, Float8Training
 from lightning_deepseek.precision.loss_scaler import DynamicLossScaler
-from lightning_deepseek.precision.lr_scheduler import SkipAwareLRScheduler
+from lightning_deepseek.precision.lr_scheduler import SkippedStepSchedulerGuard
 from lightning_deepseek.precision.schedule import AUTOCAST_DTYPES, PrecisionSchedule, default_schedule
+
+
+class _Event(NamedTuple):
+    """One line of the stage log: the optimizer step it takes effect at, its label, the stage it leaves us in."""
+
+    step: int
+    label: str
+    stage: int
 
 
 class StagedPrecisionError(ValueError):
@@ -84,8 +108,12 @@ class StagedPrecision(Precision):
         fallback_skipped_steps: skipped steps within ``fallback_window`` that trigger the fallback (0 disables
             this trigger; the floor still applies).
         fallback_window: window, in optimizer steps, for ``fallback_skipped_steps``.
-        skip_lr_scheduler_on_skipped_step: wrap the run's LR schedulers so they do not advance on a skipped step.
-        device: autocast device type; ``None`` takes the strategy's device at setup.
+        skip_lr_scheduler_on_skipped_step: step-interval LR schedulers do not advance on a skipped step.
+        device: autocast device type; ``None`` follows the strategy's device.
+        fp8_recipe: torchao float8 recipe of ``Stage("fp8")``: ``"tensorwise"``, ``"rowwise"``,
+            ``"rowwise_with_gw_hp"`` or a ``torchao.float8.Float8LinearConfig``.
+        fp8_exclude: module names whose ``nn.Linear`` layers FP8 stages leave alone (default: head and routers).
+        fp8_emulate: emulate FP8 GEMMs; ``None`` emulates on CPU only.
     """
 
     def __init__(
@@ -99,8 +127,13 @@ class StagedPrecision(Precision):
         fallback_window: int = 200,
         skip_lr_scheduler_on_skipped_step: bool = True,
         device: str | None = None,
+        fp8_recipe: Any = "tensorwise",
+        fp8_exclude: Sequence[str] = DEFAULT_EXCLUDE,
+        fp8_emulate: bool | None = None,
     ) -> None:
         self.schedule = PrecisionSchedule(default_schedule() if schedule is None else schedule)
+        uses_fp8 = any(stage.precision == "fp8-mixed" for stage in self.schedule.stages)
+        self.float8 = Float8Training(fp8_recipe, fp8_exclude, fp8_emulate) if uses_fp8 else None
         if fallback_skipped_steps < 0 or fallback_window < 1:
             raise StagedPrecisionError(
                 f"fallback_skipped_steps={fallback_skipped_steps}, fallback_window={fallback_window}: use "
@@ -113,18 +146,30 @@ class StagedPrecision(Precision):
         self.fallback_skipped_steps = fallback_skipped_steps
         self.fallback_window = fallback_window
         self.skip_lr_scheduler_on_skipped_step = skip_lr_scheduler_on_skipped_step
-        self.requested_device = device
-        self.device = device  # the autocast device type, settled at setup
-        self.stage_index = 0
+        self._device = device  # as given; `device` derives the autocast device type from the strategy when None
         self.fallbacks: dict[int, str] = {}  # stage index -> precision that replaced its FP16
         self.num_skipped_steps = 0
         self.last_step_skipped = False
         self._recent_skips: deque[int] = deque()
-        self._events: list[tuple[int, str]] = []
+        self._events: list[_Event] = []
         self._trainer: pl.Trainer | None = None
+        self.float8_layers: list[str] = []  # paths of the layers the last FP8 stage converted
+        self._float8_active = False  # whether the model holds converted layers now
 
     def __repr__(self) -> str:
         return f"StagedPrecision(schedule={self.schedule!r})"
+
+    @property
+    def device(self) -> str:
+        """The autocast device type: ``device=`` if given, else the strategy's device (``"cpu"`` before setup)."""
+        if self._device is not None:
+            return self._device
+        return self._trainer.strategy.root_device.type if self._trainer is not None else "cpu"
+
+    @property
+    def stage_index(self) -> int:
+        """Index of the current stage: the stage entered last (0 before the first change)."""
+        return min(self._events[-1].stage, len(self.schedule) - 1) if self._events else 0
 
     @property  # type: ignore[override]
     def precision(self) -> str:
@@ -146,17 +191,26 @@ class StagedPrecision(Precision):
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[Module, list[Optimizer], list[Any]]:
-        trainer = _lightning_module(model).trainer
+        module = _lightning_module(model)
+        trainer = module.trainer
+        self.check_device(trainer.strategy.root_device.type)
         self._trainer = trainer
-        self.device = self.check_device(trainer.strategy.root_device.type)
         if trainer.state.fn == TrainerFn.FITTING:
             self._resolve_schedule(trainer)
-        if self.skip_lr_scheduler_on_skipped_step:
-            for config in lr_schedulers:
-                if config.interval == "step" and not config.reduce_on_plateau and not isinstance(
-                        config.scheduler, SkipAwareLRScheduler):
-                    config.scheduler = SkipAwareLRScheduler(config.scheduler, self)
+            if self.skip_lr_scheduler_on_skipped_step:
+                SkippedStepSchedulerGuard.install(module, self, lr_schedulers)
+        self._sync_float8(module)
         return model, optimizers, lr_schedulers
+
+    @override
+    def teardown(self) -> None:
+        module = self._trainer.lightning_module if self._trainer is not None else None
+        if module is not None:
+            SkippedStepSchedulerGuard.remove(module)
+            if self._float8_active:  # the model leaves the run with the nn.Linear layers it came with
+                float8.revert(module)
+                self._float8_active = False
+        super().teardown()
 
     def check_device(self, strategy_device: str) -> str:
         """Raise unless every stage can run on ``strategy_device``; return the autocast device type.
@@ -164,8 +218,8 @@ class StagedPrecision(Precision):
         Args:
             strategy_device: the strategy's root device type (``"cpu"``, ``"cuda"``).
         """
-        if self.requested_device is not None and self.requested_device != strategy_device:
-            raise StagedPrecisionError(f"StagedPrecision(device={self.requested_device!r}) but the strategy runs on "
+        if self._device is not None and self._device != strategy_device:
+            raise StagedPrecisionError(f"StagedPrecision(device={self._device!r}) but the strategy runs on "
                                        f"{strategy_device!r}. Drop `device` or set it to {strategy_device!r}.")
         for i, stage in enumerate(self.schedule.stages):
             dtype = AUTOCAST_DTYPES[stage.precision]
@@ -173,6 +227,8 @@ class StagedPrecision(Precision):
                 raise StagedPrecisionError(
                     f"schedule[{i}] asks for {stage.precision!r} but {strategy_device!r} has no {dtype} autocast "
                     "(BF16 needs an Ampere or newer GPU). Use '16-mixed' or '32-true' for this stage.")
+        if self.float8 is not None:
+            self.float8.check_device(strategy_device)
         return strategy_device
 
     def _resolve_schedule(self, trainer: pl.Trainer) -> None:
@@ -196,14 +252,23 @@ class StagedPrecision(Precision):
         with self.forward_context():
             yield
 
+    def autocast_context_manager(self) -> torch.autocast:
+        """``torch.autocast`` for the current stage (disabled in FP32 stages), without the weight cache.
+
+        As Lightning's ``MixedPrecision.autocast_context_manager``; see the module docstring for the cache.
+        """
+        dtype = AUTOCAST_DTYPES[self.precision]
+        return torch.autocast(self.device, dtype=dtype or torch.bfloat16, enabled=dtype is not None,
+                              cache_enabled=False)
+
     @override
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        dtype = AUTOCAST_DTYPES[self.precision]
-        if dtype is None:
+        if AUTOCAST_DTYPES[self.precision] is None:
+            # FP32: no autocast region at all, so an FP32 stage is bitwise identical to training without a plugin.
             yield
             return
-        with torch.autocast(self.device or "cpu", dtype=dtype, cache_enabled=False):
+        with self.autocast_context_manager():
             yield
 
     @override
@@ -249,9 +314,25 @@ class StagedPrecision(Precision):
             return
         index = self.schedule.stage_at(trainer.global_step, trainer.current_epoch)
         if index != self.stage_index:
-            before = self.precision
-            self.stage_index = index
-            self._events.append((trainer.global_step, f"{before} -> {self.precision}"))
+            after = self.fallbacks.get(index, self.schedule.stages[index].precision)
+            self._events.append(_Event(trainer.global_step, f"{self.precision} -> {after}", index))
+        self._sync_float8(trainer.lightning_module)
+
+    def _sync_float8(self, module: pl.LightningModule) -> None:
+        # Converts at the boundary into an FP8 stage (also the first step after a resume mid-FP8), reverts after it.
+        in_fp8 = self.precision == "fp8-mixed"
+        if in_fp8 and not self._float8_active:
+            assert self.float8 is not None
+            self.float8_layers = self.float8.convert(module, self.device)
+            self._float8_active = True
+            if not self.float8_layers:
+                raise StagedPrecisionError(
+                    f"Stage('fp8') found no nn.Linear layer to convert in {type(module).__name__} (excluded by "
+                    f"fp8_exclude={list(self.float8.exclude)}, dims not multiples of 16, or tensor-parallel). "
+                    "Use 'bf16-mixed' for this stage or narrow fp8_exclude.")
+        elif not in_fp8 and self._float8_active:
+            float8.revert(module)
+            self._float8_active = False
 
     def _after_scaled_step(self, step: int, found_inf: bool) -> None:
         counts_for_fallback = found_inf and self.scaler.calibrated
@@ -270,10 +351,10 @@ class StagedPrecision(Precision):
             self._fall_back(step, f"{len(self._recent_skips)} skipped steps within {self.fallback_window} steps")
 
     def _fall_back(self, step: int, reason: str) -> None:
-        target = "bf16-mixed" if autocast_supported(self.device or "cpu", torch.bfloat16) else "32-true"
+        target = "bf16-mixed" if autocast_supported(self.device, torch.bfloat16) else "32-true"
         self.fallbacks[self.stage_index] = target
         self._recent_skips.clear()
-        self._events.append((step + 1, f"16-mixed -> {target} (fallback)"))
+        self._events.append(_Event(step + 1, f"16-mixed -> {target} (fallback)", self.stage_index))
         rank_zero_warn(f"StagedPrecision: FP16 fallback at optimizer step {step}: {reason}; the rest of stage "
                        f"{self.stage_index} ({self.schedule.stages[self.stage_index].label()}) runs in {target}.")
 
@@ -295,20 +376,20 @@ class StagedPrecision(Precision):
             "loss_scale_final": self.scaler.scale,
             "skipped_steps": self.num_skipped_steps,
             "precision_fallbacks": ", ".join(f"stage {i} -> {p}" for i, p in self.fallbacks.items()) or "none",
+            **({"fp8_layers": len(self.float8_layers)} if self.float8 is not None else {}),
         }
 
     def events(self) -> list[tuple[int, str]]:
         """``(optimizer step, label)`` of every stage change and fallback, in order."""
-        return list(self._events)
+        return [(event.step, event.label) for event in self._events]
 
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "stage_index": self.stage_index,
             "fallbacks": dict(self.fallbacks),
             "num_skipped_steps": self.num_skipped_steps,
             "recent_skips": list(self._recent_skips),
-            "events": list(self._events),
+            "events": [list(event) for event in self._events],
             "scaler": self.scaler.state_dict(),
             "schedule": [(s.precision, s.until, s.unit) for s in self.schedule.stages],
         }
@@ -320,9 +401,11 @@ class StagedPrecision(Precision):
         if saved != current:
             rank_zero_warn(f"StagedPrecision: resuming with schedule {current} from a checkpoint written with "
                            f"{saved}; the stage is re-derived from the new schedule at the next step.")
-        self.stage_index = min(int(state_dict["stage_index"]), len(self.schedule) - 1)
         self.fallbacks = {int(k): str(v) for k, v in state_dict["fallbacks"].items()}
         self.num_skipped_steps = int(state_dict["num_skipped_steps"])
         self._recent_skips = deque(int(s) for s in state_dict["recent_skips"])
-        self._events = [(int(step), str(label)) for step, label in state_dict["events"]]
+        # Checkpoints written before the stage was derived hold `stage_index` and (step, label) events: the stage
+        # entered last is that index (earlier events only feed `events()`, which does not read their stage).
+        stage = int(state_dict.get("stage_index", 0))
+        self._events = [_Event(int(e[0]), str(e[1]), int(e[2]) if len(e) > 2 else stage) for e in state_dict["events"]]
         self.scaler.load_state_dict(state_dict["scaler"])

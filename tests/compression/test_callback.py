@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDevice
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_deepseek import GradientCompression
+from lightning_deepseek.compression import CompressionConfig
 from lightning_deepseek.compression.callback import CompressionStrategyError, find_ddp_module
 from lightning_deepseek.models import GPTConfig, LightningGPT
 from tests.helpers import run_distributed
@@ -154,6 +155,13 @@ def test_checkpoint_without_residuals_resumes_them_from_zero(lightning_results: 
         assert res["light_resumed_residuals"] == 0  # no residual was loaded: the plans start them at zero
 
 
+def test_settings_and_their_defaults_come_from_compression_config() -> None:
+    assert GradientCompression().config == CompressionConfig()
+    assert GradientCompression(bits=4, block_size=64).config == CompressionConfig(bits=4, block_size=64)
+    config = CompressionConfig(bits=4, warmup_steps=0)
+    assert GradientCompression(config, checkpoint_residuals=False).config is config
+
+
 def test_bad_strategies_and_settings() -> None:
     with pytest.raises(ValueError, match="bits=3"):
         GradientCompression(bits=3)
@@ -161,6 +169,12 @@ def test_bad_strategies_and_settings() -> None:
         GradientCompression(block_size=100000)
     with pytest.raises(ValueError, match="checkpoint_residuals='no'"):
         GradientCompression(checkpoint_residuals="no")
+    with pytest.raises(TypeError, match="unknown setting.*bit_width.*see CompressionConfig"):
+        GradientCompression(bit_width=4)
+    with pytest.raises(ValueError, match="not both"):
+        GradientCompression(CompressionConfig(bits=4), block_size=64)
+    with pytest.raises(TypeError, match="config=8 is not a CompressionConfig"):
+        GradientCompression(8)  # type: ignore[arg-type]
     with pytest.raises(CompressionStrategyError, match="FSDPStrategy"):
         find_ddp_module(FSDPStrategy())
     with pytest.warns(UserWarning, match="single device"):

@@ -35,9 +35,8 @@ def _train_within_bound_and_reset_on_overflow(two_phase: bool) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)).cuda()
     reference = [p.detach().clone() for p in model.parameters()]
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.25)
-    state = register_compression_hook(ddp, bits=8, block_size=128, warmup_steps=1, min_bucket_numel=1024)
-    if two_phase:
-        state.single_exchange_max_world = 0
+    state = register_compression_hook(ddp, bits=8, block_size=128, warmup_steps=1, min_bucket_numel=1024,
+                                      single_exchange_max_world=0 if two_phase else 2)
     ref_model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)).cuda()
     with torch.no_grad():
         for p, r in zip(ref_model.parameters(), reference):

@@ -13,21 +13,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_deepseek.compression import native
-from lightning_deepseek.compression.hook import (
-    _exchange_group,
-    begin_step,
-    compressed_average,
-    end_step,
-    register_compression_hook,
-)
+from lightning_deepseek.compression import CompressionConfig, CompressionState, native
+from lightning_deepseek.compression.hook import _exchange_group, compressed_average, register_compression_hook
 from lightning_deepseek.compression.quantize import qmax
-from lightning_deepseek.compression.state import (
-    CompressionConfig,
-    CompressionState,
-    compressed_bytes,
-    fp32_allreduce_bytes,
-)
+from lightning_deepseek.compression.state import compressed_bytes, fp32_allreduce_bytes
 from tests.helpers import run_distributed
 
 _EXCHANGE_GROUPS: list[dist.ProcessGroup] = []
@@ -41,10 +30,10 @@ def _state(bits: int, block_size: int, error_feedback: bool = True) -> Compressi
 
 
 def _exchange(state: CompressionState, grad: torch.Tensor) -> torch.Tensor:
-    begin_step(state)
+    state.begin_step()
     out = grad.clone()
     compressed_average(state, [out], ["g"], out).wait()
-    end_step(state)
+    state.end_step()
     return out
 
 
@@ -165,16 +154,16 @@ def _check_rebuild(rank: int, ws: int) -> dict:
     state = _state(8, 64)
     gen = torch.Generator().manual_seed(rank)
     a, b = torch.randn(1000, generator=gen), torch.randn(3000, generator=gen)
-    begin_step(state)
+    state.begin_step()
     compressed_average(state, [a, b], ["a", "b"], a).wait()
-    end_step(state)
+    state.end_step()
     old_a, old_b = state.residuals["a"].clone(), state.residuals["b"].clone()
     every_b = [torch.empty_like(old_b) for _ in range(ws)]
     dist.all_gather(every_b, old_b)
     zero = torch.zeros(3000)  # a zero gradient: what gets exchanged is the carried residual alone
-    begin_step(state)
+    state.begin_step()
     compressed_average(state, [zero], ["b"], zero).wait()
-    end_step(state)
+    state.end_step()
     expected = torch.stack(every_b).mean(0)
     return {"plans": sorted(state.plans), "a_kept": torch.equal(state.residuals["a"], old_a),
             "b_carried": float((zero - expected).abs().max()), "b_scale": float(expected.abs().max())}
@@ -184,7 +173,7 @@ def _check_hold(rank: int, ws: int) -> dict:
     """A held final write (CPU, hold=True) waits for release() or the next step, then equals the unheld one."""
     state = _state(8, 64, error_feedback=False)  # no residual: every call with the same input gives the same output
     grads = _all_grads(ws, 3000)
-    begin_step(state)
+    state.begin_step()
     plain = grads[rank].clone()
     compressed_average(state, [plain], ["g"], plain).wait()
     out = {}
@@ -196,10 +185,10 @@ def _check_hold(rank: int, ws: int) -> dict:
         if release == "release":
             state.release()
         else:
-            begin_step(state)
+            state.begin_step()
         fut.wait()
         out[release] = {"pending": pending, "equal": torch.equal(held, plain)}
-        begin_step(state)
+        state.begin_step()
     return out
 
 

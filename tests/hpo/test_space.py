@@ -15,17 +15,21 @@ from lightning_deepseek.hpo.study import PRUNERS, build_component
 
 
 def test_sweep_syntax_maps_to_optuna_distributions() -> None:
+    # hydra-optuna-sweeper's meaning: range includes stop, interval is float unless wrapped in int(...).
     space, fixed = build_space(
         {"optim.learning_rate": "tag(log, interval(1e-4, 1e-2))", "data.batch_size": "choice(8, 16, 32)",
          "trainer.max_steps": 100},
-        ["optim.warmup_steps=range(0, 100, 20)", "model.n_layer=interval(2, 8)", "model=choice(tiny,small)",
-         "optim.weight_decay=0.05", "x=range(0.1, 0.5, 0.1)"])
+        ["optim.warmup_steps=range(0, 100, 20)", "model.n_layer=int(interval(2, 8))", "model=choice(tiny,small)",
+         "optim.weight_decay=0.05", "x=range(0.1, 0.5, 0.1)", "y=interval(2, 8)", "z=range(0, 21, 5)"])
     assert space["optim.learning_rate"] == FloatDistribution(1e-4, 1e-2, log=True)
     assert space["data.batch_size"] == CategoricalDistribution([8, 16, 32])
-    assert space["optim.warmup_steps"] == IntDistribution(0, 80, step=20)  # Python's exclusive stop
+    assert space["optim.warmup_steps"] == IntDistribution(0, 100, step=20)
     assert space["model.n_layer"] == IntDistribution(2, 8)
+    assert space["y"] == FloatDistribution(2.0, 8.0)
+    assert space["z"] == IntDistribution(0, 20, step=5)  # a stop off the step grid is lowered onto it
     assert space["model"] == CategoricalDistribution(["tiny", "small"])
     assert isinstance(space["x"], FloatDistribution) and space["x"].step == pytest.approx(0.1)
+    assert space["x"].high == pytest.approx(0.5)
     assert fixed == ["trainer.max_steps=100", "optim.weight_decay=0.05"]
 
 
@@ -54,7 +58,8 @@ def test_overrides_quote_strings_that_need_it() -> None:
 
 
 def test_grid_needs_finite_parameters() -> None:
-    assert grid_of(build_space({"a": "choice(1, 2)", "b": "range(0, 3)"})[0]) == {"a": [1, 2], "b": [0, 1, 2]}
+    # The grid holds the same values as every other sampler samples (range includes stop).
+    assert grid_of(build_space({"a": "choice(1, 2)", "b": "range(0, 3)"})[0]) == {"a": [1, 2], "b": [0, 1, 2, 3]}
     with pytest.raises(SearchSpaceError, match="GridSampler: parameter a is continuous"):
         grid_of(build_space({"a": "interval(0.0, 1.0)"})[0])
 

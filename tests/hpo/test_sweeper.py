@@ -80,7 +80,8 @@ def test_crashing_job_is_marked_fail_and_the_sweep_goes_on(tmp_path: Path) -> No
     # n_head=3 does not divide n_embd=64: lds-train rejects it (exit code 2) inside the job.
     result = subprocess.run(
         sweep_cmd(tmp_path, "hydra.sweeper.n_trials=2", "hydra/sweeper/sampler=grid", "hydra/sweeper/pruner=none",
-                  "model.n_head=choice(3,4)"), capture_output=True, text=True, timeout=240)
+                  "hydra.sweeper.max_failure_rate=1.0", "model.n_head=choice(3,4)"),
+        capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     study = load(tmp_path)
     by_head = {t.params["model.n_head"]: t for t in study.trials}

@@ -39,3 +39,10 @@ def test_schedule_beyond_max_steps_exits_2_with_one_paragraph(tmp_path, capsys):
         _train(tmp_path, "precision.plugin.schedule=[{precision: 32-true, until: 50}, {precision: bf16-mixed}]")
     assert exit_info.value.code == 2
     assert "until=50 step ends at optimizer step 50, beyond the run's 10 optimizer steps" in capsys.readouterr().err
+
+
+def test_fp8_config_trains_and_reports_the_converted_layers(tmp_path, one_thread):
+    pytest.importorskip("torchao")
+    report = _train(tmp_path, "precision=fp8", "trainer.max_steps=6", "trainer.val_check_interval=6")
+    assert report["precision_schedule"] == "bf16-mixed [0,1) > fp8-mixed [1,end)"
+    assert report["precision_final"] == "fp8-mixed" and report["fp8_layers"] == 8  # the tiny GPT, head excluded

@@ -5,6 +5,7 @@ Every rank must take every decision (skip, back-off, fallback) together, also wh
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import lightning.pytorch as pl
@@ -60,7 +61,8 @@ def _overflow_on_rank0_only() -> tuple[bool, bool]:
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
     # One set of processes for all tests below: spawning and importing Lightning dominates their cost.
     verdicts = _overflow_on_rank0_only()
-    return {"verdicts": verdicts, **_fit_ddp(rank, world_size, {2, 4, 6}), "hybrid": _fit_hybrid(rank, world_size)}
+    return {"verdicts": verdicts, **_fit_ddp(rank, world_size, {2, 4, 6}), "hybrid": _fit_hybrid(rank, world_size),
+            "fp8": _fit_fp8_ddp(rank, world_size)}
 
 
 class TinyGPT(pl.LightningModule):
@@ -96,13 +98,36 @@ class InjectInfIntoShard(pl.Callback):
             grads[0].to_local()[0, 0] = float("inf")
 
 
-def _fit_hybrid(rank: int, world_size: int) -> dict[str, Any]:
-    torch.manual_seed(0)
+def _recurrence_data() -> DataLoader:
     tokens = torch.empty(64, 17, dtype=torch.long)  # a learnable affine recurrence from random starts
     tokens[:, 0] = torch.randint(0, 64, (64,), generator=torch.Generator().manual_seed(1))
     for t in range(16):
         tokens[:, t + 1] = (5 * tokens[:, t] + 3) % 64
-    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4, shuffle=False)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4, shuffle=False)
+
+
+def _fit_fp8_ddp(rank: int, world_size: int) -> dict[str, Any]:
+    """BF16 for 2 steps, then FP8 (emulated) under Lightning's DDP: the swap keeps DDP's parameters and hooks."""
+    if importlib.util.find_spec("torchao") is None:
+        return {}
+    torch.manual_seed(0)
+    model = TinyGPT()
+    plugin = StagedPrecision([("bf16", 2), ("fp8",)])
+    layers = {}
+
+    class Layers(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            layers[trainer.global_step - 1] = type(pl_module.model.blocks[0].mlp.fc1).__name__
+
+    trainer = make_trainer(plugin, max_steps=6, callbacks=[Layers()], devices=world_size, strategy="ddp")
+    trainer.fit(model, _recurrence_data())
+    return {"layers": [layers[s] for s in range(6)], "converted": plugin.float8_layers, "losses": model.losses,
+            "params": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()}
+
+
+def _fit_hybrid(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    data = _recurrence_data()
     model = TinyGPT()
     plugin = StagedPrecision([("32-true", 2), ("16-mixed", 6), ("bf16-mixed",)], init_scale=1024.0, hysteresis=1)
     inject, record = InjectInfIntoShard(step=3), RecordSkips()
@@ -145,3 +170,14 @@ def test_staged_precision_with_hybrid_strategy_skips_on_every_rank(ranks):
         assert result["events"] == [(2, "32-true -> 16-mixed"), (6, "16-mixed -> bf16-mixed")]
     assert rank0["scales"] == rank1["scales"] and rank0["scales"][3] == 512.0
     assert rank0["losses"][-1] < rank0["losses"][0] - 0.1  # it still trains
+
+
+def test_fp8_stage_under_ddp_keeps_ranks_identical(ranks):
+    rank0, rank1 = (r["fp8"] for r in ranks)
+    if not rank0:
+        pytest.skip("torchao is not installed (the fp8 extra)")
+    for result in (rank0, rank1):
+        assert result["layers"] == ["Linear"] * 2 + ["Float8Linear"] * 4
+        assert result["converted"] == [f"model.blocks.0.{n}" for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
+    assert rank0["params"] == rank1["params"]  # DDP still averaged every FP8 gradient
+    assert rank0["losses"][-1] < rank0["losses"][0]

@@ -32,7 +32,7 @@ def test_default_schedule_is_fp32_fp16_bf16():
 
 
 @pytest.mark.parametrize(("stages", "match"), [
-    ([("fp8", 3), ("32-true",)], "unknown precision 'fp8'"),
+    ([("int4", 3), ("32-true",)], "unknown precision 'int4'"),
     ([("16-true",)], "unknown precision '16-true'"),
     ([("32-true", 10), ("16-mixed", 5), ("bf16-mixed",)], "not increasing"),
     ([("32-true", 10), ("16-mixed",), ("bf16-mixed",)], r"schedule\[1\].*has no `until`"),

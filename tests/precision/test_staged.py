@@ -64,7 +64,9 @@ def test_lr_scheduler_does_not_advance_on_skipped_step(skip):
     scheduler_steps = [0, 1, 2, 2, 2, 3] if skip else [0, 1, 2, 3, 4, 5]
     assert [model.lrs[s] for s in range(6)] == pytest.approx([0.05 / (1 + n) for n in scheduler_steps])
     scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert type(scheduler) is torch.optim.lr_scheduler.LambdaLR  # the user's own object, not a wrapper
     assert scheduler.last_epoch == (4 if skip else 6)
+    assert "lr_scheduler_step" not in vars(model)  # the guard is gone after the fit
 
 
 @pytest.mark.parametrize(("kwargs", "inject", "fallback_step", "reason"), [
@@ -94,7 +96,7 @@ def test_checkpoint_mid_fp16_resume_continues_in_same_stage_with_same_scale(tmp_
     model_a, trainer_a = _fit(plugin(), max_steps=12, num_samples=48, callbacks=[InjectInf({7}), record_a, checkpoint],
                               enable_checkpointing=True)
     state_at_6 = torch.load(tmp_path / "epoch=0-step=6.ckpt", weights_only=False)["StagedPrecision"]
-    assert record_a.precisions[5] == "16-mixed" and state_at_6["stage_index"] == 1
+    assert record_a.precisions[5] == "16-mixed" and "stage_index" not in state_at_6  # derived, not stored
     assert state_at_6["scaler"]["scale"] == record_a.scales[5] != 2.0**18
 
     resumed = plugin()
@@ -114,6 +116,13 @@ def test_checkpoint_mid_fp16_resume_continues_in_same_stage_with_same_scale(tmp_
     assert 7 in record_b.skipped
     assert resumed.events() == plugin_events(trainer_a)
     assert all(torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters()))
+
+    # A checkpoint written before the stage was derived: `stage_index` beside (step, label) events.
+    old = {**state_at_6, "stage_index": 1, "events": [event[:2] for event in state_at_6["events"]]}
+    from_old = plugin()
+    from_old.load_state_dict(old)
+    assert from_old.stage_index == 1 and from_old.precision == "16-mixed"
+    assert from_old.events() == [(2, "32-true -> 16-mixed")] and from_old.loss_scale == record_a.scales[5]
 
 
 def plugin_events(trainer):
@@ -146,8 +155,8 @@ def test_fp16_stage_matches_lightning_mixed_precision_with_grad_scaler(accumulat
 def test_bad_input_is_rejected_with_the_setting_named():
     with pytest.raises(ValueError, match="Received both `precision=16-mixed` and `plugins=.*StagedPrecision"):
         make_trainer(StagedPrecision(), precision="16-mixed")
-    with pytest.raises(ScheduleError, match="unknown precision 'fp8'"):
-        StagedPrecision([("fp8",)])
+    with pytest.raises(ScheduleError, match="unknown precision 'fp4'"):
+        StagedPrecision([("fp4",)])
     with pytest.raises(ScheduleError, match="not increasing"):
         StagedPrecision([("32-true", 0.5, "fraction"), ("16-mixed", 0.2, "fraction"), ("bf16-mixed",)])
     with pytest.raises(ScheduleError, match=r"schedule\[0\].until=20 step ends at optimizer step 20, beyond"):

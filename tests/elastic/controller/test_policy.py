@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_deepseek.elastic.policy import JobStatus, ScalingPolicy
+from lightning_deepseek.elastic.controller.policy import JobStatus, ScalingPolicy
 
 
 def job(name: str, workers: int, **kwargs) -> JobStatus:

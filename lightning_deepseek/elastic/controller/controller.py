@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_deepseek.elastic.backend import Backend, JobSpec, LocalBackend, RendezvousTuning
-from lightning_deepseek.elastic.policy import JobStatus, ScalingPolicy
+from lightning_deepseek.elastic.controller.backend import Backend, JobSpec, LocalBackend, RendezvousTuning
+from lightning_deepseek.elastic.controller.policy import JobStatus, ScalingPolicy
 from lightning_deepseek.elastic.report import Reports
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,3 @@ def main(argv: list[str] | None = None) -> None:
         print(f"lds-elastic: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
 
-
-if __name__ == "__main__":
-    main()

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from lightning_deepseek.elastic import write_report
-from lightning_deepseek.elastic.backend import Backend, JobSpec
 from lightning_deepseek.elastic.controller import ElasticController, JobFailed, main
-from lightning_deepseek.elastic.policy import ScalingPolicy
+from lightning_deepseek.elastic.controller.backend import Backend, JobSpec
+from lightning_deepseek.elastic.controller.policy import ScalingPolicy
 
 
 class InMemoryBackend(Backend):
@@ -75,3 +77,11 @@ def test_lds_elastic_refuses_min_workers_above_max_workers(capsys: pytest.Captur
         main(["--min-workers", "3", "--max-workers", "2", "--", "train.py"])
     assert exit_info.value.code == 2
     assert "min_workers=3 > max_workers=2" in capsys.readouterr().err
+
+
+def test_controller_program_imports_neither_torch_nor_lightning() -> None:
+    # It only reads report files and starts agents: the training stack stays in the training processes.
+    code = ("import sys, lightning_deepseek.elastic.controller\n"
+            "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from lightning_deepseek.elastic import Reports, find_latest
-from lightning_deepseek.elastic.backend import descendant_pids
+from lightning_deepseek.elastic.controller.backend import descendant_pids
 from tests.elastic.audit import CORPUS_BYTES, REPO, script_args, steps_trained
 from tests.helpers import free_port
 

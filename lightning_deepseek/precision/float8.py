@@ -1,0 +1,158 @@
+"""FP8 training for ``Stage("fp8")``: torchao's float8 training on a model's ``nn.Linear`` layers.
+
+At the boundary into an FP8 stage ``StagedPrecision`` swaps the selected ``nn.Linear`` layers for torchao's
+``Float8Linear`` (``torchao.float8.convert_to_float8_training``); leaving the stage swaps them back. The swap keeps
+the same ``weight`` and ``bias`` Parameter objects, so master weights stay FP32, the optimizer state and the DDP
+gradient hooks are untouched, and the state dict keys do not change (a checkpoint written in FP8 loads anywhere).
+The remaining ops run under BF16 autocast, as DeepSeek-V3 keeps them in higher precision.
+
+Selection (DeepSeek-V3's split): every ``nn.Linear`` except the output head and MoE routers (``exclude``: names of
+modules, matched against each component of the module's path; ``gate`` counts as a router only beside an
+``experts`` module, so a SwiGLU ``gate`` projection is converted), layers whose dims are not multiples of 16 (the
+FP8 GEMM's requirement) and tensor-parallel (DTensor) weights, which torchao converts only through its own
+tensor-parallel styles (not composed here yet; they stay in BF16, with a warning). Embeddings and norms are not
+``nn.Linear`` and stay as they are.
+
+Recipe: torchao's names (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or a ``Float8LinearConfig``.
+DeepSeek-V3's block-wise 1x128 / 128x128 scaling is not among torchao's stable float8 training recipes.
+
+Devices: CUDA with compute capability >= 8.9 (Ada, Hopper and newer) runs real FP8 GEMMs. On CPU the GEMMs are
+emulated (``Float8LinearConfig(emulate=True)``: operands quantized to FP8 and multiplied in higher precision),
+which checks the numerics, not the speed. An older GPU gets an error, or emulation with ``fp8_emulate=True``.
+
+Why torchao: it is PyTorch's float8 training library (torchtitan's FP8 path), with the scaling recipes, the
+``Float8Linear`` module and the emulation; this module adds only what a stage boundary needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+DEFAULT_EXCLUDE = ("head", "lm_head", "output", "router", "gate", "classifier", "score")
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+INSTALL = "pip install 'lightning-deepseek[fp8]' (or: pip install torchao)"
+
+
+class Float8ConfigError(ValueError):
+    """A bad FP8 setting, a missing torchao or a device without FP8; the message names the fix."""
+
+
+def torchao_available() -> bool:
+    return importlib.util.find_spec("torchao") is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Training:
+    """How an FP8 stage converts a model: which layers, which torchao recipe, emulated or not.
+
+    Args:
+        recipe: a torchao recipe name or a ``torchao.float8.Float8LinearConfig``.
+        exclude: module names never converted (matched against each component of a module's path).
+        emulate: emulate FP8 GEMMs; ``None`` emulates on CPU only.
+    """
+
+    recipe: Any = "tensorwise"
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    emulate: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not torchao_available():
+            raise Float8ConfigError(f"Stage('fp8') needs torchao, which is not installed. Install it: {INSTALL}.")
+        if isinstance(self.recipe, str) and self.recipe not in RECIPES:
+            raise Float8ConfigError(f"fp8_recipe={self.recipe!r} is not a torchao float8 recipe. Use one of "
+                                    f"{list(RECIPES)} or a torchao.float8.Float8LinearConfig.")
+        if isinstance(self.exclude, str) or not isinstance(self.exclude, Sequence):
+            raise Float8ConfigError(f"fp8_exclude={self.exclude!r} must be a list of module names, e.g. ['head'].")
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+
+    def config(self, device_type: str) -> Any:
+        """torchao's ``Float8LinearConfig`` for ``device_type`` (emulated where the device has no FP8 GEMM)."""
+        from torchao.float8 import Float8LinearConfig
+
+        config = self.recipe if isinstance(self.recipe, Float8LinearConfig) else (
+            Float8LinearConfig.from_recipe_name(self.recipe))
+        emulate = device_type != "cuda" if self.emulate is None else self.emulate
+        return dataclasses.replace(config, emulate=emulate) if emulate != config.emulate else config
+
+    def check_device(self, device_type: str) -> None:
+        """Raise unless ``device_type`` can run this FP8 stage (really, or emulated)."""
+        if device_type == "cpu" and self.emulate is False:
+            raise Float8ConfigError("fp8_emulate=False but the strategy runs on CPU, which has no FP8 GEMM. Leave "
+                                    "fp8_emulate unset (CPU emulates) or train on a GPU of compute capability >= 8.9.")
+        if device_type == "cuda" and not self.emulate and torch.cuda.get_device_capability() < (8, 9):
+            major, minor = torch.cuda.get_device_capability()
+            raise Float8ConfigError(
+                f"Stage('fp8') needs FP8 GEMMs (compute capability >= 8.9: Ada, Hopper or newer); this GPU has "
+                f"{major}.{minor}. Use 'bf16-mixed' for this stage, or fp8_emulate=True to check numerics (slow).")
+        if device_type not in ("cpu", "cuda"):
+            raise Float8ConfigError(f"Stage('fp8') runs on 'cpu' (emulated) or 'cuda', not {device_type!r}.")
+
+    def selects(self, module: nn.Module, fqn: str, parent: nn.Module | None) -> bool:
+        """Whether the ``nn.Linear`` at ``fqn`` is converted (see the module docstring)."""
+        *path, last = fqn.split(".")
+        if not isinstance(module, nn.Linear) or any(name in self.exclude for name in path):
+            return False
+        if last in self.exclude and (last != "gate" or _has_experts(parent)):
+            return False  # the head, a router (DeepSeek-V3 keeps gating in higher precision), or excluded by name
+        out_features, in_features = module.weight.shape
+        if out_features % 16 or in_features % 16:
+            return False
+        if hasattr(module.weight, "device_mesh"):
+            rank_zero_warn(f"Stage('fp8'): {fqn} has a tensor-parallel (DTensor) weight; it stays in BF16 (FP8 with "
+                           "the tensor-parallel plan is not supported yet).")
+            return False
+        return True
+
+    def convert(self, model: nn.Module, device_type: str) -> list[str]:
+        """Swap the selected ``nn.Linear`` layers of ``model`` for ``Float8Linear``; return their paths."""
+        from torchao.float8 import convert_to_float8_training
+
+        parents = {name: module for name, module in model.named_modules()}
+        converted: list[str] = []
+
+        def select(module: nn.Module, fqn: str) -> bool:
+            parent = parents.get(fqn.rpartition(".")[0]) if "." in fqn else model
+            chosen = fqn != "" and self.selects(module, fqn, parent)
+            if chosen:
+                converted.append(fqn)
+            return chosen
+
+        convert_to_float8_training(model, module_filter_fn=select, config=self.config(device_type))
+        return converted
+
+
+def _has_experts(parent: nn.Module | None) -> bool:
+    return parent is not None and any(name == "experts" for name, _ in parent.named_children())
+
+
+def is_float8(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torchao's ``Float8Linear`` layers."""
+    return type(module).__name__ == "Float8Linear" and type(module).__module__.startswith("torchao.")
+
+
+def has_float8_layers(model: nn.Module) -> bool:
+    return any(is_float8(m) for m in model.modules())
+
+
+def revert(model: nn.Module) -> int:
+    """Swap every ``Float8Linear`` in ``model`` back for an ``nn.Linear`` with the same Parameters; return how many.
+
+    torchao offers no reverse conversion; this is the inverse of its ``Float8Linear.from_float``.
+    """
+    swaps = [(name, module) for name, module in model.named_modules() if is_float8(module)]
+    for name, module in swaps:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        with torch.device("meta"):
+            linear = nn.Linear(module.in_features, module.out_features, bias=False)
+        linear.weight = module.weight
+        linear.bias = module.bias
+        setattr(parent, child, linear)
+    return len(swaps)

@@ -1,0 +1,192 @@
+"""Bad input to ``lds-train`` and ``lds-sample``: each mistake is one paragraph naming the setting, exit code 2,
+no traceback, found before any training process starts.
+
+Most cases run in this process through ``prepare_training`` (what ``lds-train`` does before ``fit``: the
+configuration checks, the corpus, the resume checkpoint, the strategy, plugins and callbacks); a few run the
+real console scripts, for what only they do (Hydra's argument parsing, the run folder, the prefix).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from lightning_deepseek.cli import prepare_training, run_sampling
+from lightning_deepseek.config_checks import check_run_dir_override
+from lightning_deepseek.errors import user_errors_exit
+from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
+from lightning_deepseek.run import CONFIG_DIR, RunFolder
+
+BIN = Path(sys.executable).parent
+BASE = ["model=tiny", "trainer.devices=1"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("inputs")
+    (root / "blob.bin").write_bytes(bytes(range(256)) * 4)
+    (root / "empty.txt").write_text("")
+    (root / "latin1.txt").write_bytes("café crème".encode("latin-1") * 10)
+    (root / "tiny.txt").write_text("just a few words")
+    (root / "no-text").mkdir()
+    (root / "no-text" / "image.png").write_bytes(b"\x89PNG")
+    (root / "empty-run" / "checkpoints").mkdir(parents=True)
+    small = LightningGPT(GPTConfig(**PRESETS["small"]))
+    torch.save({"state_dict": {}, "hyper_parameters": dict(small.hparams)}, root / "small.ckpt")
+    return root
+
+
+def _case(args: str, needle: str, **marks: object) -> object:
+    return pytest.param(args, needle, id=args[:60], **marks)
+
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+CASES = [
+    _case("trainer.max_steps=0", "trainer.max_steps=0 is not valid: it must be a positive whole number"),
+    _case("trainer.max_steps=-5", "trainer.max_steps=-5 is not valid"),
+    _case("trainer.max_steps=abc", "trainer.max_steps='abc' is not valid"),
+    _case("+trainer.precision=16", "trainer.precision=16 would be overwritten: lds-train sets the Trainer's precision "
+                                   "from precision=fp32|fp16|bf16|staged"),
+    _case("+trainer.strategy=ddp", "trainer.strategy=ddp would be overwritten"),
+    _case("+trainer.callbacks=[]", "trainer.callbacks=[] would be overwritten"),
+    _case("+trainer.max_step=5", "trainer.max_step is not an argument of Lightning's Trainer: did you mean "
+                                 "trainer.max_steps?"),
+    _case("data.batch_size=abc", "data.batch_size='abc' is not valid: it must be a positive whole number"),
+    _case("data.batch_size=0", "data.batch_size=0 is not valid"),
+    _case("data.batch_size=1.5", "data.batch_size=1.5 is not valid"),
+    _case("trainer.devices=0", "trainer.devices=0 asks for no device: use a positive count"),
+    _case("trainer.devices=-3", "trainer.devices=-3 asks for no device"),
+    _case("trainer.devices=4096", "trainer.devices=4096 but this machine has"),
+    _case("trainer.devices=abc", "trainer.devices='abc' is not a device count"),
+    _case("trainer.devices=1.5", "trainer.devices=1.5 is not a device count"),
+    _case("trainer.accelerator=gpu", "trainer.accelerator=gpu but this machine has no GPU", marks=NO_GPU),
+    _case("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0 is not valid"),
+    _case("trainer.val_check_interval=0", "trainer.val_check_interval=0 is not valid"),
+    _case("trainer.val_check_interval=abc", "trainer.val_check_interval='abc' is not valid"),
+    _case("trainer.limit_val_batches=-1", "trainer.limit_val_batches=-1 is not valid"),
+    _case("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1 is not valid"),
+    _case("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0 is not valid"),
+    _case("trainer.num_nodes=0", "trainer.num_nodes=0 is not valid"),
+    _case("trainer.enable_progress_bar=maybe", "trainer.enable_progress_bar='maybe' is not valid: it must be true or "
+                                               "false"),
+    _case("data.val_fraction=0", "data.val_fraction=0 is not valid: it must be a fraction strictly between 0 and 1"),
+    _case("data.val_fraction=1.5", "data.val_fraction=1.5 is not valid"),
+    _case("data.num_workers=-1", "data.num_workers=-1 is not valid"),
+    _case("data.block_size=100000", "data.block_size=100000 exceeds model.block_size=64"),
+    _case("data.block_size=abc", "data.block_size='abc' is not valid"),
+    _case("data.path=/nonexistent/corpus.txt", "data.path='/nonexistent/corpus.txt' does not exist"),
+    _case("data.path={files}/blob.bin", "looks like a binary file"),
+    _case("data.path={files}/empty.txt", "is empty. Point data.path at a file with text in it"),
+    _case("data.path={files}/latin1.txt", "is not UTF-8 text"),
+    _case("data.path={files}/tiny.txt", "the training split has"),
+    _case("data.path={files}/no-text", "is a folder with no text files"),
+    _case("optim.learning_rate=0", "optim.learning_rate=0 is not valid: it must be a positive number"),
+    _case("optim.learning_rate=abc", "optim.learning_rate='abc' is not valid"),
+    _case("optim.weight_decay=-1", "optim.weight_decay=-1 is not valid"),
+    _case("optim.warmup_steps=1.5", "optim.warmup_steps=1.5 is not valid"),
+    _case("optim.min_lr_ratio=2", "optim.min_lr_ratio=2 is not valid"),
+    _case("+optim.learnig_rate=0.1", "optim.learnig_rate is not an optimizer setting: did you mean "
+                                     "optim.learning_rate?"),
+    _case("+optim.lr=0.1", "optim.lr is not an optimizer setting: the settings are"),
+    _case("model.preset=huge", "model.preset='huge' is not a known preset"),
+    _case("model.n_layer=0", "model.n_layer=0 is not valid"),
+    _case("model.n_layer=abc", "model.n_layer='abc' is not valid"),
+    _case("model.n_head=3", "model.n_embd=64 is not divisible by model.n_head=3"),
+    _case("model.dropout=1.5", "model.dropout=1.5 must lie in [0, 1)"),
+    _case("seed=abc", "seed='abc' is not valid: it must be a whole number"),
+    _case("plot=maybe", "plot='maybe' is not valid: it must be true or false"),
+    _case("checkpoint.every_n_steps=0", "checkpoint.every_n_steps=0 is not valid"),
+    _case("resume=/nonexistent/last.ckpt", "resume='/nonexistent/last.ckpt' does not exist"),
+    _case("resume=README.md", "resume='README.md': README.md is not a checkpoint torch can read"),
+    _case("resume={files}/empty-run", "is a folder with no complete checkpoint"),
+    _case("resume={files}/no-text", "is a folder with no complete checkpoint"),
+    _case("resume={files}/small.ckpt", "holds a model of another shape: block_size 128 (this run: 64), n_layer 4 "
+                                       "(this run: 2), n_embd 128 (this run: 64). Resume with model=small"),
+    _case("+strategy.tensor_paralel_size=2", "unknown argument tensor_paralel_size=2: did you mean "
+                                             "tensor_parallel_size?"),
+    _case("+callbacks.extra._target_=no.such.Callback", "no.such.Callback"),
+]
+
+
+@pytest.mark.parametrize("args, needle", CASES)
+def test_bad_setting_is_one_paragraph_and_exit_2(args: str, needle: str, files: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = [*BASE, *args.format(files=files).split()]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, f"run_dir={tmp_path / 'run'}"])
+    folder = RunFolder(tmp_path / "run", named_by_hydra=False)
+    with pytest.raises(SystemExit) as exited:
+        user_errors_exit()(prepare_training)(cfg, folder)
+    assert exited.value.code == 2
+    _assert_one_paragraph(capsys.readouterr().err, "lds-train: error: ", needle.format(files=files))
+
+
+def _assert_one_paragraph(err: str, prefix: str, needle: str) -> None:
+    assert "Traceback" not in err
+    message = err[err.index(prefix):]
+    assert "\n\n" not in message.strip() and message.count(prefix) == 1
+    assert needle in " ".join(message.split()), message
+
+
+def test_run_folder_that_cannot_be_created(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        user_errors_exit()(check_run_dir_override)(["model=tiny", "hydra.run.dir=/proc/x"])
+    assert exited.value.code == 2
+    _assert_one_paragraph(capsys.readouterr().err, "lds-train: error: ", "hydra.run.dir='/proc/x' cannot be created")
+
+
+@pytest.mark.parametrize("args, needle", [
+    ("ckpt=null", "ckpt is not set. Pass ckpt=PATH"),
+    ("ckpt=/nonexistent.ckpt", "ckpt='/nonexistent.ckpt' does not exist"),
+    ("ckpt=README.md", "ckpt='README.md': README.md is not a checkpoint torch can read"),
+    ("ckpt={files}/empty-run", "is a folder with no complete checkpoint in it"),
+    ("ckpt={files}/small.ckpt max_new_tokens=0", "max_new_tokens=0 must be a positive whole number"),
+    ("ckpt={files}/small.ckpt temperature=0", "temperature=0 must be a positive number"),
+])
+def test_sample_errors_say_lds_sample(args: str, needle: str, files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("sample", overrides=args.format(files=files).split())
+    with pytest.raises(SystemExit) as exited:
+        run_sampling(cfg)
+    assert exited.value.code == 2
+    _assert_one_paragraph(capsys.readouterr().err, "lds-sample: error: ", needle.format(files=files))
+
+
+# -- the real console scripts -------------------------------------------------------------------------------
+
+def _run(script: str, *args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / script), *args], capture_output=True, text=True, timeout=120, cwd=cwd,
+                          env={**os.environ, **(env or {})})
+
+
+def test_lds_train_reports_once_before_starting_processes_and_leaves_no_folder(tmp_path: Path) -> None:
+    # Two devices: an error found after the processes started would print once per rank.
+    result = _run("lds-train", "model=tiny", "trainer.devices=2", "trainer.max_steps=0", cwd=tmp_path)
+    assert result.returncode == 2
+    _assert_one_paragraph(result.stderr, "lds-train: error: ", "trainer.max_steps=0 is not valid")
+    assert "Initializing distributed" not in result.stderr
+    assert not list(tmp_path.glob("outputs/*/*"))  # Hydra's folder for this run is gone
+
+
+def test_home_folder_in_data_path_is_expanded(tmp_path: Path) -> None:
+    # The README's data.path=~/books/ (Hydra's grammar alone rejects `~`): here HOME has no books folder.
+    result = _run("lds-train", "model=tiny", "trainer.devices=1", "data.path=~/books/", "hydra.run.dir=run",
+                  cwd=tmp_path, env={"HOME": str(tmp_path)})
+    assert result.returncode == 2
+    _assert_one_paragraph(result.stderr, "lds-train: error: ", f"data.path='{tmp_path}/books/' does not exist")
+    assert "FAILED" in os.listdir(tmp_path / "run")  # a folder the user named is kept (its log) and marked
+
+
+def test_unwritable_run_folder_and_sample_prefix(tmp_path: Path) -> None:
+    result = _run("lds-train", "hydra.run.dir=/proc/x", cwd=tmp_path)
+    assert result.returncode == 2
+    _assert_one_paragraph(result.stderr, "lds-train: error: ", "hydra.run.dir='/proc/x' cannot be created")
+    result = _run("lds-sample", f"ckpt={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 2
+    _assert_one_paragraph(result.stderr, "lds-sample: error: ", "is a folder with no complete checkpoint")
