@@ -9,8 +9,9 @@ its replica of the bias, so biases stay identical without a broadcast. The bias 
 checkpointed with the weights; the callback's own state (the load history) travels in its ``state_dict``.
 
 Logged per step: ``moe_load_imbalance_max`` and ``moe_load_imbalance_mean``, the max and mean over layers of
-(max over experts of tokens) / (mean tokens per expert); 1.0 is perfect balance. ``summary()`` adds the last value
-to ``lds-train``'s run summary and ``expert_load.png`` (in the trainer's root folder) plots it over training.
+(max over experts of tokens) / (mean tokens per expert); 1.0 is perfect balance. ``summary()`` adds their
+averages over the last 100 steps to ``lds-train``'s run summary and ``expert_load.png`` (in the trainer's root
+folder) plots them over training.
 Layers without a bias (Mixtral, Qwen-MoE in transformers) are counted and logged, never balanced (a warning says
 so). Costs: a ``bincount`` per layer and micro-batch, one all-reduce of ``L x E`` floats per step.
 """
@@ -107,6 +108,10 @@ class ExpertLoadBalancing(Callback):
         self._root = Path(trainer.default_root_dir)
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step  # the bias moves when global_step does: after an optimizer step
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._counter is not None:
             self._counter.remove()
@@ -131,20 +136,20 @@ class ExpertLoadBalancing(Callback):
             plot_load(self.history, self._root / "expert_load.png")
 
     def summary(self) -> dict[str, object]:
-        """The last step's imbalance, for ``lds-train``'s run summary."""
+        """The imbalance averaged over the last 100 steps (or all, if fewer), for ``lds-train``'s run summary."""
         if not self.history:
             return {}
-        _, worst, mean = self.history[-1]
-        return {"moe_load_imbalance_max": round(worst, 3), "moe_load_imbalance_mean": round(mean, 3)}
+        last = self.history[-100:]
+        return {f"moe_load_imbalance_max_last{len(last)}": round(sum(row[1] for row in last) / len(last), 3),
+                f"moe_load_imbalance_mean_last{len(last)}": round(sum(row[2] for row in last) / len(last), 3)}
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"update_rate": self.update_rate, "history": list(self.history), "last_step": self._last_step}
+        return {"update_rate": self.update_rate, "history": list(self.history)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [tuple(row) for row in state_dict["history"]]
-        self._last_step = state_dict["last_step"]
 
 
 def plot_load(history: list[tuple[int, float, float]], path: Path) -> None:

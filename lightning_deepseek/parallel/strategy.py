@@ -59,6 +59,8 @@ from typing_extensions import override
 
 from lightning_deepseek.parallel import clipping
 from lightning_deepseek.parallel.arguments import check_ddp_kwargs
+from lightning_deepseek.parallel.expert import ExpertParallelDims, is_expert_param, reduce_expert_gradients
+from lightning_deepseek.parallel.expert_plan import ExpertParallelPlan, setup_expert_parallel
 from lightning_deepseek.parallel.placement import (
     POLICIES,
     CommVolume,
@@ -129,6 +131,9 @@ class HybridParallelStrategy(DDPStrategy):
             default: measured by a short probe at start-up when there is more than one island.
         micro_batch_tokens: tokens (rows entering a feed-forward layer) per rank and micro-batch, for the cost
             model; default: from ``example_input_array``, else 2048.
+        expert_parallel_size: ranks over which the routed experts of MoE layers are sharded (E/ep each, tokens
+            dispatched by all-to-all; :mod:`lightning_deepseek.parallel.expert`); must divide the world size and
+            every layer's expert count. 1: experts replicated like everything else.
         save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
             optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
@@ -148,6 +153,7 @@ class HybridParallelStrategy(DDPStrategy):
         topology: str | list[list[int]] | None = None,
         link_costs: dict[str, dict[str, float]] | None = None,
         micro_batch_tokens: int | None = None,
+        expert_parallel_size: int = 1,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -163,6 +169,8 @@ class HybridParallelStrategy(DDPStrategy):
             raise ValueError(f"placement={placement!r} is not a placement policy: use one of {POLICIES}.")
         if plan != "auto" and not isinstance(plan, dict):
             raise TypeError(f"plan={plan!r} must be 'auto' or a dict of module-name patterns to 'colwise'/'rowwise'.")
+        if not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size={expert_parallel_size!r} must be a positive integer.")
         if min_shard_params < 0:
             raise ValueError(f"min_shard_params={min_shard_params} must be >= 0.")
         self._tp_arg = tensor_parallel_size
@@ -173,6 +181,8 @@ class HybridParallelStrategy(DDPStrategy):
         self._links = ({k: LinkCost.from_config(link_costs.get(k), f"link_costs[{k!r}]") for k in ("intra", "inter")}
                        if link_costs is not None else None)
         self._micro_batch_tokens = micro_batch_tokens
+        self._ep_size = expert_parallel_size
+        self._expert_plan: ExpertParallelPlan | None = None
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._topology: Topology | None = None
         self._mesh: DeviceMesh | None = None
@@ -228,6 +238,7 @@ class HybridParallelStrategy(DDPStrategy):
             "hybrid_mesh": f"dp={dp_size} x tp={self.tensor_parallel_size} ({self.placement})",
             "hybrid_sharded_layers": len(self._plan),
             "hybrid_param_bytes_vs_ddp": round(local / max(full, 1), 3),
+            **(self._expert_plan.summary() if self._expert_plan is not None else {}),
         }
 
     @property
@@ -258,6 +269,7 @@ class HybridParallelStrategy(DDPStrategy):
             divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
             raise ValueError(f"tensor_parallel_size={tp_size} does not divide the world size {self.world_size}. "
                              f"Choose one of {divisors}.")
+        ExpertParallelDims(self.world_size, self._ep_size)  # validates expert_parallel_size against the world
         self._topology = discover_topology(self.root_device, self.local_rank, self._topology_arg)
 
     @override
@@ -293,6 +305,8 @@ class HybridParallelStrategy(DDPStrategy):
                  else f"empty plan: {self._unsharded_reason}")
         rank_zero_info(f"HybridParallelStrategy plan (tp={self.tensor_parallel_size}, "
                        f"dp={self.world_size // self.tensor_parallel_size}):\n{table}")
+        self._expert_plan = setup_expert_parallel(module, self.root_device.type,
+                                                  ExpertParallelDims(self.world_size, self._ep_size))
 
     def _settle_mixed_param_groups(self) -> None:
         changed = _disable_foreach_on_mixed_groups(self.optimizers)
@@ -414,7 +428,7 @@ class HybridParallelStrategy(DDPStrategy):
     def reduce_tensor_parallel_gradients(self, optimizer: Optimizer) -> None:
         """Sum the tensor-parallel gradients of ``optimizer``'s parameters over ``dp``, divide by the world size."""
         grads = [p.grad.to_local() for group in optimizer.param_groups for p in group["params"]
-                 if isinstance(p, DTensor) and p.grad is not None]
+                 if isinstance(p, DTensor) and not is_expert_param(p) and p.grad is not None]
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -431,6 +445,8 @@ class HybridParallelStrategy(DDPStrategy):
         def closure_then_reduce() -> Any:
             result = closure()
             self.reduce_tensor_parallel_gradients(inner)
+            if self._expert_plan is not None and self._expert_plan.mesh is not None:
+                reduce_expert_gradients([p for g in inner.param_groups for p in g["params"]], self._expert_plan.mesh)
             return result
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
