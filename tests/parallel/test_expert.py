@@ -3,11 +3,14 @@
 A plain DDP loop (no Lightning): the MoE GPT on one process on the global batch, against the same model with its
 routed experts sharded ``ep=2`` (2 ranks), ``ep=2 x edp=2`` and ``ep=4`` (4 ranks), SGD with momentum, 20 steps,
 the sequence-wise aux loss on and the aux-loss-free balancing bias updated after every step from the token counts
-(summed over ranks under EP); losses and final weights within 1e-5 relative.
+(summed over ranks under EP); losses and final weights within 1e-5 relative. In the same 2-rank spawn: transformers'
+Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 from tiny configs, found through their declared
+``base_model_ep_plan`` (no adapter), ``ep=2`` against one process within 1e-4 over 10 SGD steps.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
@@ -95,9 +98,24 @@ def four_rank_scenarios(rank: int, world_size: int) -> dict[str, Any]:
     return {ep: expert_parallel_run(rank, world_size, ep) for ep in (2, 4)}
 
 
+def two_rank_scenarios(rank: int, world_size: int) -> dict[str, Any]:
+    """Our model at ep=2 and, in the same spawn (process start dominates the cost), transformers' families."""
+    gpt = expert_parallel_run(rank, world_size, 2)
+    if importlib.util.find_spec("transformers") is None:
+        return {"gpt": gpt, "hf": None}
+    from tests.moe.hf_runs import all_families
+
+    return {"gpt": gpt, "hf": all_families(rank, world_size)}
+
+
+@pytest.fixture(scope="session")
+def two_rank_spawn() -> dict[str, Any]:
+    return run_distributed(two_rank_scenarios, 2, timeout=400)[0]
+
+
 @pytest.fixture(scope="module")
-def two_rank_result() -> dict[str, Any]:
-    return run_distributed(expert_parallel_run, 2, 2, timeout=200)[0]
+def two_rank_result(two_rank_spawn: dict[str, Any]) -> dict[str, Any]:
+    return two_rank_spawn["gpt"]
 
 
 def _check(result: dict[str, Any], world_size: int) -> None:
@@ -143,3 +161,21 @@ def test_ep_size_not_dividing_the_world_names_the_fix() -> None:
     with pytest.raises(ValueError, match=r"expert_parallel_size=4 does not divide the world size 6. "
                                          r"Choose one of \[1, 2, 3, 6\]"):
         ExpertParallelDims(6, 4)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+def test_transformers_family_expert_parallel_matches_one_process(family: str, two_rank_spawn: dict[str, Any]
+                                                                 ) -> None:
+    pytest.importorskip("transformers")
+    from tests.moe.hf_runs import HF_TOL
+    from tests.moe.hf_runs import reference as hf_reference
+
+    run = two_rank_spawn["hf"][family]
+    ref_losses, ref_state = hf_reference(family, 2)
+    assert run["local_experts"] and all(n == 2 for n in run["local_experts"])  # 4 experts, 2 per rank
+    assert run["ignored"] == 2 * len(run["local_experts"])  # gate_up_proj and down_proj of every MoE layer
+    for step, (ours, ref) in enumerate(zip(run["losses"], ref_losses)):
+        assert abs(ours - ref) <= HF_TOL * abs(ref), f"{family} step {step}: {ours} vs {ref}"
+    assert relative_error(run["state"], ref_state) < HF_TOL
+    if family == "deepseek_v3":
+        assert run["bias"] and run["bias"][0] > 0  # e_score_correction_bias was balanced
