@@ -9,7 +9,9 @@ DTensors, which the strategy already keeps out of DDP. Everything else about EP 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -77,9 +79,31 @@ def _param_bytes(params: list[torch.Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def setup_expert_parallel(module: nn.Module, device_type: str, dims: ExpertParallelDims) -> ExpertParallelPlan:
-    """Shard ``module``'s routed experts over ``dims.ep_size`` ranks (collective); print the plan table."""
+def resolve_ep_size(ep_size: int | Literal["auto"], world_size: int, local_size: int,
+                    layers: list[ExpertLayer]) -> int:
+    """``expert_parallel_size`` as a number. ``"auto"``: the largest size that keeps every expert-parallel group
+    inside one node and divides every layer's expert count (``gcd`` of processes per node and expert counts);
+    1 for a model without MoE layers. (The topology cost model does not weigh spanning nodes yet.)"""
+    if ep_size != "auto":
+        return ep_size
+    if not layers:
+        return 1
+    return math.gcd(local_size, world_size, *(layer.num_experts for layer in layers))
+
+
+def setup_expert_parallel(module: nn.Module, device_type: str, world_size: int,
+                          ep_size: int | Literal["auto"], local_size: int) -> ExpertParallelPlan:
+    """Shard ``module``'s routed experts over ``ep_size`` ranks (collective); print the plan table.
+
+    Args:
+        module: the model.
+        device_type: ``"cpu"`` or ``"cuda"``.
+        world_size: all ranks.
+        ep_size: ``expert_parallel_size`` (see :func:`resolve_ep_size` for ``"auto"``).
+        local_size: processes per node.
+    """
     layers: list[ExpertLayer] = find_expert_layers(module)
+    dims = ExpertParallelDims(world_size, resolve_ep_size(ep_size, world_size, local_size, layers))
     expert_ids = {id(p) for layer in layers for p in layer.experts.parameters(recurse=False)
                   if p.dim() >= 1 and p.size(0) == layer.num_experts}
     params = list(module.parameters())

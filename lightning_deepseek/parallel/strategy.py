@@ -133,7 +133,8 @@ class HybridParallelStrategy(DDPStrategy):
             model; default: from ``example_input_array``, else 2048.
         expert_parallel_size: ranks over which the routed experts of MoE layers are sharded (E/ep each, tokens
             dispatched by all-to-all; :mod:`lightning_deepseek.parallel.expert`); must divide the world size and
-            every layer's expert count. 1: experts replicated like everything else.
+            every layer's expert count. 1: experts replicated like everything else. ``"auto"``: the largest size
+            inside a node that divides every layer's expert count (1 without MoE layers).
         save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
             optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
@@ -153,7 +154,7 @@ class HybridParallelStrategy(DDPStrategy):
         topology: str | list[list[int]] | None = None,
         link_costs: dict[str, dict[str, float]] | None = None,
         micro_batch_tokens: int | None = None,
-        expert_parallel_size: int = 1,
+        expert_parallel_size: int | Literal["auto"] = 1,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -169,8 +170,8 @@ class HybridParallelStrategy(DDPStrategy):
             raise ValueError(f"placement={placement!r} is not a placement policy: use one of {POLICIES}.")
         if plan != "auto" and not isinstance(plan, dict):
             raise TypeError(f"plan={plan!r} must be 'auto' or a dict of module-name patterns to 'colwise'/'rowwise'.")
-        if not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
-            raise ValueError(f"expert_parallel_size={expert_parallel_size!r} must be a positive integer.")
+        if expert_parallel_size != "auto" and (not isinstance(expert_parallel_size, int) or expert_parallel_size < 1):
+            raise ValueError(f"expert_parallel_size={expert_parallel_size!r} must be a positive integer or 'auto'.")
         if min_shard_params < 0:
             raise ValueError(f"min_shard_params={min_shard_params} must be >= 0.")
         self._tp_arg = tensor_parallel_size
@@ -269,7 +270,8 @@ class HybridParallelStrategy(DDPStrategy):
             divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
             raise ValueError(f"tensor_parallel_size={tp_size} does not divide the world size {self.world_size}. "
                              f"Choose one of {divisors}.")
-        ExpertParallelDims(self.world_size, self._ep_size)  # validates expert_parallel_size against the world
+        if self._ep_size != "auto":
+            ExpertParallelDims(self.world_size, self._ep_size)  # validates expert_parallel_size against the world
         self._topology = discover_topology(self.root_device, self.local_rank, self._topology_arg)
 
     @override
@@ -305,8 +307,8 @@ class HybridParallelStrategy(DDPStrategy):
                  else f"empty plan: {self._unsharded_reason}")
         rank_zero_info(f"HybridParallelStrategy plan (tp={self.tensor_parallel_size}, "
                        f"dp={self.world_size // self.tensor_parallel_size}):\n{table}")
-        self._expert_plan = setup_expert_parallel(module, self.root_device.type,
-                                                  ExpertParallelDims(self.world_size, self._ep_size))
+        self._expert_plan = setup_expert_parallel(module, self.root_device.type, self.world_size, self._ep_size,
+                                                  self.num_processes)
 
     def _settle_mixed_param_groups(self) -> None:
         changed = _disable_foreach_on_mixed_groups(self.optimizers)

@@ -3,12 +3,14 @@
 - ep=2 with ``ExpertLoadBalancing``, gradient clipping (the mesh-aware norm over expert shards): losses and final
   weights of 20 SGD steps match one process on the global batch with the same bias updates (1e-5 relative);
 - ep=2 with tp=2 (the dense feed-forward of the first layer tensor-parallel) and gradient accumulation: the same;
-- a DCP checkpoint of the expert-parallel run reloads into an ep=2 run exactly;
+- a DCP checkpoint of the expert-parallel run reloads into an ep=2 run exactly, and into one process (what
+  ``lds-sample`` reads) with the experts whole;
 - ep=2 on a model with no MoE layer: a warning naming what was looked for, then plain training.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ STEPS, MICRO, TOL, RATE = 20, 2, 1e-5, 1e-2
 MOE = dict(n_routed_experts=4, moe_top_k=2, n_shared_experts=1, moe_hidden=32, n_dense_layers=1, mlp_ratio=4)
 
 
-def fit(world_size: int, steps: int, tp: int, accumulate: int = 1, clip: float | None = None,
+def fit(world_size: int, steps: int, tp: int, folder: str, accumulate: int = 1, clip: float | None = None,
         ckpt: str | None = None, resume: str | None = None) -> dict[str, Any]:
     dataset = token_data(steps * accumulate * world_size * MICRO)
     pl.seed_everything(0, verbose=False)
@@ -45,7 +47,7 @@ def fit(world_size: int, steps: int, tp: int, accumulate: int = 1, clip: float |
     strategy = HybridParallelStrategy(tensor_parallel_size=tp, expert_parallel_size=2, min_shard_params=0)
     balancing = ExpertLoadBalancing(update_rate=RATE)
     trainer = make_trainer(world_size, strategy, max_steps=steps, accumulate_grad_batches=accumulate,
-                           gradient_clip_val=clip, callbacks=[balancing])
+                           gradient_clip_val=clip, callbacks=[balancing], default_root_dir=folder)
     trainer.fit(module, loader(dataset, MICRO), ckpt_path=resume)
     if ckpt is not None:
         trainer.save_checkpoint(ckpt)
@@ -66,10 +68,11 @@ def no_moe(world_size: int) -> list[str]:
 
 def scenarios(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     ckpt = str(Path(folder) / "ep.ckpt")
-    ep = fit(world_size, STEPS, tp=1, clip=0.5, ckpt=ckpt)
-    resumed = fit(world_size, STEPS, tp=1, clip=0.5, resume=ckpt)  # max_steps reached: loads, trains no step
-    return {"ep": ep, "ep_tp": fit(world_size, STEPS // 2, tp=2, accumulate=2), "resumed": resumed["state"],
-            "no_moe": no_moe(world_size)}
+    ep = fit(world_size, STEPS, tp=1, folder=folder, clip=0.5, ckpt=ckpt)
+    resumed = fit(world_size, STEPS, tp=1, folder=folder, clip=0.5, resume=ckpt)  # at max_steps: loads only
+    plot = (Path(folder) / "expert_load.png").is_file()
+    return {"ep": ep, "ep_tp": fit(world_size, STEPS // 2, tp=2, folder=folder, accumulate=2),
+            "resumed": resumed["state"], "no_moe": no_moe(world_size), "ckpt": ckpt, "plot": plot}
 
 
 def reference(world_size: int, steps: int, accumulate: int = 1, clip: float | None = None
@@ -112,6 +115,7 @@ def test_ep2_with_balancing_and_clipping_matches_one_process(result: dict[str, A
     assert result["ep"]["summary"]["expert_parallel"] == "ep=2 x edp=1, 1 MoE layers"
     assert result["ep"]["summary"]["expert_param_bytes_vs_ddp"] < 1.0
     assert len(result["ep"]["imbalance"]) == STEPS and all(row[1] >= 1.0 for row in result["ep"]["imbalance"])
+    assert result["plot"] or importlib.util.find_spec("matplotlib") is None  # rank 0 drew expert_load.png
 
 
 def test_ep2_with_tp2_and_accumulation_matches_one_process(result: dict[str, Any]) -> None:
@@ -121,6 +125,14 @@ def test_ep2_with_tp2_and_accumulation_matches_one_process(result: dict[str, Any
 
 def test_dcp_checkpoint_with_expert_shards_reloads_exactly(result: dict[str, Any]) -> None:
     assert relative_error(result["resumed"], result["ep"]["state"]) == 0.0
+
+
+def test_dcp_checkpoint_with_expert_shards_loads_into_one_process(result: dict[str, Any]) -> None:
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint  # what lds-sample reads with
+
+    state = _load_distributed_checkpoint(Path(result["ckpt"]))["state_dict"]
+    full = {name: state[name].numpy() for name in result["ep"]["state"]}
+    assert relative_error(full, result["ep"]["state"]) == 0.0  # the experts come back whole at ep=1
 
 
 def test_ep_on_a_model_without_moe_warns_and_trains(result: dict[str, Any]) -> None:
