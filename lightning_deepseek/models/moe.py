@@ -18,8 +18,9 @@ Routed experts follow transformers 5.x's fused-experts convention, so that one e
 model and HF's Mixtral/Qwen-MoE/DeepSeek-V3: one module holding 3-D parameters ``gate_up_proj (E, 2h, d)`` and
 ``down_proj (E, d, h)``, an int attribute ``num_experts`` and ``forward(hidden_states (T, d), top_k_index (T, k),
 top_k_weights (T, k)) -> (T, d)``. Compute: tokens sorted by expert, then ``torch._grouped_mm`` (one grouped GEMM
-per projection) where the torch build runs it for the device and shapes (torch >= 2.8 on CUDA; CPU in recent
-builds), else one ``matmul`` per expert over its contiguous slice of sorted tokens. Both give the same numbers
+per projection) where the torch build runs it for the device and shapes (torch >= 2.8 on CUDA; on CPU from torch
+2.13, for row strides that are 16-byte multiples), else one ``matmul`` per expert over its contiguous slice of sorted
+tokens. Both give the same numbers
 (tested).
 """
 
@@ -31,11 +32,15 @@ import torch.nn.functional as F
 
 SCORE_FUNCS = ("sigmoid", "softmax")
 _GROUPED_MM_BROKEN: set[tuple[str, torch.dtype]] = set()
+# The CPU kernel (forward and backward) is verified on torch 2.13; older CPU builds take the per-expert loop.
+_CPU_GROUPED_MM = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
 def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     aligned = all(size * x.element_size() % 16 == 0 for size in (x.size(-1), weight.size(-1)))
-    return hasattr(torch, "_grouped_mm") and aligned and (x.device.type, x.dtype) not in _GROUPED_MM_BROKEN
+    supported = x.device.type != "cpu" or _CPU_GROUPED_MM
+    return (hasattr(torch, "_grouped_mm") and supported and aligned
+            and (x.device.type, x.dtype) not in _GROUPED_MM_BROKEN)
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
