@@ -23,7 +23,6 @@ from lightning_deepseek.parallel.expert import (
     ExpertParallelDims,
     apply_expert_parallel,
     build_expert_mesh,
-    is_expert_param,
 )
 
 
@@ -125,8 +124,3 @@ def setup_expert_parallel(module: nn.Module, device_type: str, world_size: int,
     rank_zero_info(f"HybridParallelStrategy expert plan (ep={dims.ep_size}, edp={dims.replicas}; balancing bias "
                    f"looked for as {BIAS_NAMES}):\n{plan.table()}")
     return plan
-
-
-def count_expert_params(module: nn.Module) -> int:
-    """Expert-shard elements held by this rank (for tests and benchmarks)."""
-    return sum(p.to_local().numel() for p in module.parameters() if is_expert_param(p))
