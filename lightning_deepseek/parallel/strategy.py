@@ -70,6 +70,8 @@ from lightning_deepseek.parallel import clipping, zero
 from lightning_deepseek.parallel.arguments import check_ddp_kwargs
 from lightning_deepseek.parallel.detection import linear_shape
 from lightning_deepseek.parallel.dims import ParallelDims
+from lightning_deepseek.parallel.expert import REPLICA_DIM, is_expert_param, reduce_expert_gradients
+from lightning_deepseek.parallel.expert_plan import ExpertParallelPlan, setup_expert_parallel
 from lightning_deepseek.parallel.placement import (
     POLICIES,
     CommVolume,
@@ -118,6 +120,11 @@ def _disable_foreach_on_mixed_groups(optimizers: list[Optimizer]) -> list[str]:
     return changed
 
 
+def _replica_group(mesh: DeviceMesh, dim: str) -> zero.ReplicaGroup:
+    group = mesh.get_group(dim)
+    return zero.ReplicaGroup(tuple(dist.get_process_group_ranks(group)), group)
+
+
 class HybridParallelStrategy(DDPStrategy):
     """Attention (and everything else) data-parallel, large feed-forward layers tensor-parallel.
 
@@ -135,6 +142,10 @@ class HybridParallelStrategy(DDPStrategy):
             default: measured by a short probe at start-up when there is more than one island.
         micro_batch_tokens: tokens (rows entering a feed-forward layer) per rank and micro-batch, for the cost
             model; default: from ``example_input_array``, else 2048.
+        expert_parallel_size: ranks over which the routed experts of MoE layers are sharded (E/ep each, tokens
+            dispatched by all-to-all; :mod:`lightning_deepseek.parallel.expert`); must divide the world size and
+            every layer's expert count. 1: experts replicated like everything else. ``"auto"``: the largest size
+            inside a node that divides every layer's expert count (1 without MoE layers).
         save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
             optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
         shard_optimizer_states: ZeRO-1: each replica of a parameter keeps the optimizer state of only the
@@ -157,6 +168,7 @@ class HybridParallelStrategy(DDPStrategy):
         topology: str | list[list[int]] | None = None,
         link_costs: dict[str, dict[str, float]] | None = None,
         micro_batch_tokens: int | None = None,
+        expert_parallel_size: int | Literal["auto"] = 1,
         save_distributed_checkpoint: bool = True,
         shard_optimizer_states: bool = False,
         process_group_backend: str | None = None,
@@ -173,6 +185,8 @@ class HybridParallelStrategy(DDPStrategy):
             raise ValueError(f"placement={placement!r} is not a placement policy: use one of {POLICIES}.")
         if plan != "auto" and not isinstance(plan, dict):
             raise TypeError(f"plan={plan!r} must be 'auto' or a dict of module-name patterns to 'colwise'/'rowwise'.")
+        if expert_parallel_size != "auto" and (not isinstance(expert_parallel_size, int) or expert_parallel_size < 1):
+            raise ValueError(f"expert_parallel_size={expert_parallel_size!r} must be a positive integer or 'auto'.")
         if min_shard_params < 0:
             raise ValueError(f"min_shard_params={min_shard_params} must be >= 0.")
         self._tp_arg = tensor_parallel_size
@@ -183,6 +197,8 @@ class HybridParallelStrategy(DDPStrategy):
         self._links = ({k: LinkCost.from_config(link_costs.get(k), f"link_costs[{k!r}]") for k in ("intra", "inter")}
                        if link_costs is not None else None)
         self._micro_batch_tokens = micro_batch_tokens
+        self._ep_size = expert_parallel_size
+        self._expert_plan: ExpertParallelPlan | None = None
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._dims: ParallelDims | None = None
         self._shard_optimizer_states = shard_optimizer_states
@@ -249,6 +265,7 @@ class HybridParallelStrategy(DDPStrategy):
             "hybrid_mesh": f"dp={dims.dp} x tp={dims.tp} ({self.placement})",
             "hybrid_sharded_layers": len(self._plan),
             "hybrid_param_bytes_vs_ddp": round(local / max(full, 1), 3),
+            **(self._expert_plan.summary() if self._expert_plan is not None else {}),
         }
         if self.optimizers:
             summary["hybrid_optimizer_state_bytes"] = sum(zero.state_bytes(o) for o in self.optimizers)
@@ -280,7 +297,9 @@ class HybridParallelStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._dims = ParallelDims(self.world_size, tp=self.num_processes if self._tp_arg == "auto" else self._tp_arg)
+        ep = 1 if self._ep_size == "auto" else self._ep_size  # "auto" is resolved with the model, at setup
+        self._dims = ParallelDims(self.world_size, tp=self.num_processes if self._tp_arg == "auto" else self._tp_arg,
+                                  ep=ep)
         self._topology = discover_topology(self.root_device, self.local_rank, self._topology_arg)
 
     @override
@@ -317,6 +336,8 @@ class HybridParallelStrategy(DDPStrategy):
         module._device_mesh = self._mesh
         apply_tensor_parallel(module, self._plan.styles, self._mesh["tp"])
         self._log_plan(module)
+        self._expert_plan = setup_expert_parallel(module, self.root_device.type, self.world_size, self._ep_size,
+                                                  self.num_processes)
 
     def _log_plan(self, module: nn.Module) -> None:
         if not self._plan and self._plan.warn:
@@ -339,15 +360,19 @@ class HybridParallelStrategy(DDPStrategy):
                            "optimizer states.")
             return
         world = zero.ReplicaGroup(tuple(range(self.world_size)), None)
-        dp = world
-        if self._mesh is not None:
-            dp_group = self._mesh.get_group("dp")
-            dp = zero.ReplicaGroup(tuple(dist.get_process_group_ranks(dp_group)), dp_group)
+        dp = _replica_group(self._mesh, "dp") if self._mesh is not None else world
+        expert_mesh = self._expert_plan.mesh if self._expert_plan is not None else None
+        edp = _replica_group(expert_mesh, REPLICA_DIM) if expert_mesh is not None else world
+
+        def replica_group_of(param: torch.Tensor) -> zero.ReplicaGroup:
+            if is_expert_param(param):
+                return edp  # expert slices: replicated over the expert-data-parallel group
+            return dp if isinstance(param, DTensor) else world
         for i, optimizer in enumerate(self.optimizers):
             inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
             zero.check_shardable(inner, i)
             params = [p for group in inner.param_groups for p in group["params"]]
-            owners = zero.partition(params, lambda p: dp if isinstance(p, DTensor) else world)
+            owners = zero.partition(params, replica_group_of)
             self._zero.append(zero.ShardedOptimizerStates(inner, owners, self.global_rank))
 
     def _settle_mixed_param_groups(self) -> None:
@@ -458,7 +483,7 @@ class HybridParallelStrategy(DDPStrategy):
     def reduce_tensor_parallel_gradients(self, optimizer: Optimizer) -> None:
         """Sum the tensor-parallel gradients of ``optimizer``'s parameters over ``dp``, divide by the world size."""
         grads = [p.grad.to_local() for group in optimizer.param_groups for p in group["params"]
-                 if isinstance(p, DTensor) and p.grad is not None]
+                 if isinstance(p, DTensor) and not is_expert_param(p) and p.grad is not None]
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -475,6 +500,8 @@ class HybridParallelStrategy(DDPStrategy):
         def closure_then_reduce() -> Any:
             result = closure()
             self.reduce_tensor_parallel_gradients(inner)
+            if self._expert_plan is not None and self._expert_plan.mesh is not None:
+                reduce_expert_gradients([p for g in inner.param_groups for p in g["params"]], self._expert_plan.mesh)
             return result
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
