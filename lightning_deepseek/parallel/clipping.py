@@ -30,7 +30,12 @@ def _shard_group(grad: DTensor) -> dist.ProcessGroup | None:
 
 
 def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients of ``parameters`` taken together, as a plain tensor equal on every rank."""
+    """The norm of all gradients of ``parameters`` taken together, as a plain tensor equal on every rank.
+
+    Shared: ``clip_grad_norm_`` below, and ``ElasticTraining``'s health check (``lightning_deepseek.elastic``), which
+    imports it from here (also exported as ``lightning_deepseek.parallel.total_grad_norm``). Collective when
+    DTensors are present: every rank must call it with the same parameters.
+    """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)

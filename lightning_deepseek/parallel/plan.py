@@ -1,21 +1,17 @@
-"""Tensor-parallel plan: which ``nn.Linear`` layers are sharded over the ``tp`` mesh dimension, and how.
+"""The tensor-parallel plan: which linear layers are sharded over the ``tp`` mesh dimension, and how; a frozen value.
 
-``plan="auto"`` finds feed-forward blocks by structure, in any model: among the ``nn.Linear`` children of one
-parent module (in registration order), one or two up-projections ``d -> h`` followed by a down-projection
-``h -> d`` with ``h != d``. That covers GPT-style MLPs (``fc1``/``fc2``), ``nn.TransformerEncoderLayer`` /
-``DecoderLayer`` (``linear1``/``linear2``) and gated SwiGLU MLPs (``gate``/``up``/``down``, or Llama's
-``w1``/``w2``/``w3`` order), and it never pairs attention projections (``d -> d``, ``d -> 3d``). A block is
-rejected when a sibling normalises over ``h`` (the hidden activations would be sharded under it). We chose
-sibling structure over ``torch.fx`` tracing because tracing fails on data-dependent Python control flow that
-ordinary models contain (shape checks in ``forward``) and needs no example input.
+Where it comes from (each entry records its source, printed in the plan table):
 
-Limits: the heuristic assumes that what sits between the up- and down-projection is element-wise (activation,
-gating product, dropout), which is the definition of a feed-forward block; a block whose hidden width equals
-the model width (``h == d``) is not detected: name it in an explicit plan (``{"*.mlp.fc1": "colwise", ...}``).
+- ``plan="auto"``: for a model that declares its own tensor-parallel plan (HF transformers' ``_tp_plan`` /
+  ``config.base_model_tp_plan``: Llama, Mistral, Qwen, Mixtral, DeepSeek-V3, ...), that plan's feed-forward entries
+  (:mod:`lightning_deepseek.parallel.declared`); for everything else (our GPT, torch's ``TransformerEncoderLayer``,
+  GPT-2, BERT, ViT, a user's own model), feed-forward blocks found by structure
+  (:mod:`lightning_deepseek.parallel.detection`). Blocks under ``min_shard_params`` stay replicated, as do blocks
+  whose hidden width does not divide by ``tp`` (warned);
+- an explicit mapping ``{module-name pattern: "colwise" | "rowwise"}`` (``fnmatch``, names relative to the
+  LightningModule; ``*`` also matches dots).
 
-Styles: up-projections are ``ColwiseParallel(input_layouts=Shard(0))`` (the batch-sharded input is all-gathered
-over ``tp``), down-projections ``RowwiseParallel(output_layouts=Shard(0))`` (partial sums are reduce-scattered
-back to each rank's own micro-batch). Every rank of a ``tp`` group must feed the same micro-batch shape.
+Layers are ``nn.Linear`` or transformers' ``Conv1D``; how they are sharded is :mod:`lightning_deepseek.parallel.styles`.
 """
 
 from __future__ import annotations
@@ -24,97 +20,107 @@ import fnmatch
 from dataclasses import dataclass
 
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_deepseek.parallel.declared import declared_blocks, declaring_modules
+from lightning_deepseek.parallel.detection import FeedForwardBlock, find_feed_forward_blocks, linear_shape
 
 STYLES = ("colwise", "rowwise")
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+
+__all__ = ["STYLES", "FeedForwardBlock", "Plan", "PlanEntry", "auto_plan", "decide_plan", "explicit_plan",
+           "find_feed_forward_blocks", "format_plan_table", "plan_blocks", "why_auto_plan_is_empty"]
 
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """One sharded ``nn.Linear``: its module name (relative to the root module) and its style."""
+    """One sharded linear layer: its module name (relative to the root module), its style and where it came from
+    (``"structure"``, ``"declared by <HF class>"`` or ``"explicit"``)."""
 
     name: str
     style: str
     num_params: int
+    source: str = "structure"
 
 
 @dataclass(frozen=True)
-class FeedForwardBlock:
-    """Up-projection(s) ``d -> h`` (one, or two when gated) and the down-projection ``h -> d`` of one block."""
+class Plan:
+    """The sharded layers, decided once at setup. Empty: ``reason`` says why (and ``warn`` whether the user should
+    be told: they did not ask for an unsharded run)."""
 
-    ups: tuple[str, ...]
-    down: str
-    dim: int
-    hidden: int
-    num_params: int
+    entries: tuple[PlanEntry, ...] = ()
+    reason: str = ""
+    warn: bool = False
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    @property
+    def styles(self) -> dict[str, str]:
+        return {e.name: e.style for e in self.entries}
+
+    @property
+    def sources(self) -> list[str]:
+        return sorted({e.source for e in self.entries})
 
 
-def _linear_children(parent: nn.Module, prefix: str) -> list[tuple[str, nn.Linear]]:
-    return [(f"{prefix}{name}", child) for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+def plan_blocks(module: nn.Module) -> list[FeedForwardBlock]:
+    """The feed-forward blocks of ``module``: declared ones under models that declare a plan with feed-forward
+    entries, structural ones everywhere else."""
+    declared: list[FeedForwardBlock] = []
+    covered: list[str] = []
+    for name, (owner, plan) in declaring_modules(module).items():
+        blocks = declared_blocks(owner, plan, f"{name}." if name else "")
+        if blocks:
+            declared += blocks
+            covered.append(name)
 
+    def outside(block: FeedForwardBlock) -> bool:
+        return not any(c == "" or block.down.startswith(f"{c}.") for c in covered)
 
-def _normalises_over(parent: nn.Module, width: int) -> bool:
-    for child in parent.children():
-        if isinstance(child, nn.LayerNorm) and child.normalized_shape[-1] == width:
-            return True
-        if isinstance(child, _NORMS) and not isinstance(child, nn.LayerNorm):
-            shape = getattr(child, "normalized_shape", None) or (getattr(child, "num_features", None),)
-            if shape and shape[-1] == width:
-                return True
-    return False
-
-
-def find_feed_forward_blocks(module: nn.Module) -> list[FeedForwardBlock]:
-    """All feed-forward blocks of ``module`` by sibling structure (see the module docstring)."""
-    blocks: list[FeedForwardBlock] = []
-    for parent_name, parent in module.named_modules():
-        prefix = f"{parent_name}." if parent_name else ""
-        linears = _linear_children(parent, prefix)
-        shapes = {(m.in_features, m.out_features) for _, m in linears}
-        for dim, hidden in sorted(shapes):
-            if dim == hidden or (hidden, dim) not in shapes or _normalises_over(parent, hidden):
-                continue
-            ups = [(n, m) for n, m in linears if (m.in_features, m.out_features) == (dim, hidden)]
-            downs = [(n, m) for n, m in linears if (m.in_features, m.out_features) == (hidden, dim)]
-            per_block = len(ups) // len(downs)
-            first_up_after_down = linears.index(ups[0]) > linears.index(downs[0])  # then (h, d) is the pair
-            if first_up_after_down or per_block not in (1, 2) or per_block * len(downs) != len(ups):
-                continue  # no consistent grouping: leave it to an explicit plan
-            # One block (any order, e.g. Llama's w1, w2, w3), or several in registration order (flat ModuleLists).
-            for i, (down_name, down) in enumerate(downs):
-                group = ups[i * per_block:(i + 1) * per_block]
-                num_params = sum(p.numel() for _, m in (*group, (down_name, down)) for p in m.parameters())
-                blocks.append(FeedForwardBlock(tuple(n for n, _ in group), down_name, dim, hidden, num_params))
-    return blocks
+    return declared + [b for b in find_feed_forward_blocks(module) if outside(b)]
 
 
 def auto_plan(module: nn.Module, tp_size: int, min_params: int) -> tuple[list[PlanEntry], list[FeedForwardBlock]]:
-    """The plan that shards every detected block with at least ``min_params`` parameters whose hidden width
-    divides by ``tp_size``; also returns the blocks skipped because their width does not divide."""
+    """The plan that shards every block of ``plan_blocks`` with at least ``min_params`` parameters whose hidden
+    width divides by ``tp_size``; also returns the blocks skipped because their width does not divide."""
     entries: list[PlanEntry] = []
     indivisible: list[FeedForwardBlock] = []
     modules = dict(module.named_modules())
-    for block in find_feed_forward_blocks(module):
+    for block in plan_blocks(module):
         if block.num_params < min_params:
             continue
         if block.hidden % tp_size:
             indivisible.append(block)
             continue
         for name in block.ups:
-            entries.append(PlanEntry(name, "colwise", _numel(modules[name])))
-        entries.append(PlanEntry(block.down, "rowwise", _numel(modules[block.down])))
+            entries.append(PlanEntry(name, "colwise", _numel(modules[name]), block.source))
+        entries.append(PlanEntry(block.down, "rowwise", _numel(modules[block.down]), block.source))
     return entries, indivisible
+
+
+def _linear_names(module: nn.Module) -> str:
+    return ", ".join(n for n, m in module.named_modules() if linear_shape(m) is not None)[:300]
 
 
 def why_auto_plan_is_empty(module: nn.Module, min_params: int) -> tuple[str, str]:
     """Why ``auto_plan`` sharded nothing in ``module`` (no block found, or all under ``min_params``), and the fix."""
-    blocks = find_feed_forward_blocks(module)
+    blocks = plan_blocks(module)
     if not blocks:
-        return (f"plan='auto' found no feed-forward block (nn.Linear d->h then h->d with h != d among one module's "
-                f"children) in {type(module).__name__}",
-                "Name the layers to shard in an explicit plan, e.g. plan={'*.mlp.fc1': 'colwise', "
-                "'*.mlp.fc2': 'rowwise'}.")
+        declaring = sorted({type(owner).__name__ for owner, _ in declaring_modules(module).values()})
+        declared = (f"; {', '.join(declaring)} declares a tensor-parallel plan, but none of its entries is a "
+                    "feed-forward linear pair (fused expert weights are expert parallelism's)" if declaring else "")
+        return (f"plan='auto' found no feed-forward block (a linear d->h then h->d with h != d among one module's "
+                f"children, or declared by the model) in {type(module).__name__}{declared}",
+                "Name the layers to shard in an explicit plan, {module-name pattern: 'colwise' for an up-projection, "
+                f"'rowwise' for its down-projection}}; the linear layers of {type(module).__name__} are: "
+                f"{_linear_names(module) or 'none'}.")
     largest = max(blocks, key=lambda b: b.num_params)
     return (f"no feed-forward block reaches min_shard_params={min_params}: the largest "
             f"({', '.join((*largest.ups, largest.down))}) has {largest.num_params:,} parameters",
@@ -126,63 +132,87 @@ def explicit_plan(module: nn.Module, patterns: dict[str, str], tp_size: int) -> 
     """The plan of a user mapping ``{module-name pattern: "colwise" | "rowwise"}`` (``fnmatch`` patterns).
 
     Raises:
-        ValueError: a pattern matches no module, a style is unknown, a matched module is not an ``nn.Linear``,
-            or its sharded dimension does not divide by ``tp_size``.
+        ValueError: a pattern matches no module, a style is unknown, a matched module is not a linear layer
+            (``nn.Linear`` or transformers' ``Conv1D``), or its sharded dimension does not divide by ``tp_size``.
     """
     entries: dict[str, PlanEntry] = {}
-    names = [name for name, _ in module.named_modules() if name]
     modules = dict(module.named_modules())
+    names = [name for name in modules if name]
     for pattern, style in patterns.items():
         if style not in STYLES:
             raise ValueError(f"plan[{pattern!r}]={style!r} is not a style: use one of {STYLES}.")
         matched = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
         if not matched:
-            hint = ", ".join(n for n, m in modules.items() if isinstance(m, nn.Linear))[:300]
             raise ValueError(f"plan pattern {pattern!r} matches no module of {type(module).__name__}. "
                              f"Fix the pattern (fnmatch syntax, names relative to the LightningModule); "
-                             f"its nn.Linear modules are: {hint}")
+                             f"its linear layers are: {_linear_names(module)}")
         for name in matched:
-            linear = modules[name]
-            if not isinstance(linear, nn.Linear):
-                raise ValueError(f"plan pattern {pattern!r} matches {name!r}, a {type(linear).__name__}: only "
-                                 "nn.Linear layers can be sharded. Narrow the pattern to the Linear layers.")
-            width = linear.out_features if style == "colwise" else linear.in_features
+            shape = linear_shape(modules[name])
+            if shape is None:
+                raise ValueError(f"plan pattern {pattern!r} matches {name!r}, a {type(modules[name]).__name__}: "
+                                 "only nn.Linear (and transformers' Conv1D) layers can be sharded. Narrow the "
+                                 "pattern to the linear layers.")
+            width = shape[1] if style == "colwise" else shape[0]
             if width % tp_size:
                 raise ValueError(f"plan: {name!r} ({style}) has {width} features, not divisible by "
                                  f"tensor_parallel_size={tp_size}. Choose a tensor_parallel_size that divides "
                                  f"{width} or leave this layer out of the plan.")
-            entries[name] = PlanEntry(name, style, _numel(linear))
+            entries[name] = PlanEntry(name, style, _numel(modules[name]), "explicit")
     return list(entries.values())
 
 
-def apply_plan(module: nn.Module, entries: list[PlanEntry], tp_mesh: DeviceMesh) -> None:
-    """Shard the planned layers of ``module`` in place over the 1-D ``tp_mesh``."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def decide_plan(module: nn.Module, plan: str | dict[str, str], world_size: int, tp_size: int, tp_is_auto: bool,
+                min_params: int) -> Plan:
+    """The plan of ``module`` for ``HybridParallelStrategy``'s settings; an empty one says why, and whether to warn
+    (one process, ``tensor_parallel_size='auto'`` resolving to 1, or no block found or large enough).
 
-    styles = {
-        "colwise": ColwiseParallel(input_layouts=Shard(0)),
-        "rowwise": RowwiseParallel(output_layouts=Shard(0)),
-    }
+    Raises:
+        ValueError: an explicit plan is invalid (see ``explicit_plan``), or ``tp_size`` divides none of the widths.
+    """
+    processes = f"over {world_size} processes" if world_size > 1 else "on one process"
+    plain_ddp = f"nothing is sharded and this trains as plain DDP {processes}"
+    if world_size == 1:
+        return Plan(reason=f"one process (Trainer devices=1, num_nodes=1): there is no tp group, so {plain_ddp}. "
+                    "Run on 2 or more devices (lds-train: trainer.devices=2) to shard the feed-forward layers.",
+                    warn=True)
+    if tp_size == 1:
+        if not tp_is_auto:
+            return Plan(reason=f"tensor_parallel_size=1: {plain_ddp}.")
+        divisors = [d for d in range(2, world_size + 1) if world_size % d == 0]
+        return Plan(reason=f"tensor_parallel_size='auto' is the number of processes per node, 1 here, so {plain_ddp}. "
+                    f"Set tensor_parallel_size to one of {divisors}, or run more devices per node.", warn=True)
+    if plan != "auto":
+        entries = explicit_plan(module, plan, tp_size)
+        return Plan(tuple(entries)) if entries else Plan(reason=f"the plan is empty ({plan}): {plain_ddp}.")
+    entries, indivisible = auto_plan(module, tp_size, min_params)
+    if indivisible and not entries:
+        widths = sorted({b.hidden for b in indivisible})
+        raise ValueError(f"tensor_parallel_size={tp_size} divides none of the feed-forward widths {widths}. "
+                         f"Choose a tensor_parallel_size that divides them, or pass an explicit plan.")
+    for block in indivisible:
+        rank_zero_warn(f"HybridParallelStrategy: {block.down} keeps replicated: its width {block.hidden} is "
+                       f"not divisible by tensor_parallel_size={tp_size}.")
     if entries:
-        parallelize_module(module, tp_mesh, {entry.name: styles[entry.style] for entry in entries})
+        return Plan(tuple(entries))
+    cause, fix = why_auto_plan_is_empty(module, min_params)
+    return Plan(reason=f"{cause}, so {plain_ddp}. {fix}", warn=True)
 
 
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def format_plan_table(module: nn.Module, entries: list[PlanEntry], tp_size: int) -> str:
-    """Markdown table of the plan (module, style, parameters, bytes per rank) and memory per rank vs DDP."""
+def format_plan_table(module: nn.Module, plan: Plan, tp_size: int) -> str:
+    """Markdown table of the plan (module, style, source, parameters, bytes per rank) and memory per rank vs DDP."""
     modules = dict(module.named_modules())
-    rows = ["| module | style | parameters | bytes per rank |", "|---|---|---|---|"]
+    rows = ["| module | style | source | parameters | bytes per rank |", "|---|---|---|---|---|"]
     sharded_full = sharded_local = 0
-    for entry in entries:
+    for entry in plan:
         linear = modules[entry.name]
         local = _local_bytes(linear, entry.style, tp_size)
         full = sum(p.numel() * p.element_size() for p in linear.parameters())
         sharded_full, sharded_local = sharded_full + full, sharded_local + local
-        rows.append(f"| {entry.name} | {entry.style} | {entry.num_params:,} | {local:,} |")
+        rows.append(f"| {entry.name} | {entry.style} | {entry.source} | {entry.num_params:,} | {local:,} |")
     total = sum(p.numel() * p.element_size() for p in module.parameters())
     per_rank = total - sharded_full + sharded_local
     rows.append("")

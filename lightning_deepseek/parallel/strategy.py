@@ -1,22 +1,30 @@
 """``HybridParallelStrategy``: data-parallel attention, tensor-parallel feed-forward, topology-aware mesh.
 
-Every rank consumes its own micro-batch (global batch = world size x micro-batch). Large feed-forward
-``nn.Linear`` pairs are sharded over the ``tp`` dimension of a 2-D ``(dp, tp)`` ``DeviceMesh`` (torch DTensor
-tensor parallelism: batch-sharded activations all-gathered before the block, reduce-scattered after it); every
-other parameter is replicated. Gradients:
+Every rank consumes its own micro-batch (global batch = world size x micro-batch). Large feed-forward linear
+pairs (``nn.Linear``, transformers' ``Conv1D``) are sharded over the ``tp`` dimension of a 2-D ``(dp, tp)``
+``DeviceMesh`` (torch DTensor tensor parallelism: batch-sharded activations all-gathered before the block,
+reduce-scattered after it); every other parameter is replicated. Gradients:
 - replicated parameters see different data on every rank, so they are averaged over the whole world by torch
   ``DistributedDataParallel`` (the tensor-parallel parameters are in DDP's ignore list); ``ddp_module`` is that
   DDP and ``data_parallel_group`` its process group, where a comm hook (``GradientCompression``) plugs in;
 - a tensor-parallel shard already holds the gradient summed over its ``tp`` group's micro-batches (the
   reduce-scatter's backward is an all-gather of the output gradients), so it is summed over ``dp`` and divided
-  by the world size: once per optimizer step, after the closure, so accumulation adds no collective.
+  by the world size: once per optimizer step, after the closure, so accumulation adds no collective. A model whose
+  every trainable parameter is sharded gets no DDP wrapper (``ddp_module`` is then None).
 
-The result is the training of the same model on the global batch (tested to 1e-5 against one process).
+The result is the training of the same model on the global batch (tested to 1e-5 against one process, and
+against DDP on HF Llama, GPT-2, BERT, ViT, Mixtral and DeepSeek-V3).
+
+The strategy is a thin coordinator over values decided once: ``ParallelDims`` (:mod:`.dims`, sizes and mesh), the
+``Plan`` (:mod:`.plan`: declared by the model or found by structure), the placement (:mod:`.placement`); sharding
+is :mod:`.styles`, checkpoint I/O :mod:`.checkpoint`. ``_parallelize`` is the flat list of steps of a first setup.
 Reused from Lightning: ``DDPStrategy`` (launch, process group, DDP wrapping, ``no_sync`` under gradient
 accumulation, ``reduce`` for ``sync_dist``) and the DCP checkpoint layout of ``ModelParallelStrategy`` (a folder
 of shards plus ``meta.pt``). Lightning's ``ModelParallelStrategy`` itself shards over ``dp`` with FSDP2 and
 expects the user to parallelize in ``configure_model``; this strategy keeps the attention replicated and plans
-the model itself. Checkpoints are torch DCP folders that reload at another ``tp`` or world size, or (with
+the model itself; like it, teardown leaves sharded weights where they are (moving DTensor parameters to the CPU
+fails while an exception's traceback holds the autograd graph, and would hide the user's exception).
+Checkpoints are torch DCP folders that reload at another ``tp`` or world size, or (with
 ``save_distributed_checkpoint=False``) one full file gathered on rank 0; full files, also DDP's, load at any ``tp``.
 
 With nothing to shard (one process, ``tensor_parallel_size`` resolving to 1, no feed-forward block found or none
@@ -28,13 +36,13 @@ Optimizers: torch's multi-tensor steps (``foreach``, the default on CUDA, and ``
 mixes DTensor shards and plain tensors, so such groups are stepped with the for-loop implementation
 (``foreach=False``) unless they ask for ``foreach``/``fused`` explicitly, which is an error. Groups split by
 ``isinstance(p, DTensor)`` keep the multi-tensor step.
-Not supported: sharding anything but ``nn.Linear``; ranks of a ``tp`` group feeding micro-batches of different
-shapes (the last batch of an epoch must be full or dropped).
+Not supported: sharding anything but ``nn.Linear`` and ``Conv1D`` (routed experts are expert parallelism's);
+ranks of a ``tp`` group feeding micro-batches of different shapes (the last batch of an epoch must be full or
+dropped).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -44,7 +52,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -58,8 +65,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_deepseek.parallel import checkpoint as _checkpoint_io
 from lightning_deepseek.parallel import clipping, zero
 from lightning_deepseek.parallel.arguments import check_ddp_kwargs
+from lightning_deepseek.parallel.detection import linear_shape
+from lightning_deepseek.parallel.dims import ParallelDims
+from lightning_deepseek.parallel.expert import REPLICA_DIM, is_expert_param, reduce_expert_gradients
+from lightning_deepseek.parallel.expert_plan import ExpertParallelPlan, setup_expert_parallel
 from lightning_deepseek.parallel.placement import (
     POLICIES,
     CommVolume,
@@ -69,14 +81,8 @@ from lightning_deepseek.parallel.placement import (
     describe_placement,
     probe_links,
 )
-from lightning_deepseek.parallel.plan import (
-    PlanEntry,
-    apply_plan,
-    auto_plan,
-    explicit_plan,
-    format_plan_table,
-    why_auto_plan_is_empty,
-)
+from lightning_deepseek.parallel.plan import Plan, decide_plan, format_plan_table
+from lightning_deepseek.parallel.styles import apply_tensor_parallel
 from lightning_deepseek.parallel.topology import Topology, discover_topology, parse_topology
 from lightning_deepseek.parallel.zero import ShardedOptimizerStates
 
@@ -114,6 +120,11 @@ def _disable_foreach_on_mixed_groups(optimizers: list[Optimizer]) -> list[str]:
     return changed
 
 
+def _replica_group(mesh: DeviceMesh, dim: str) -> zero.ReplicaGroup:
+    group = mesh.get_group(dim)
+    return zero.ReplicaGroup(tuple(dist.get_process_group_ranks(group)), group)
+
+
 class HybridParallelStrategy(DDPStrategy):
     """Attention (and everything else) data-parallel, large feed-forward layers tensor-parallel.
 
@@ -131,6 +142,10 @@ class HybridParallelStrategy(DDPStrategy):
             default: measured by a short probe at start-up when there is more than one island.
         micro_batch_tokens: tokens (rows entering a feed-forward layer) per rank and micro-batch, for the cost
             model; default: from ``example_input_array``, else 2048.
+        expert_parallel_size: ranks over which the routed experts of MoE layers are sharded (E/ep each, tokens
+            dispatched by all-to-all; :mod:`lightning_deepseek.parallel.expert`); must divide the world size and
+            every layer's expert count. 1: experts replicated like everything else. ``"auto"``: the largest size
+            inside a node that divides every layer's expert count (1 without MoE layers).
         save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
             optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
         shard_optimizer_states: ZeRO-1: each replica of a parameter keeps the optimizer state of only the
@@ -153,6 +168,7 @@ class HybridParallelStrategy(DDPStrategy):
         topology: str | list[list[int]] | None = None,
         link_costs: dict[str, dict[str, float]] | None = None,
         micro_batch_tokens: int | None = None,
+        expert_parallel_size: int | Literal["auto"] = 1,
         save_distributed_checkpoint: bool = True,
         shard_optimizer_states: bool = False,
         process_group_backend: str | None = None,
@@ -169,6 +185,8 @@ class HybridParallelStrategy(DDPStrategy):
             raise ValueError(f"placement={placement!r} is not a placement policy: use one of {POLICIES}.")
         if plan != "auto" and not isinstance(plan, dict):
             raise TypeError(f"plan={plan!r} must be 'auto' or a dict of module-name patterns to 'colwise'/'rowwise'.")
+        if expert_parallel_size != "auto" and (not isinstance(expert_parallel_size, int) or expert_parallel_size < 1):
+            raise ValueError(f"expert_parallel_size={expert_parallel_size!r} must be a positive integer or 'auto'.")
         if min_shard_params < 0:
             raise ValueError(f"min_shard_params={min_shard_params} must be >= 0.")
         self._tp_arg = tensor_parallel_size
@@ -179,13 +197,15 @@ class HybridParallelStrategy(DDPStrategy):
         self._links = ({k: LinkCost.from_config(link_costs.get(k), f"link_costs[{k!r}]") for k in ("intra", "inter")}
                        if link_costs is not None else None)
         self._micro_batch_tokens = micro_batch_tokens
+        self._ep_size = expert_parallel_size
+        self._expert_plan: ExpertParallelPlan | None = None
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._dims: ParallelDims | None = None
         self._shard_optimizer_states = shard_optimizer_states
         self._zero: list[ShardedOptimizerStates] = []
         self._topology: Topology | None = None
         self._mesh: DeviceMesh | None = None
-        self._plan: list[PlanEntry] = []
-        self._unsharded_reason = ""
+        self._plan = Plan()
         self.placement: str | None = None
         self.placement_estimates: dict[str, float] = {}
 
@@ -197,7 +217,16 @@ class HybridParallelStrategy(DDPStrategy):
 
     @property
     def tensor_parallel_size(self) -> int:
+        if self._dims is not None:
+            return self._dims.tp
         return self.num_processes if self._tp_arg == "auto" else self._tp_arg
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """World, tp and ep sizes (after ``setup_environment``)."""
+        if self._dims is None:
+            raise RuntimeError("HybridParallelStrategy.parallel_dims exists only after setup_environment().")
+        return self._dims
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -210,9 +239,9 @@ class HybridParallelStrategy(DDPStrategy):
         return self._topology
 
     @property
-    def plan(self) -> list[PlanEntry]:
-        """The sharded layers (empty before setup)."""
-        return list(self._plan)
+    def plan(self) -> Plan:
+        """The sharded layers (empty before setup); iterating it gives its ``PlanEntry`` items."""
+        return self._plan
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup:
@@ -231,11 +260,12 @@ class HybridParallelStrategy(DDPStrategy):
         params = list(self.lightning_module.parameters())
         full = sum(p.numel() * p.element_size() for p in params)
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
-        dp_size = self.world_size // self.tensor_parallel_size
+        dims = self.parallel_dims
         summary = {
-            "hybrid_mesh": f"dp={dp_size} x tp={self.tensor_parallel_size} ({self.placement})",
+            "hybrid_mesh": f"dp={dims.dp} x tp={dims.tp} ({self.placement})",
             "hybrid_sharded_layers": len(self._plan),
             "hybrid_param_bytes_vs_ddp": round(local / max(full, 1), 3),
+            **(self._expert_plan.summary() if self._expert_plan is not None else {}),
         }
         if self.optimizers:
             summary["hybrid_optimizer_state_bytes"] = sum(zero.state_bytes(o) for o in self.optimizers)
@@ -267,11 +297,9 @@ class HybridParallelStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        tp_size = self.tensor_parallel_size
-        if self.world_size % tp_size:
-            divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
-            raise ValueError(f"tensor_parallel_size={tp_size} does not divide the world size {self.world_size}. "
-                             f"Choose one of {divisors}.")
+        ep = 1 if self._ep_size == "auto" else self._ep_size  # "auto" is resolved with the model, at setup
+        self._dims = ParallelDims(self.world_size, tp=self.num_processes if self._tp_arg == "auto" else self._tp_arg,
+                                  ep=ep)
         self._topology = discover_topology(self.root_device, self.local_rank, self._topology_arg)
 
     @override
@@ -296,18 +324,28 @@ class HybridParallelStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
-        """Plan, place, build the mesh and shard ``module`` (first setup only)."""
+        """Plan, place, build the mesh and shard ``module`` (first setup only): the flat list of steps."""
         from lightning.pytorch.overrides.distributed import _sync_module_states
 
+        dims = self.parallel_dims
         _sync_module_states(module)  # tp groups shard from their first rank: make every rank hold rank 0's weights
-        self._plan = self._make_plan(module)
-        self._mesh = self._build_mesh(module, trainer)
+        self._plan = decide_plan(module, self._plan_arg, dims.world_size, dims.tp, self._tp_arg == "auto",
+                                 self._min_shard_params)
+        if self._mesh is None:  # built once: a later setup of an unsharded model (fit, then test) reuses it
+            self._mesh = self._build_mesh(module, trainer)
         module._device_mesh = self._mesh
-        apply_plan(module, self._plan, self._mesh["tp"])
-        table = (format_plan_table(module, self._plan, self.tensor_parallel_size) if self._plan
-                 else f"empty plan: {self._unsharded_reason}")
-        rank_zero_info(f"HybridParallelStrategy plan (tp={self.tensor_parallel_size}, "
-                       f"dp={self.world_size // self.tensor_parallel_size}):\n{table}")
+        apply_tensor_parallel(module, self._plan.styles, self._mesh["tp"])
+        self._log_plan(module)
+        self._expert_plan = setup_expert_parallel(module, self.root_device.type, self.world_size, self._ep_size,
+                                                  self.num_processes)
+
+    def _log_plan(self, module: nn.Module) -> None:
+        if not self._plan and self._plan.warn:
+            rank_zero_warn(f"HybridParallelStrategy: {self._plan.reason}")
+        table = (format_plan_table(module, self._plan, self.parallel_dims.tp) if self._plan
+                 else f"empty plan: {self._plan.reason}")
+        rank_zero_info(f"HybridParallelStrategy plan (tp={self.parallel_dims.tp}, dp={self.parallel_dims.dp}):\n"
+                       f"{table}")
 
     def _shard_states(self) -> None:
         """ZeRO-1 on every optimizer (``shard_optimizer_states=True``)."""
@@ -322,15 +360,19 @@ class HybridParallelStrategy(DDPStrategy):
                            "optimizer states.")
             return
         world = zero.ReplicaGroup(tuple(range(self.world_size)), None)
-        dp = world
-        if self._mesh is not None:
-            dp_group = self._mesh.get_group("dp")
-            dp = zero.ReplicaGroup(tuple(dist.get_process_group_ranks(dp_group)), dp_group)
+        dp = _replica_group(self._mesh, "dp") if self._mesh is not None else world
+        expert_mesh = self._expert_plan.mesh if self._expert_plan is not None else None
+        edp = _replica_group(expert_mesh, REPLICA_DIM) if expert_mesh is not None else world
+
+        def replica_group_of(param: torch.Tensor) -> zero.ReplicaGroup:
+            if is_expert_param(param):
+                return edp  # expert slices: replicated over the expert-data-parallel group
+            return dp if isinstance(param, DTensor) else world
         for i, optimizer in enumerate(self.optimizers):
             inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
             zero.check_shardable(inner, i)
             params = [p for group in inner.param_groups for p in group["params"]]
-            owners = zero.partition(params, lambda p: dp if isinstance(p, DTensor) else world)
+            owners = zero.partition(params, replica_group_of)
             self._zero.append(zero.ShardedOptimizerStates(inner, owners, self.global_rank))
 
     def _settle_mixed_param_groups(self) -> None:
@@ -342,49 +384,10 @@ class HybridParallelStrategy(DDPStrategy):
                            "separate param groups (`isinstance(p, torch.distributed.tensor.DTensor)` tells them "
                            "apart).")
 
-    def _make_plan(self, module: nn.Module) -> list[PlanEntry]:
-        """The plan; when it is empty, ``self._unsharded_reason`` says why (warned where the user did not ask for
-        it: one process, ``tensor_parallel_size='auto'`` resolving to 1, or no block found or large enough)."""
-        tp_size = self.tensor_parallel_size
-        processes = f"over {self.world_size} processes" if self.world_size > 1 else "on one process"
-        plain_ddp = f"nothing is sharded and this trains as plain DDP {processes}"
-        if self.world_size == 1:
-            return self._unsharded(
-                f"one process (Trainer devices=1, num_nodes=1): there is no tp group, so {plain_ddp}. "
-                "Run on 2 or more devices (lds-train: trainer.devices=2) to shard the feed-forward layers.", warn=True)
-        if tp_size == 1:
-            if self._tp_arg != "auto":
-                return self._unsharded(f"tensor_parallel_size=1: {plain_ddp}.", warn=False)
-            divisors = [d for d in range(2, self.world_size + 1) if self.world_size % d == 0]
-            return self._unsharded(
-                f"tensor_parallel_size='auto' is the number of processes per node, 1 here, so {plain_ddp}. Set "
-                f"tensor_parallel_size to one of {divisors}, or run more devices per node.", warn=True)
-        if self._plan_arg != "auto":
-            entries = explicit_plan(module, self._plan_arg, tp_size)
-            return entries or self._unsharded(f"the plan is empty ({self._plan_arg}): {plain_ddp}.", warn=False)
-        entries, indivisible = auto_plan(module, tp_size, self._min_shard_params)
-        if indivisible and not entries:
-            widths = sorted({b.hidden for b in indivisible})
-            raise ValueError(f"tensor_parallel_size={tp_size} divides none of the feed-forward widths {widths}. "
-                             f"Choose a tensor_parallel_size that divides them, or pass an explicit plan.")
-        for block in indivisible:
-            rank_zero_warn(f"HybridParallelStrategy: {block.down} keeps replicated: its width {block.hidden} is "
-                           f"not divisible by tensor_parallel_size={tp_size}.")
-        if entries:
-            return entries
-        cause, fix = why_auto_plan_is_empty(module, self._min_shard_params)
-        return self._unsharded(f"{cause}, so {plain_ddp}. {fix}", warn=True)
-
-    def _unsharded(self, reason: str, warn: bool) -> list[PlanEntry]:
-        self._unsharded_reason = reason
-        if warn:
-            rank_zero_warn(f"HybridParallelStrategy: {reason}")
-        return []
-
     def _build_mesh(self, module: nn.Module, trainer: pl.Trainer) -> DeviceMesh:
         assert self._topology is not None
-        tp_size = self.tensor_parallel_size
-        dp_size = self.world_size // tp_size
+        dims = self.parallel_dims
+        dp_size, tp_size = dims.dp, dims.tp
         topology = self._topology
         links, link_source = None, ""
         if len(topology.islands) > 1 and (self._links is not None or self._placement_arg == "auto"):
@@ -399,7 +402,7 @@ class HybridParallelStrategy(DDPStrategy):
             self.placement_estimates = {}
         rank_zero_info(describe_placement(self._placement_arg, self.placement, grid, topology,
                                           self.placement_estimates, links, link_source))
-        return DeviceMesh(self.root_device.type, torch.tensor(grid), mesh_dim_names=("dp", "tp"))
+        return dims.build_mesh(self.root_device.type, grid)
 
     def _comm_volume(self, module: nn.Module, micro_batches: int) -> CommVolume:
         modules = dict(module.named_modules())
@@ -407,7 +410,7 @@ class HybridParallelStrategy(DDPStrategy):
         itemsize = next(module.parameters()).element_size()
         sharded = sum(p.numel() for e in self._plan for p in modules[e.name].parameters())
         total = sum(p.numel() for p in module.parameters())
-        width = max((modules[e.name].in_features for e in self._plan if e.style == "colwise"), default=0)
+        width = max((linear_shape(modules[e.name])[0] for e in self._plan if e.style == "colwise"), default=0)
         return CommVolume(
             activation_bytes=self._tokens_per_micro_batch(module) * width * itemsize,
             num_colwise=sum(e.style == "colwise" for e in self._plan),
@@ -427,6 +430,33 @@ class HybridParallelStrategy(DDPStrategy):
             rank_zero_warn(f"HybridParallelStrategy: placement='auto' assumes {_DEFAULT_TOKENS} tokens per "
                            "micro-batch; set micro_batch_tokens (or example_input_array) for a better estimate.")
         return _DEFAULT_TOKENS
+
+    @override
+    def configure_ddp(self) -> None:
+        if any(p.requires_grad and not isinstance(p, DTensor) for p in self.model.parameters()):
+            super().configure_ddp()
+            return
+        # DDP refuses a module with nothing to reduce; the strategy reduces the shards itself.
+        rank_zero_info("HybridParallelStrategy: every trainable parameter is tensor-parallel, so there is no DDP "
+                       "wrapper (ddp_module is None); the strategy reduces the shard gradients over dp.")
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is None or not any(isinstance(p, DTensor) for p in module.parameters()):
+            super().teardown()
+            return
+        # As Lightning's ModelParallelStrategy: sharded weights stay where they are. Module.cpu() swaps each DTensor
+        # parameter, which fails while an exception's traceback still holds the autograd graph and would replace
+        # the user's exception by "Couldn't swap Linear.weight".
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = module
+        if self._layer_sync and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING:
+            self.model = self._layer_sync.revert(self.model)
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @override
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
@@ -453,7 +483,7 @@ class HybridParallelStrategy(DDPStrategy):
     def reduce_tensor_parallel_gradients(self, optimizer: Optimizer) -> None:
         """Sum the tensor-parallel gradients of ``optimizer``'s parameters over ``dp``, divide by the world size."""
         grads = [p.grad.to_local() for group in optimizer.param_groups for p in group["params"]
-                 if isinstance(p, DTensor) and p.grad is not None]
+                 if isinstance(p, DTensor) and not is_expert_param(p) and p.grad is not None]
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -470,36 +500,25 @@ class HybridParallelStrategy(DDPStrategy):
         def closure_then_reduce() -> Any:
             result = closure()
             self.reduce_tensor_parallel_gradients(inner)
+            if self._expert_plan is not None and self._expert_plan.mesh is not None:
+                reduce_expert_gradients([p for g in inner.param_groups for p in g["params"]], self._expert_plan.mesh)
             return result
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = not self._save_distributed_checkpoint
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+        return _checkpoint_io.model_state(self.model, full=not self._save_distributed_checkpoint)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        full = not self._save_distributed_checkpoint
-        sharded = self._zero_of(optimizer)
-        with sharded.paused() if sharded else contextlib.nullcontext():
-            state = get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(
-                full_state_dict=full, cpu_offload=True))
-        if sharded and full:  # each rank holds the states it owns: rank 0 writes them all
-            states = [None] * self.world_size if self.global_rank == 0 else None
-            dist.gather_object(state["state"], states, dst=0)
-            if self.global_rank == 0:
-                state["state"] = {k: v for rank_states in states for k, v in rank_states.items()}
-        return state
+        return _checkpoint_io.optimizer_state(self.model, optimizer, full=not self._save_distributed_checkpoint,
+                                              sharded=self._zero_of(optimizer))
 
     def _zero_of(self, optimizer: Optimizer) -> ShardedOptimizerStates | None:
+        """The ZeRO-1 state of ``optimizer`` (a torch optimizer), if its states are sharded."""
         return next((z for z, o in zip(self._zero, self.optimizers)
                      if (o._optimizer if isinstance(o, LightningOptimizer) else o) is optimizer), None)
 
@@ -513,78 +532,31 @@ class HybridParallelStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        import torch.distributed.checkpoint as dcp
-
         if storage_options is not None:
             raise TypeError("HybridParallelStrategy.save_checkpoint(storage_options=...) is not supported: "
                             "checkpoints are written by torch.distributed.checkpoint, not a CheckpointIO.")
         path = Path(self.broadcast(filepath))
-        if not self._save_distributed_checkpoint:
-            if path.is_dir():
-                raise IsADirectoryError(f"{path} is a folder; save_distributed_checkpoint=False writes one file.")
-            super().save_checkpoint(checkpoint, path)
-            self.barrier()
+        if self._save_distributed_checkpoint:
+            _checkpoint_io.save_distributed(checkpoint, path, self.global_rank == 0, self.barrier)
             return
-        if path.is_file():
-            path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        dcp.save(state, checkpoint_id=path)
-        if self.global_rank == 0:
-            torch.save(checkpoint, path / _METADATA_FILENAME)
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a folder; save_distributed_checkpoint=False writes one file.")
+        super().save_checkpoint(checkpoint, path)
         self.barrier()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         path = Path(self.broadcast(checkpoint_path))
         strict = self.lightning_module.strict_loading
+        sharded = [self._zero_of(o) for o in self.optimizers]
         if path.is_file():
-            return self._load_full_checkpoint(path, strict, weights_only)
-        if not (path.is_dir() and (path / _METADATA_FILENAME).is_file()):
-            raise ValueError(f"ckpt_path={str(path)!r} is neither a checkpoint file nor a torch.distributed.checkpoint "
-                             f"folder with {_METADATA_FILENAME}. Pass a checkpoint written by Lightning.")
-        model_state = {"state_dict": get_model_state_dict(self.model)}
-        dcp.load(model_state, checkpoint_id=path)
-        set_model_state_dict(self.model, model_state["state_dict"], options=StateDictOptions(strict=strict))
-        for i, optimizer in enumerate(self.optimizers):
-            key = f"optimizer_{i}"
-            sharded = self._zero_of(optimizer)
-            with sharded.paused() if sharded else contextlib.nullcontext():
-                # ZeRO-1: the template holds only the owned states, so each rank reads just the keys it owns
-                optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            dcp.load(optim_state, checkpoint_id=path)
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
-                                     options=StateDictOptions(strict=sharded is None))
+            loaded = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            _checkpoint_io.load_full(self.model, self.optimizers, loaded, strict, self.lightning_module, sharded)
+        elif _checkpoint_io.is_distributed_checkpoint(path):
+            loaded = _checkpoint_io.load_distributed(self.model, self.optimizers, path, strict, weights_only, sharded)
+        else:
+            raise ValueError(f"ckpt_path={str(path)!r} is neither a checkpoint file nor a complete "
+                             "torch.distributed.checkpoint folder (with meta.pt, written last). Pass a checkpoint "
+                             "written by Lightning.")
         _disable_foreach_on_mixed_groups(self.optimizers)  # loaded groups carry the saved run's foreach
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
-
-    def _load_full_checkpoint(self, path: Path, strict: bool, weights_only: bool | None) -> dict[str, Any]:
-        """A one-file checkpoint (ours with ``save_distributed_checkpoint=False``, or DDP's): every rank reads it
-        and keeps its own shards."""
-        from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        options = StateDictOptions(full_state_dict=True, strict=strict)
-        set_model_state_dict(self.model, checkpoint["state_dict"], options=options)
-        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
-            state = _rekey_optimizer_state_if_needed(state, self.lightning_module)
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
-            if (sharded := self._zero_of(optimizer)) is not None:
-                sharded.drop_unowned_state(optimizer)  # a full file holds every state: keep the owned ones
-        _disable_foreach_on_mixed_groups(self.optimizers)  # loaded groups carry the saved run's foreach
-        return checkpoint
+        return loaded

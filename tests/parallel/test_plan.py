@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn as nn
 
 from lightning_deepseek.models import GPT, GPTConfig
 from lightning_deepseek.parallel.plan import (
+    Plan,
     auto_plan,
     explicit_plan,
     find_feed_forward_blocks,
+    format_plan_table,
     why_auto_plan_is_empty,
 )
 
@@ -110,3 +113,153 @@ def test_empty_automatic_plan_explains_itself() -> None:
     assert auto_plan(model, 2, 552)[0]  # the number it gives does shard the block
     cause, fix = why_auto_plan_is_empty(NormedHidden(), 0)
     assert cause.startswith("plan='auto' found no feed-forward block") and "explicit plan" in fix
+
+
+class MyRMSNorm(nn.Module):
+    """A norm class of the user's own (as every HF model has): found by its shape and name."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class Standardize(MyRMSNorm):
+    """The same norm under a name that says nothing: found by behaviour (scaling its input changes nothing)."""
+
+
+class ChannelScale(MyRMSNorm):
+    """Element-wise, not a norm (scaling its input scales its output): it does not break a pair."""
+
+    def forward(self, x):
+        return self.weight * x
+
+
+def _with_middle(middle: type[nn.Module]) -> nn.Module:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(8, 32)
+            self.mid = middle(32)
+            self.down = nn.Linear(32, 8)
+
+    return Block()
+
+
+def test_a_norm_over_the_hidden_width_of_any_class_breaks_the_pair() -> None:
+    assert _pairs(_with_middle(MyRMSNorm)) == set()
+    assert _pairs(_with_middle(Standardize)) == set()
+    assert _pairs(_with_middle(ChannelScale)) == {(("up",), "down")}
+
+
+class MLA(nn.Module):
+    """DeepSeek's multi-head latent attention, its projections only: query d -> r -> d (heads x head width == d)."""
+
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        self.q_a_proj = nn.Linear(32, 16, bias=False)
+        if norm:
+            self.q_a_layernorm = MyRMSNorm(16)
+        self.q_b_proj = nn.Linear(16, 32, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(32, 20, bias=False)
+        self.kv_b_proj = nn.Linear(16, 48, bias=False)
+        self.o_proj = nn.Linear(32, 32, bias=False)
+
+
+def test_attention_low_rank_projections_are_never_paired() -> None:
+    assert _pairs(MLA(norm=True)) == set()
+    assert _pairs(MLA(norm=False)) == set()  # the low-rank rule alone: other projections of the stream beside it
+    assert _pairs(GatedMLP(32, 16)) == {(("gate_proj", "up_proj"), "down_proj")}  # a narrow expert MLP still is
+
+
+class BertLikeLayer(nn.Module):
+    """BERT's layout: the feed-forward split across sibling modules, and an attention output d -> d beside it."""
+
+    class _Dense(nn.Module):
+        def __init__(self, n_in: int, n_out: int, norm: bool) -> None:
+            super().__init__()
+            self.dense = nn.Linear(n_in, n_out)
+            if norm:
+                self.LayerNorm = nn.LayerNorm(n_out)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.ModuleDict({"query": nn.Linear(8, 8), "output": self._Dense(8, 8, norm=True)})
+        self.intermediate = self._Dense(8, 32, norm=False)
+        self.output = self._Dense(32, 8, norm=True)
+
+
+def test_feed_forward_split_across_sibling_modules() -> None:
+    assert _pairs(BertLikeLayer()) == {(("intermediate.dense",), "output.dense")}
+
+
+class Declares(nn.Module):
+    """A model that declares its tensor-parallel plan as HF models do (``_tp_plan``), attention and experts too."""
+
+    _tp_plan = {"layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise", "layers.*.attn.v": "colwise",
+                "layers.*.attn.o": "rowwise", "layers.*.mlp.w_in": "colwise", "layers.*.mlp.w_out": "rowwise",
+                "layers.*.experts.gate_up_proj": "packed_colwise", "embed": "embedding_rowwise"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        layer = nn.ModuleDict({"attn": nn.ModuleDict({n: nn.Linear(8, 8) for n in "qkvo"}),
+                               "mlp": nn.ModuleDict({"w_in": nn.Linear(8, 16), "w_out": nn.Linear(16, 8)})})
+        self.layers = nn.ModuleList([layer])
+
+
+def test_declared_plan_gives_its_feed_forward_entries_and_structure_the_rest() -> None:
+    model = nn.ModuleDict({"hf": Declares(), "head": nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))})
+    entries, _ = auto_plan(model, 2, 0)
+    assert [(e.name, e.style, e.source) for e in entries] == [
+        ("hf.layers.0.mlp.w_in", "colwise", "declared by Declares"),
+        ("hf.layers.0.mlp.w_out", "rowwise", "declared by Declares"),
+        ("head.0", "colwise", "structure"), ("head.2", "rowwise", "structure")]
+
+
+def test_plan_table_prints_the_source() -> None:
+    model = nn.ModuleDict({"hf": Declares()})
+    entries, _ = auto_plan(model, 2, 0)
+    table = format_plan_table(model, Plan(tuple(entries)), 2)
+    assert "| hf.layers.0.mlp.w_in | colwise | declared by Declares | 144 | 288 |" in table
+
+
+def test_empty_plan_hint_names_the_models_own_linear_layers() -> None:
+    cause, fix = why_auto_plan_is_empty(MLA(norm=True), 0)
+    assert "q_a_proj, q_b_proj, kv_a_proj_with_mqa" in fix and "*.mlp.fc1" not in fix
+
+
+def test_transformers_conv1d_is_a_linear_layer() -> None:
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils", reason="needs transformers (the test extra)")
+    mlp = nn.ModuleDict({"c_fc": pytorch_utils.Conv1D(32, 8), "c_proj": pytorch_utils.Conv1D(8, 32)})  # (nf, nx)
+    assert _pairs(mlp) == {(("c_fc",), "c_proj")}
+    assert [e.name for e in explicit_plan(mlp, {"c_fc": "colwise", "c_proj": "rowwise"}, 2)] == ["c_fc", "c_proj"]
+    with pytest.raises(ValueError, match="not divisible by tensor_parallel_size=3"):
+        explicit_plan(mlp, {"c_fc": "colwise"}, 3)  # its output width is 32, the second dim of its weight
+
+
+def test_tiny_deepseek_v3_structure_never_pairs_mla() -> None:
+    transformers = pytest.importorskip("transformers", reason="needs transformers (the test extra)")
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+    model = transformers.DeepseekV3Model(config)
+    assert {b.down for b in find_feed_forward_blocks(model)} == {"layers.0.mlp.down_proj",
+                                                                  "layers.1.mlp.shared_experts.down_proj"}
+    assert {e.source for e in auto_plan(model, 2, 0)[0]} == {"declared by DeepseekV3Model"}
+
+
+def test_empty_plan_says_a_declared_plan_had_no_feed_forward_pair() -> None:
+    class ExpertsOnly(nn.Module):
+        _tp_plan = {"layers.*.attn.q": "colwise", "layers.*.experts.gate_up_proj": "packed_colwise"}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.ModuleDict({"attn": nn.ModuleDict({"q": nn.Linear(8, 8)})})])
+
+    cause, _ = why_auto_plan_is_empty(ExpertsOnly(), 0)
+    assert "ExpertsOnly declares a tensor-parallel plan, but none of its entries is a feed-forward linear pair" in cause

@@ -156,7 +156,8 @@ def _grad_norms(world_size: int) -> dict[str, Any]:
     """Norms of the same gradients, sharded (tp=2) and full, without clipping them (max_norm = inf)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_deepseek.parallel.plan import apply_plan, auto_plan
+    from lightning_deepseek.parallel.plan import auto_plan
+    from lightning_deepseek.parallel.styles import apply_tensor_parallel
 
     torch.manual_seed(0)
     module = TinyLM()
@@ -167,7 +168,7 @@ def _grad_norms(world_size: int) -> dict[str, Any]:
                 float("inf"): torch.nn.utils.get_total_norm(list(full.values()), float("inf")).item()}
     module.zero_grad()
     entries, _ = auto_plan(module, 2, 0)
-    apply_plan(module, entries, DeviceMesh("cpu", torch.arange(world_size)))
+    apply_tensor_parallel(module, {e.name: e.style for e in entries}, DeviceMesh("cpu", torch.arange(world_size)))
     half = slice(dist.get_rank() * 2, dist.get_rank() * 2 + 2)
     # Shards hold the gradient summed over the tp group's halves, replicated parameters that of the local half;
     # reduce both as the strategy does, so that both sides see the full-batch gradients.
@@ -203,7 +204,8 @@ def _foreign_models(world_size: int) -> dict[str, Any]:
     plan at tp=2 (each rank its own half batch), against the unsharded modules on the whole batch."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_deepseek.parallel.plan import apply_plan, auto_plan
+    from lightning_deepseek.parallel.plan import auto_plan
+    from lightning_deepseek.parallel.styles import apply_tensor_parallel
     from tests.parallel.test_plan import SwiGLU
 
     rank, errors = dist.get_rank(), {}
@@ -216,7 +218,7 @@ def _foreign_models(world_size: int) -> dict[str, Any]:
         # Cubed, not squared: a post-norm output has a constant mean square, so that loss has no real gradient.
         reference(x).pow(3).mean().backward()
         entries, _ = auto_plan(sharded, 2, 0)
-        apply_plan(sharded, entries, DeviceMesh("cpu", torch.arange(world_size)))
+        apply_tensor_parallel(sharded, {e.name: e.style for e in entries}, DeviceMesh("cpu", torch.arange(world_size)))
         out = sharded(x[2 * rank:2 * rank + 2])
         out.pow(3).mean().backward()
         state = {}
@@ -240,6 +242,7 @@ def two_rank_scenarios(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
     from tests.parallel.test_checkpoint_readers import write_gpt_folder
     from tests.parallel.test_fallbacks import fallback_scenarios
     from tests.parallel.test_optimizer_groups import optimizer_group_scenarios
+    from tests.parallel.test_teardown import teardown_scenarios
 
     errors: list[Any] = [None] * world_size
     dist.all_gather_object(errors, setup_errors(world_size))
@@ -256,6 +259,7 @@ def two_rank_scenarios(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
         "optimizer_groups": optimizer_group_scenarios(world_size, Path(ckpt).parent),
         "fallbacks": fallback_scenarios(world_size),
         "gpt_folder": write_gpt_folder(world_size, Path(ckpt).parent / "gpt_dcp"),
+        "teardown": teardown_scenarios(world_size),
     }
 
 

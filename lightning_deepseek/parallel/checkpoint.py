@@ -1,0 +1,128 @@
+"""Checkpoint I/O of ``HybridParallelStrategy``: torch DCP folders (Lightning ``ModelParallelStrategy``'s layout, a
+folder of shards plus ``meta.pt``) and one-file full checkpoints, both loadable at any ``tp`` or world size.
+
+A DCP folder counts as complete only when it holds ``meta.pt`` (the loader refuses one without it), and ``meta.pt``
+is written last and atomically: an overwritten folder first loses its old ``meta.pt``, the shards are written,
+then the new ``meta.pt`` is written aside and renamed into place. A save killed half-way leaves a folder that is
+refused, never one that mixes two saves.
+
+With ZeRO-1 (:mod:`.zero`) each rank holds only the optimizer states it owns: a DCP folder then gets the union
+of all ranks' keys, a load reads just the keys the rank owns in the new layout, and a one-file checkpoint gathers
+every state to rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_deepseek.parallel.zero import ShardedOptimizerStates
+
+
+def model_state(model: nn.Module, full: bool) -> dict[str, Any]:
+    """``model``'s weights: DTensor shards (``full=False``) or full tensors gathered to every rank, on the CPU."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+
+
+def optimizer_state(model: nn.Module, optimizer: Optimizer, full: bool,
+                    sharded: ShardedOptimizerStates | None = None) -> dict[str, Any]:
+    """``optimizer``'s state, sharded like ``model_state`` (with ZeRO-1: the owned states; ``full``: all of them
+    gathered to rank 0)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    with _paused(sharded):
+        state = get_optimizer_state_dict(model, optimizer,
+                                         options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+    if sharded is not None and full:
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(state["state"], gathered, dst=0)
+        if gathered is not None:
+            state["state"] = {k: v for rank_states in gathered for k, v in rank_states.items()}
+    return state
+
+
+def _paused(sharded: ShardedOptimizerStates | None) -> contextlib.AbstractContextManager:
+    # torch's state-dict helpers may step with zero gradients on some ranks only: no broadcast inside them
+    return sharded.paused() if sharded is not None else contextlib.nullcontext()
+
+
+def save_distributed(checkpoint: dict[str, Any], path: Path, is_rank_zero: bool, barrier: Callable[[], None]) -> None:
+    """Write ``checkpoint`` (Lightning's dict, weights and optimizer states sharded) as a DCP folder at ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    if is_rank_zero:
+        if path.is_file():
+            path.unlink()  # a one-file checkpoint of the same name (Lightning overwrites what it saves again)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / _METADATA_FILENAME).unlink(missing_ok=True)  # the folder is incomplete until the new one exists
+    barrier()
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    dcp.save(state, checkpoint_id=path)
+    if is_rank_zero:
+        aside = path / f".{_METADATA_FILENAME}.partial"
+        torch.save(checkpoint, aside)
+        os.replace(aside, path / _METADATA_FILENAME)
+    barrier()
+
+
+def is_distributed_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / _METADATA_FILENAME).is_file()
+
+
+def load_distributed(model: nn.Module, optimizers: list[Optimizer], path: Path, strict: bool,
+                     weights_only: bool | None,
+                     sharded: Sequence[ShardedOptimizerStates | None] = ()) -> dict[str, Any]:
+    """Load a DCP folder into ``model``'s shards and ``optimizers``; return the rest of Lightning's checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model_state_ = {"state_dict": get_model_state_dict(model)}
+    dcp.load(model_state_, checkpoint_id=path)
+    set_model_state_dict(model, model_state_["state_dict"], options=StateDictOptions(strict=strict))
+    for i, optimizer in enumerate(optimizers):
+        key = f"optimizer_{i}"
+        zero = sharded[i] if i < len(sharded) else None
+        with _paused(zero):  # with ZeRO-1 the template holds only the owned states: just those keys are read
+            optim_state = {key: get_optimizer_state_dict(model, optimizer)}
+        dcp.load(optim_state, checkpoint_id=path)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key],
+                                 options=StateDictOptions(strict=zero is None))
+    return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+def load_full(model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[str, Any], strict: bool,
+              lightning_module: nn.Module, sharded: Sequence[ShardedOptimizerStates | None] = ()) -> None:
+    """Load a one-file checkpoint (ours with ``save_distributed_checkpoint=False``, or DDP's): every rank keeps its
+    own shards of the full tensors."""
+    from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(model, checkpoint["state_dict"], options=options)
+    for i, (optimizer, state) in enumerate(zip(optimizers, checkpoint.get("optimizer_states", []))):
+        state = _rekey_optimizer_state_if_needed(state, lightning_module)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
+        if i < len(sharded) and sharded[i] is not None:
+            sharded[i].drop_unowned_state(optimizer)  # the file holds every state: keep the owned ones
