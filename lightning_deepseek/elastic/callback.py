@@ -211,14 +211,11 @@ class ElasticTraining(Callback):
             )
             self._report(trainer, "resized", from_world_size=old["world_size"], accumulate=self.accumulate,
                          micro_batch_size=self.micro_batch_size, global_batch=self._actual_global_batch)
-        # Lightning counts micro-batches of this epoch; their number per step depends on the split.
+        # Lightning counts micro-batches of this epoch; their number per step depends on the split. increment_by
+        # is the progress tracker's own method for a jump (every counter of `current` and `total`, by `delta`).
         progress = trainer.fit_loop.epoch_loop.batch_progress
         delta = self.steps_in_epoch * self.accumulate - progress.current.processed
-        for tracker in (progress.current, progress.total):
-            tracker.ready += delta
-            tracker.started += delta
-            tracker.processed += delta
-            tracker.completed += delta
+        progress.increment_by(delta, is_last_batch=progress.is_last_batch)
 
     def _rescale_lr(self, trainer: pl.Trainer, scale: float) -> None:
         factor = scale / self.lr_scale
