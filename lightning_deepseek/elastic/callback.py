@@ -248,6 +248,12 @@ class ElasticTraining(Callback):
     # ---------------------------------------------------------------- every step
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._follow_epoch(trainer)
+
+    def _follow_epoch(self, trainer: pl.Trainer) -> None:
+        """A new epoch starts the data position at zero (the sampler's ``set_epoch`` does the same). Also called at
+        every step boundary: Lightning 2.6 skips ``on_train_epoch_start`` of the epoch that follows a resume from a
+        checkpoint written at an epoch's last batch (its fit loop still counts itself restarted mid-epoch)."""
         if trainer.current_epoch != self.epoch:
             self.epoch, self.consumed_samples, self.steps_in_epoch = trainer.current_epoch, 0, 0
 
@@ -262,6 +268,7 @@ class ElasticTraining(Callback):
         if trainer.global_step == self._last_step:
             return  # inside an accumulation window: not a step boundary
         self._last_step = step = trainer.global_step
+        self._follow_epoch(trainer)
         self.consumed_samples += self._actual_global_batch
         self.steps_in_epoch += 1
         self._health(trainer, outputs)
