@@ -110,6 +110,7 @@ class GradientCompression(Callback):
     @property
     @override
     def state_key(self) -> str:
+        # Callback's protected helper, the way Lightning's docs tell subclasses to build a state key.
         return self._generate_state_key(bits=self.config.bits, block_size=self.config.block_size)
 
     @override

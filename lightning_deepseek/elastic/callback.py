@@ -211,14 +211,11 @@ class ElasticTraining(Callback):
             )
             self._report(trainer, "resized", from_world_size=old["world_size"], accumulate=self.accumulate,
                          micro_batch_size=self.micro_batch_size, global_batch=self._actual_global_batch)
-        # Lightning counts micro-batches of this epoch; their number per step depends on the split.
+        # Lightning counts micro-batches of this epoch; their number per step depends on the split. increment_by
+        # is the progress tracker's own method for a jump (every counter of `current` and `total`, by `delta`).
         progress = trainer.fit_loop.epoch_loop.batch_progress
         delta = self.steps_in_epoch * self.accumulate - progress.current.processed
-        for tracker in (progress.current, progress.total):
-            tracker.ready += delta
-            tracker.started += delta
-            tracker.processed += delta
-            tracker.completed += delta
+        progress.increment_by(delta, is_last_batch=progress.is_last_batch)
 
     def _rescale_lr(self, trainer: pl.Trainer, scale: float) -> None:
         factor = scale / self.lr_scale
@@ -251,6 +248,12 @@ class ElasticTraining(Callback):
     # ---------------------------------------------------------------- every step
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._follow_epoch(trainer)
+
+    def _follow_epoch(self, trainer: pl.Trainer) -> None:
+        """A new epoch starts the data position at zero (the sampler's ``set_epoch`` does the same). Also called at
+        every step boundary: Lightning 2.6 skips ``on_train_epoch_start`` of the epoch that follows a resume from a
+        checkpoint written at an epoch's last batch (its fit loop still counts itself restarted mid-epoch)."""
         if trainer.current_epoch != self.epoch:
             self.epoch, self.consumed_samples, self.steps_in_epoch = trainer.current_epoch, 0, 0
 
@@ -265,6 +268,7 @@ class ElasticTraining(Callback):
         if trainer.global_step == self._last_step:
             return  # inside an accumulation window: not a step boundary
         self._last_step = step = trainer.global_step
+        self._follow_epoch(trainer)
         self.consumed_samples += self._actual_global_batch
         self.steps_in_epoch += 1
         self._health(trainer, outputs)

@@ -42,7 +42,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.pytorch.trainer import call
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 log = logging.getLogger(__name__)
@@ -154,6 +153,7 @@ class ElasticCheckpointer:
         tmp = self.directory / f"step-{step:08d}.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
         with _without_weights(trainer.strategy):
+            # Private: Lightning's only public way to its checkpoint dict, trainer.save_checkpoint, writes one file.
             lightning_state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         for key in _TENSOR_KEYS:
             lightning_state.pop(key, None)
@@ -222,10 +222,12 @@ class ElasticCheckpointer:
         set_state_dict(module, trainer.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
         lightning_state: dict[str, Any] = torch.load(info.path / TRAINER_STATE, map_location="cpu",
                                                      weights_only=False)
+        # Private: Lightning restores a checkpoint publicly only through trainer.fit(ckpt_path=...), chosen before
+        # the job knows which checkpoint is complete; its connector's restore_* steps read `_loaded_checkpoint`.
         connector = trainer._checkpoint_connector
         connector._loaded_checkpoint = lightning_state
         try:
-            call._call_lightning_module_hook(trainer, "on_load_checkpoint", lightning_state)
+            module.on_load_checkpoint(lightning_state)
             connector.restore_datamodule()
             connector.restore_callbacks()
             connector.restore_precision_plugin_state()

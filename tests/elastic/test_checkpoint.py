@@ -66,6 +66,28 @@ def _fit(tmp_path: Path, max_steps: int, *callbacks: pl.Callback, n_embd: int = 
     return model, elastic
 
 
+class SignalAfter(pl.Callback):
+    """Flags a SIGTERM after optimizer step ``step``: ElasticTraining stops at the next step boundary."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            next(c for c in trainer.callbacks if isinstance(c, ElasticTraining))._sigterm = True
+
+
+def test_resume_from_an_epochs_last_step_starts_the_next_epoch(tmp_path: Path) -> None:
+    # Lightning 2.6 skips on_train_epoch_start after such a resume; the data position must still restart at zero.
+    steps_per_epoch = 8  # the corpus of write_corpus at block_size=16 holds 64 samples: 8 global batches of 8
+    with pytest.raises(SystemExit):
+        _fit(tmp_path, 100, SignalAfter(steps_per_epoch - 1))  # stops with the checkpoint of the epoch's last step
+    assert find_latest(tmp_path / "ckpt").step == steps_per_epoch
+    _, elastic = _fit(tmp_path, steps_per_epoch + 3)
+    assert (elastic.epoch, elastic.consumed_samples, elastic.steps_in_epoch) == (1, 3 * GLOBAL_BATCH, 3)
+    assert elastic.sampler.epoch == 1 and elastic.sampler.consumed_samples == 0  # set_epoch(1) restarted it
+
+
 @pytest.mark.parametrize("staged", [False, True], ids=["fp32", "StagedPrecision"])
 def test_resume_after_a_crash_is_bitwise_identical_to_an_uninterrupted_run(tmp_path: Path, staged: bool) -> None:
     # With StagedPrecision the checkpoint falls in its FP16 stage and the resumed run crosses into BF16:
