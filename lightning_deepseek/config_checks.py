@@ -162,6 +162,7 @@ def check_optim(optim_cfg: DictConfig) -> None:
         "weight_decay": (lambda v: _is_number(v) and v >= 0, "a number >= 0", "0.1"),
         "warmup_steps": (lambda v: _is_int(v) and v >= 0, "a whole number >= 0", "20"),
         "min_lr_ratio": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]", "0.1"),
+        "moment_dtype": (lambda v: v in ("fp32", "bf16"), "fp32 or bf16", "bf16"),
     }
     for key, value in optim.items():
         if key not in checks:

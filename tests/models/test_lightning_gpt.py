@@ -23,3 +23,17 @@ def test_biases_and_norms_have_no_weight_decay() -> None:
     decay, no_decay = model.configure_optimizers()["optimizer"].param_groups
     assert all(p.dim() >= 2 for p in decay["params"]) and decay["weight_decay"] > 0
     assert all(p.dim() < 2 for p in no_decay["params"]) and no_decay["weight_decay"] == 0
+
+
+def test_bf16_moments_option_builds_our_adamw_and_bad_values_name_the_setting() -> None:
+    import pytest
+
+    from lightning_deepseek.optim import AdamW
+
+    config = GPTConfig(**{**PRESETS["tiny"], "vocab_size": 256})
+    optimizer = LightningGPT(config, moment_dtype="bf16").configure_optimizers()["optimizer"]
+    assert isinstance(optimizer, AdamW) and optimizer.moment_dtype == torch.bfloat16
+    fp32 = LightningGPT(config).configure_optimizers()["optimizer"]
+    assert type(fp32) is torch.optim.AdamW
+    with pytest.raises(ValueError, match=r"optim.moment_dtype='fp16' .* use fp32 .* or bf16"):
+        LightningGPT(config, moment_dtype="fp16")
