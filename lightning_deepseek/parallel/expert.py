@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_deepseek.moe.protocol import ExpertLayer, find_expert_layers
+from lightning_deepseek.parallel.dims import ParallelDims
 
 EP_DIM, REPLICA_DIM = "ep", "edp"
 
@@ -66,12 +67,7 @@ class ExpertParallelDims:
     ep_size: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ep_size, int) or self.ep_size < 1:
-            raise ValueError(f"expert_parallel_size={self.ep_size!r} must be a positive integer.")
-        if self.world_size % self.ep_size:
-            divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
-            raise ValueError(f"expert_parallel_size={self.ep_size} does not divide the world size "
-                             f"{self.world_size}. Choose one of {divisors}.")
+        ParallelDims(self.world_size, ep=self.ep_size)  # the one place that validates the parallel sizes
 
     @property
     def replicas(self) -> int:
