@@ -47,6 +47,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
     """``x`` (rows sorted by group, ``counts[g]`` rows for group g) times ``weight[g]`` (G, K, N) per group."""
     if _grouped_mm_fits(x, weight):
         try:
+            # torch's grouped GEMM is only exposed as this private op (torchtitan calls it the same way)
             return torch._grouped_mm(x, weight, offs=torch.cumsum(counts, 0, dtype=torch.int32))
         except (RuntimeError, NotImplementedError):  # this build has no kernel for the device/dtype
             _GROUPED_MM_BROKEN.add((x.device.type, x.dtype))

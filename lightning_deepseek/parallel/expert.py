@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single_autograd  # the only differentiable one
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -192,7 +192,7 @@ def reduce_expert_gradients(params: Iterable[torch.Tensor], mesh: DeviceMesh) ->
     grads = [p.grad.to_local() for p in params if is_expert_param(p) and p.grad is not None]
     if not grads:
         return
-    flat = torch._utils._flatten_dense_tensors(grads)
+    flat = torch._utils._flatten_dense_tensors(grads)  # no public flatten with an unflatten pair (as DDP uses)
     if mesh[REPLICA_DIM].size() > 1:
         dist.all_reduce(flat, group=mesh.get_group(REPLICA_DIM))
     flat.div_(mesh.size())

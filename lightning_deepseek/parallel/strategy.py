@@ -486,7 +486,7 @@ class HybridParallelStrategy(DDPStrategy):
                  if isinstance(p, DTensor) and not is_expert_param(p) and p.grad is not None]
         if not grads:
             return
-        flat = torch._utils._flatten_dense_tensors(grads)
+        flat = torch._utils._flatten_dense_tensors(grads)  # no public flatten with an unflatten pair
         if self.world_size // self.tensor_parallel_size > 1:
             dist.all_reduce(flat, group=self.device_mesh.get_group("dp"))
         flat.div_(self.world_size)

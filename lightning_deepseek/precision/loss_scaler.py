@@ -140,6 +140,7 @@ class DynamicLossScaler:
         inv_scale = torch.full((1,), 1.0 / self.scale, dtype=torch.float64, device=device).float()
         for (grad_device, _), tensors in grads.items():
             found = found_inf if grad_device == device else torch.zeros_like(found_inf, device=grad_device)
+            # GradScaler's own fused check-and-unscale kernel; torch exposes no public equivalent
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale.to(grad_device))
             if found is not found_inf:
                 found_inf += found.to(device)
