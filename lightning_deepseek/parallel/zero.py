@@ -139,6 +139,10 @@ class ShardedOptimizerStates:
         self.partition = partition
         self.rank = rank
         self._others = [p for _, params in partition.groups for p in params if partition.owner[id(p)] != rank]
+        # Who sends what after each step, decided once: (group, owner, its parameters) for groups with replicas.
+        self._sends = [(group, src, owned) for group, params in partition.groups if group.size > 1
+                       for src in group.ranks
+                       if (owned := [p for p in params if partition.owner[id(p)] == src])]
         self._paused = False
         self._handles: list[RemovableHandle] = [
             optimizer.register_step_pre_hook(self._drop_unowned_grads),
@@ -190,15 +194,10 @@ class ShardedOptimizerStates:
     @torch.no_grad()
     def broadcast_parameters(self) -> None:
         """Every owner sends its parameters to the other replicas: one flat broadcast per owner and group."""
-        for group, params in self.partition.groups:
-            if group.size == 1:
-                continue
-            for src in group.ranks:
-                tensors = [_local(p) for p in params if self.partition.owner[id(p)] == src]
-                if not tensors:
-                    continue
-                flat = torch._utils._flatten_dense_tensors(tensors)  # no public flatten with an unflatten pair
-                dist.broadcast(flat, src=src, group=group.group)
-                if src != self.rank:
-                    for tensor, value in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-                        tensor.copy_(value)
+        for group, src, owned in self._sends:
+            tensors = [_local(p) for p in owned]
+            flat = torch._utils._flatten_dense_tensors(tensors)  # no public flatten with an unflatten pair
+            dist.broadcast(flat, src=src, group=group.group)
+            if src != self.rank:
+                for tensor, value in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+                    tensor.copy_(value)
