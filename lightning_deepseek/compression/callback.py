@@ -9,6 +9,11 @@ Costs: see :mod:`lightning_deepseek.compression.hook` (~0.25x / 0.13x the bytes 
 parameter, quantization compute that overlaps with backward). Telemetry costs two norms per bucket on logging
 steps only.
 
+``bits="auto"``: at fit start the cost model (:mod:`lightning_deepseek.autotune.cost_model`) predicts the step
+time with fp32, int8 and int4 from the measured compute of the model, the probed links and the quantize kernels'
+measured cost, and the hook is installed with the predicted fastest (none where fp32 wins). Under
+``HybridParallelStrategy(tensor_parallel_size="auto")`` the strategy decides it in the same table as ``tp``.
+
 Does not support: DeepSpeed, FSDP and ``ModelParallelStrategy`` (they reduce-scatter sharded gradients
 themselves, with no DDP comm hook): a clear error. One device: a warning, nothing to compress.
 
@@ -22,9 +27,10 @@ events and logged one step late (reading it at once would make the host wait for
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -39,6 +45,10 @@ from lightning_deepseek.compression import native
 from lightning_deepseek.compression.config import CompressionConfig
 from lightning_deepseek.compression.hook import register_compression_hook
 from lightning_deepseek.compression.state import CompressionState
+from lightning_deepseek.parallel.topology import discover_topology
+
+if TYPE_CHECKING:
+    from lightning_deepseek.autotune.cost_model import Decision
 
 
 class CompressionStrategyError(ValueError):
@@ -80,7 +90,7 @@ class GradientCompression(Callback):
     ``GradientCompression(bits=4, block_size=64)``: the exchange's settings are the fields of
     :class:`~lightning_deepseek.compression.CompressionConfig` (``bits``, ``block_size``, ``error_feedback``,
     ``warmup_steps``, ``min_bucket_numel``, ``stochastic_rounding``, ``overlap``, ``seed``...), where each one's
-    default and meaning are documented.
+    default and meaning are documented. ``bits="auto"``: fp32, 8 or 4 by the cost model, at fit start.
 
     Args:
         config: the exchange's settings as one value; or pass them as keyword arguments (``**settings``).
@@ -106,6 +116,8 @@ class GradientCompression(Callback):
         self._device = torch.device("cpu")
         self._gather_group: dist.ProcessGroup | None = None
         self._gpu_step: tuple | None = None  # CUDA: the last step's events, read at the next step (_gpu_timings)
+        self.decision: Decision | None = None  # bits="auto": the cost model's table and choice
+        self._decided_by_strategy = False
 
     @property
     @override
@@ -115,6 +127,12 @@ class GradientCompression(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        config = self.config
+        if config.bits == "auto":
+            bits = self._decide_bits(trainer, pl_module)
+            if bits is None:
+                return
+            config = dataclasses.replace(config, bits=bits)
         ddp_module = find_ddp_module(trainer.strategy)
         if ddp_module is None:
             return
@@ -122,7 +140,7 @@ class GradientCompression(Callback):
         if self._device.type == "cpu":
             native.library()  # build the CPU kernels (or warn) now, not inside the first compressed step
         try:
-            self.hook_state = register_compression_hook(ddp_module, self.config)
+            self.hook_state = register_compression_hook(ddp_module, config)
         except RuntimeError as exc:
             raise CompressionStrategyError(
                 f"GradientCompression could not install its hook ({exc}). A DDP module takes one comm hook: "
@@ -131,6 +149,25 @@ class GradientCompression(Callback):
         if self._pending is not None:
             self._restore(self._pending)
             self._pending = None
+
+    def _decide_bits(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int | None:
+        """``bits="auto"``: the strategy's decision where it made one, else the cost model's here (collective)."""
+        from lightning_deepseek.autotune.auto_parallel import decide_compression  # autotune imports our kernels
+
+        strategy = trainer.strategy
+        if getattr(strategy, "autotune_decides_bits", False):
+            self.decision, self._decided_by_strategy = strategy.autotune_decision, True
+            return self.decision.chosen.bits
+        module = getattr(strategy, "ddp_module", None) or strategy.model
+        dp_size = dist.get_world_size(module.process_group) if isinstance(module, DistributedDataParallel) else 1
+        if dp_size <= 1:
+            raise ValueError(f"GradientCompression(bits='auto') with {dp_size} data-parallel rank (world size "
+                             f"{strategy.world_size}): there is no gradient exchange to decide about. Train on 2 or "
+                             "more devices, or remove GradientCompression (bits=8 or 4 only warns).")
+        topology = discover_topology(strategy.root_device, strategy.local_rank)
+        bucket = getattr(module, "bucket_bytes_cap", 25 * 2**20)
+        self.decision = decide_compression(pl_module, trainer, topology, dp_size, bucket)
+        return self.decision.chosen.bits
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -191,11 +228,15 @@ class GradientCompression(Callback):
     def summary(self) -> dict[str, object]:
         """A few figures for ``lds-train``'s run summary."""
         state = self.hook_state
+        auto = {} if self.decision is None or self._decided_by_strategy else self.decision.summary()
         if state is None:
-            return {"compression": "off (single device)"}
-        cfg = self.config
+            off = "fp32: the cost model predicts no gain" if self.decision is not None else "single device"
+            return {"compression": f"off ({off})", **auto}
+        cfg = state.config
         return {
-            "compression": f"int{cfg.bits} block={cfg.block_size} ef={cfg.error_feedback}",
+            **auto,
+            "compression": f"int{cfg.bits} block={cfg.block_size} ef={cfg.error_feedback}"
+                           + (" (bits='auto')" if self.config.bits == "auto" else ""),
             "compression_kernels": "native CPU" if self._device.type == "cpu" and native.library() is not None
             else "torch",
             "compression_bytes_ratio": round(state.total_bytes_sent / max(1, state.total_bytes_fp32), 4),

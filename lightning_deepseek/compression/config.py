@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Literal
 
 from lightning_deepseek.compression.quantize import validate
 
@@ -16,7 +17,10 @@ class CompressionConfig:
     """Settings of the compressed exchange.
 
     Args:
-        bits: 8 (int8, ~0.25x the bytes of fp32) or 4 (int4 packed two per byte, ~0.13x).
+        bits: 8 (int8, ~0.25x the bytes of fp32) or 4 (int4 packed two per byte, ~0.13x). ``"auto"`` (the
+            ``GradientCompression`` callback only): fp32, 8 or 4, decided at fit start by the cost model
+            (:mod:`lightning_deepseek.autotune.cost_model`): compress only where the predicted wire time saved
+            exceeds the measured quantize cost. Needs 2 or more data-parallel ranks (one is an error).
         block_size: values sharing one bfloat16 scale; even, 16..4096 (64-256 usual).
         error_feedback: add each step's quantization residual to the next step's gradient (keeps training
             unbiased).
@@ -33,7 +37,7 @@ class CompressionConfig:
             (tests of it on one or two ranks).
     """
 
-    bits: int = 8
+    bits: int | Literal["auto"] = 8
     block_size: int = 128
     error_feedback: bool = True
     warmup_steps: int = 10
@@ -45,7 +49,7 @@ class CompressionConfig:
     single_exchange_max_world: int = 2
 
     def __post_init__(self) -> None:
-        validate(self.bits, self.block_size)
+        validate(8 if self.bits == "auto" else self.bits, self.block_size)
         for name in ("warmup_steps", "min_bucket_numel", "single_exchange_max_world"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -68,3 +72,10 @@ class CompressionConfig:
             raise TypeError(f"{owner} got unknown setting(s) {', '.join(unknown)}; the settings are "
                             f"{', '.join(sorted(known))} (see CompressionConfig).")
         return cls(**settings)  # type: ignore[arg-type]
+
+    def check_decided(self, owner: str) -> None:
+        """Raise where ``bits`` is still ``"auto"``: only the ``GradientCompression`` callback decides it."""
+        if self.bits == "auto":
+            raise ValueError(f"{owner}: bits='auto' is decided by the GradientCompression callback at fit start "
+                             "(it measures the model and the links). Pass bits=8 or bits=4 here, or use "
+                             "GradientCompression(bits='auto').")

@@ -305,6 +305,7 @@ def register_compression_hook(ddp_module: DistributedDataParallel, config: Compr
         raise TypeError(f"register_compression_hook needs a torch DistributedDataParallel module, got "
                         f"{type(ddp_module).__name__}. Wrap the model in DistributedDataParallel first.")
     config = CompressionConfig.from_settings("register_compression_hook", config, kwargs)
+    config.check_decided("register_compression_hook")
     group = ddp_module.process_group
     state = CompressionState(config, group, _exchange_group(group))
     named = list(ddp_module.module.named_parameters())

@@ -28,7 +28,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from lightning_deepseek.parallel.detection import linear_shape
+from lightning_deepseek.parallel.plan import Plan
 from lightning_deepseek.parallel.topology import Topology
 
 POLICIES = ("auto", "tp_intra_node", "dp_intra_node")
@@ -85,27 +88,72 @@ def _link(topology: Topology, ranks: list[int], links: dict[str, LinkCost]) -> L
     return links["inter"] if topology.spans_islands(ranks) else links["intra"]
 
 
-def estimate_step_seconds(mesh: list[list[int]], topology: Topology, volume: CommVolume,
-                          links: dict[str, LinkCost]) -> float:
-    """Communication seconds of one optimizer step on ``mesh`` (the slowest group of each kind counts)."""
+def estimate_comm_seconds(mesh: list[list[int]], topology: Topology, volume: CommVolume,
+                          links: dict[str, LinkCost]) -> dict[str, float]:
+    """Communication seconds of one optimizer step on ``mesh``, by kind (the slowest group of each kind counts):
+    ``tp`` (activations), ``sharded`` (shard gradients over ``dp``), ``replicated`` (gradients over the world)."""
     tp_size, dp_size = len(mesh[0]), len(mesh)
-    seconds = 0.0
+    seconds = {"tp": 0.0, "sharded": 0.0, "replicated": 0.0}
     if tp_size > 1:
         link = max((_link(topology, row, links) for row in mesh), key=lambda c: c.latency + 1 / c.bandwidth)
         per_op = (tp_size - 1) * (volume.activation_bytes / link.bandwidth + link.latency)
-        seconds += volume.micro_batches * 2 * (volume.num_colwise + volume.num_rowwise) * per_op
+        seconds["tp"] = volume.micro_batches * 2 * (volume.num_colwise + volume.num_rowwise) * per_op
     if dp_size > 1 and volume.sharded_grad_bytes:
         columns = [[row[j] for row in mesh] for j in range(tp_size)]
         link = max((_link(topology, col, links) for col in columns), key=lambda c: c.latency + 1 / c.bandwidth)
-        seconds += _all_reduce(volume.sharded_grad_bytes, dp_size, link)
+        seconds["sharded"] = all_reduce_seconds(volume.sharded_grad_bytes, dp_size, link)
     world = [r for row in mesh for r in row]
     if len(world) > 1:
-        seconds += _all_reduce(volume.replicated_grad_bytes, len(world), _link(topology, world, links))
+        seconds["replicated"] = all_reduce_seconds(volume.replicated_grad_bytes, len(world),
+                                                   _link(topology, world, links))
     return seconds
 
 
-def _all_reduce(num_bytes: int, n: int, link: LinkCost) -> float:
+def estimate_step_seconds(mesh: list[list[int]], topology: Topology, volume: CommVolume,
+                          links: dict[str, LinkCost]) -> float:
+    """Communication seconds of one optimizer step on ``mesh`` (the slowest group of each kind counts)."""
+    return sum(estimate_comm_seconds(mesh, topology, volume, links).values())
+
+
+def all_reduce_seconds(num_bytes: int, n: int, link: LinkCost) -> float:
+    """Ring all-reduce of ``num_bytes`` over ``n`` ranks: ``2 (n - 1) / n * S / B + 2 (n - 1) a``."""
+    if n <= 1:
+        return 0.0
     return 2 * (n - 1) / n * num_bytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+
+def all_to_all_seconds(num_bytes: int, n: int, link: LinkCost) -> float:
+    """All-to-all of ``num_bytes`` per rank over ``n`` ranks: ``(n - 1) / n * M / B + (n - 1) a``."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * num_bytes / link.bandwidth + (n - 1) * link.latency
+
+
+def group_link(topology: Topology, ranks: list[int], links: dict[str, LinkCost]) -> LinkCost:
+    """The link a group of ``ranks`` runs at: the slow one if it crosses islands."""
+    return _link(topology, ranks, links)
+
+
+def comm_volume(module: nn.Module, plan: Plan, tp_size: int, tokens: int, micro_batches: int) -> CommVolume:
+    """What one optimizer step of ``module`` sharded by ``plan`` over ``tp_size`` ranks communicates.
+
+    Args:
+        tokens: rows entering a feed-forward layer per rank and micro-batch.
+        micro_batches: micro-batches per optimizer step.
+    """
+    modules = dict(module.named_modules())
+    itemsize = next(module.parameters()).element_size()
+    sharded = sum(p.numel() for e in plan for p in modules[e.name].parameters())
+    total = sum(p.numel() for p in module.parameters())
+    width = max((linear_shape(modules[e.name])[0] for e in plan if e.style == "colwise"), default=0)
+    return CommVolume(
+        activation_bytes=tokens * width * itemsize,
+        num_colwise=sum(e.style == "colwise" for e in plan),
+        num_rowwise=sum(e.style == "rowwise" for e in plan),
+        sharded_grad_bytes=sharded * itemsize // tp_size,
+        replicated_grad_bytes=(total - sharded) * itemsize,
+        micro_batches=micro_batches,
+    )
 
 
 def probe_device(backend_config: str) -> torch.device:

@@ -164,7 +164,7 @@ def explicit_plan(module: nn.Module, patterns: dict[str, str], tp_size: int) -> 
 def decide_plan(module: nn.Module, plan: str | dict[str, str], world_size: int, tp_size: int, tp_is_auto: bool,
                 min_params: int) -> Plan:
     """The plan of ``module`` for ``HybridParallelStrategy``'s settings; an empty one says why, and whether to warn
-    (one process, ``tensor_parallel_size='auto'`` resolving to 1, or no block found or large enough).
+    (one process, ``tensor_parallel_size='per_node'`` resolving to 1, or no block found or large enough).
 
     Raises:
         ValueError: an explicit plan is invalid (see ``explicit_plan``), or ``tp_size`` divides none of the widths.
@@ -179,7 +179,8 @@ def decide_plan(module: nn.Module, plan: str | dict[str, str], world_size: int, 
         if not tp_is_auto:
             return Plan(reason=f"tensor_parallel_size=1: {plain_ddp}.")
         divisors = [d for d in range(2, world_size + 1) if world_size % d == 0]
-        return Plan(reason=f"tensor_parallel_size='auto' is the number of processes per node, 1 here, so {plain_ddp}. "
+        return Plan(reason=f"tensor_parallel_size='per_node' is the number of processes per node, 1 here, so "
+                    f"{plain_ddp}. "
                     f"Set tensor_parallel_size to one of {divisors}, or run more devices per node.", warn=True)
     if plan != "auto":
         entries = explicit_plan(module, plan, tp_size)

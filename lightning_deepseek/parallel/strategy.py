@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -68,7 +68,6 @@ from typing_extensions import override
 from lightning_deepseek.parallel import checkpoint as _checkpoint_io
 from lightning_deepseek.parallel import clipping, zero
 from lightning_deepseek.parallel.arguments import check_ddp_kwargs
-from lightning_deepseek.parallel.detection import linear_shape
 from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.expert import REPLICA_DIM, is_expert_param, reduce_expert_gradients
 from lightning_deepseek.parallel.expert_plan import ExpertParallelPlan, setup_expert_parallel
@@ -78,6 +77,7 @@ from lightning_deepseek.parallel.placement import (
     LinkCost,
     candidate_mesh,
     choose_placement,
+    comm_volume,
     describe_placement,
     probe_links,
 )
@@ -86,8 +86,12 @@ from lightning_deepseek.parallel.styles import apply_tensor_parallel
 from lightning_deepseek.parallel.topology import Topology, discover_topology, parse_topology
 from lightning_deepseek.parallel.zero import ShardedOptimizerStates
 
+if TYPE_CHECKING:
+    from lightning_deepseek.autotune.cost_model import Decision
+
 log = logging.getLogger(__name__)
 _DEFAULT_TOKENS = 2048
+_AUTO = ("auto", "per_node")
 
 
 class MixedParamGroupError(ValueError):
@@ -129,8 +133,12 @@ class HybridParallelStrategy(DDPStrategy):
     """Attention (and everything else) data-parallel, large feed-forward layers tensor-parallel.
 
     Args:
-        tensor_parallel_size: size of the ``tp`` mesh dimension; must divide the world size. ``"auto"``: the
-            number of processes per node.
+        tensor_parallel_size: size of the ``tp`` mesh dimension; must divide the world size. ``"auto"``: decided
+            at setup by the cost model (:mod:`lightning_deepseek.autotune.cost_model`) from the measured links and
+            the measured compute of the model: the size up to the processes per node with the lowest predicted
+            step time, 1 (plain data parallelism) unless sharding is predicted to pay or memory requires it; a
+            ``GradientCompression(bits="auto")`` callback is decided in the same table. ``"per_node"``: the
+            number of processes per node (the former ``"auto"``).
         plan: ``"auto"`` (detect feed-forward blocks, see :mod:`lightning_deepseek.parallel.plan`) or a mapping
             of module-name patterns (``fnmatch``, relative to the LightningModule) to ``"colwise"``/``"rowwise"``.
         min_shard_params: ``plan="auto"`` shards a block only from this many parameters on.
@@ -144,8 +152,10 @@ class HybridParallelStrategy(DDPStrategy):
             model; default: from ``example_input_array``, else 2048.
         expert_parallel_size: ranks over which the routed experts of MoE layers are sharded (E/ep each, tokens
             dispatched by all-to-all; :mod:`lightning_deepseek.parallel.expert`); must divide the world size and
-            every layer's expert count. 1: experts replicated like everything else. ``"auto"``: the largest size
-            inside a node that divides every layer's expert count (1 without MoE layers).
+            every layer's expert count. 1: experts replicated like everything else. ``"auto"``: decided by the cost
+            model (all-to-all of the routed tokens against the expert gradients' all-reduce it saves, inside or
+            across islands; 1 without MoE layers). ``"per_node"``: the largest size inside a node that divides
+            every layer's expert count (the former ``"auto"``).
         save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
             optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
         shard_optimizer_states: ZeRO-1: each replica of a parameter keeps the optimizer state of only the
@@ -161,14 +171,14 @@ class HybridParallelStrategy(DDPStrategy):
 
     def __init__(
         self,
-        tensor_parallel_size: int | Literal["auto"] = "auto",
+        tensor_parallel_size: int | Literal["auto", "per_node"] = "auto",
         plan: Literal["auto"] | dict[str, str] = "auto",
         min_shard_params: int = 1 << 16,
         placement: Literal["auto", "tp_intra_node", "dp_intra_node"] = "auto",
         topology: str | list[list[int]] | None = None,
         link_costs: dict[str, dict[str, float]] | None = None,
         micro_batch_tokens: int | None = None,
-        expert_parallel_size: int | Literal["auto"] = 1,
+        expert_parallel_size: int | Literal["auto", "per_node"] = 1,
         save_distributed_checkpoint: bool = True,
         shard_optimizer_states: bool = False,
         process_group_backend: str | None = None,
@@ -179,14 +189,18 @@ class HybridParallelStrategy(DDPStrategy):
         check_ddp_kwargs(type(self), ddp_kwargs)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
                          **ddp_kwargs)
-        if tensor_parallel_size != "auto" and (not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1):
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer or 'auto'.")
+        if tensor_parallel_size not in _AUTO and not (isinstance(tensor_parallel_size, int) and
+                                                          tensor_parallel_size > 0):
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer or 'auto' "
+                             "(decided by the cost model), or 'per_node' (the processes per node).")
         if placement not in POLICIES:
             raise ValueError(f"placement={placement!r} is not a placement policy: use one of {POLICIES}.")
         if plan != "auto" and not isinstance(plan, dict):
             raise TypeError(f"plan={plan!r} must be 'auto' or a dict of module-name patterns to 'colwise'/'rowwise'.")
-        if expert_parallel_size != "auto" and (not isinstance(expert_parallel_size, int) or expert_parallel_size < 1):
-            raise ValueError(f"expert_parallel_size={expert_parallel_size!r} must be a positive integer or 'auto'.")
+        if expert_parallel_size not in _AUTO and not (isinstance(expert_parallel_size, int) and
+                                                          expert_parallel_size > 0):
+            raise ValueError(f"expert_parallel_size={expert_parallel_size!r} must be a positive integer or 'auto' "
+                             "(decided by the cost model), or 'per_node' (the largest size inside a node).")
         if min_shard_params < 0:
             raise ValueError(f"min_shard_params={min_shard_params} must be >= 0.")
         self._tp_arg = tensor_parallel_size
@@ -208,6 +222,8 @@ class HybridParallelStrategy(DDPStrategy):
         self._plan = Plan()
         self.placement: str | None = None
         self.placement_estimates: dict[str, float] = {}
+        self.autotune_decision: Decision | None = None
+        self.autotune_decides_bits = False
 
     @classmethod
     @override
@@ -219,7 +235,7 @@ class HybridParallelStrategy(DDPStrategy):
     def tensor_parallel_size(self) -> int:
         if self._dims is not None:
             return self._dims.tp
-        return self.num_processes if self._tp_arg == "auto" else self._tp_arg
+        return self.num_processes if self._tp_arg in _AUTO else self._tp_arg
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -266,6 +282,7 @@ class HybridParallelStrategy(DDPStrategy):
             "hybrid_sharded_layers": len(self._plan),
             "hybrid_param_bytes_vs_ddp": round(local / max(full, 1), 3),
             **(self._expert_plan.summary() if self._expert_plan is not None else {}),
+            **(self.autotune_decision.summary() if self.autotune_decision is not None else {}),
         }
         if self.optimizers:
             summary["hybrid_optimizer_state_bytes"] = sum(zero.state_bytes(o) for o in self.optimizers)
@@ -297,9 +314,9 @@ class HybridParallelStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        ep = 1 if self._ep_size == "auto" else self._ep_size  # "auto" is resolved with the model, at setup
-        self._dims = ParallelDims(self.world_size, tp=self.num_processes if self._tp_arg == "auto" else self._tp_arg,
-                                  ep=ep)
+        ep = 1 if self._ep_size in _AUTO else self._ep_size  # resolved with the model, at setup
+        tp = {"auto": 1, "per_node": self.num_processes}.get(self._tp_arg, self._tp_arg)  # "auto": at setup
+        self._dims = ParallelDims(self.world_size, tp=tp, ep=ep)
         self._topology = discover_topology(self.root_device, self.local_rank, self._topology_arg)
 
     @override
@@ -329,15 +346,50 @@ class HybridParallelStrategy(DDPStrategy):
 
         dims = self.parallel_dims
         _sync_module_states(module)  # tp groups shard from their first rank: make every rank hold rank 0's weights
-        self._plan = decide_plan(module, self._plan_arg, dims.world_size, dims.tp, self._tp_arg == "auto",
-                                 self._min_shard_params)
+        ep_size = "auto" if self._ep_size == "per_node" else self._ep_size  # resolve_ep_size's name for the rule
+        if self._mesh is None and (self._tp_arg == "auto" or self._ep_size == "auto") and dims.world_size > 1:
+            decision = self._decide(module, trainer)
+            dims = self._dims = ParallelDims(dims.world_size, tp=decision.chosen.tp, ep=dims.ep)
+            ep_size = decision.chosen.ep if self._ep_size == "auto" else ep_size
+        if self.autotune_decision is not None and self._tp_arg == "auto" and dims.tp == 1:
+            self._plan = Plan(reason=f"tensor_parallel_size='auto': the cost model chose tp=1 "
+                              f"({self.autotune_decision.reason}), so nothing is sharded and this trains as plain "
+                              "DDP; set tensor_parallel_size to shard anyway.")
+        else:
+            self._plan = decide_plan(module, self._plan_arg, dims.world_size, dims.tp, self._tp_arg == "per_node",
+                                     self._min_shard_params)
         if self._mesh is None:  # built once: a later setup of an unsharded model (fit, then test) reuses it
             self._mesh = self._build_mesh(module, trainer)
         module._device_mesh = self._mesh
         apply_tensor_parallel(module, self._plan.styles, self._mesh["tp"])
         self._log_plan(module)
-        self._expert_plan = setup_expert_parallel(module, self.root_device.type, self.world_size, self._ep_size,
+        self._expert_plan = setup_expert_parallel(module, self.root_device.type, self.world_size, ep_size,
                                                   self.num_processes)
+
+    def _decide(self, module: pl.LightningModule, trainer: pl.Trainer) -> Decision:
+        """``tensor_parallel_size`` / ``expert_parallel_size`` (and ``GradientCompression(bits="auto")``) by the
+        cost model, from measured compute and links (collective; :mod:`lightning_deepseek.autotune`)."""
+        # Imported here: the cost model reads compression's payload sizes, and compression imports this package.
+        from lightning_deepseek.autotune.auto_parallel import AUTO_BITS, decide_parallel, divisors
+
+        assert self._topology is not None
+        dims = self.parallel_dims
+        compression = next((c for c in trainer.callbacks if getattr(c, "config", None) is not None
+                            and getattr(c.config, "bits", None) == "auto"), None)
+        bits = AUTO_BITS if compression is not None else [None]
+        tp_sizes = divisors(dims.world_size, self.num_processes) if self._tp_arg == "auto" else [dims.tp]
+        ep_sizes = None if self._ep_size == "auto" else [dims.ep]
+        settings = [f"{name}='auto'" for name, arg in (("tensor_parallel_size", self._tp_arg),
+                                                        ("expert_parallel_size", self._ep_size)) if arg == "auto"]
+        settings += ["GradientCompression(bits='auto')"] if compression is not None else []
+        self.autotune_decision = decide_parallel(
+            module, trainer, topology=self._topology, local_size=self.num_processes, links=self._links,
+            plan_for=lambda tp: decide_plan(module, self._plan_arg, dims.world_size, tp, False, self._min_shard_params),
+            tp_sizes=tp_sizes, ep_sizes=ep_sizes, bits=bits, tokens=self._micro_batch_tokens,
+            placement=self._placement_arg, bucket_bytes=int(self._ddp_kwargs.get("bucket_cap_mb", 25) * 2**20),
+            setting=", ".join(settings))
+        self.autotune_decides_bits = compression is not None
+        return self.autotune_decision
 
     def _log_plan(self, module: nn.Module) -> None:
         if not self._plan and self._plan.warn:
@@ -405,20 +457,8 @@ class HybridParallelStrategy(DDPStrategy):
         return dims.build_mesh(self.root_device.type, grid)
 
     def _comm_volume(self, module: nn.Module, micro_batches: int) -> CommVolume:
-        modules = dict(module.named_modules())
-        tp_size = self.tensor_parallel_size
-        itemsize = next(module.parameters()).element_size()
-        sharded = sum(p.numel() for e in self._plan for p in modules[e.name].parameters())
-        total = sum(p.numel() for p in module.parameters())
-        width = max((linear_shape(modules[e.name])[0] for e in self._plan if e.style == "colwise"), default=0)
-        return CommVolume(
-            activation_bytes=self._tokens_per_micro_batch(module) * width * itemsize,
-            num_colwise=sum(e.style == "colwise" for e in self._plan),
-            num_rowwise=sum(e.style == "rowwise" for e in self._plan),
-            sharded_grad_bytes=sharded * itemsize // tp_size,
-            replicated_grad_bytes=(total - sharded) * itemsize,
-            micro_batches=micro_batches,
-        )
+        return comm_volume(module, self._plan, self.tensor_parallel_size, self._tokens_per_micro_batch(module),
+                           micro_batches)
 
     def _tokens_per_micro_batch(self, module: nn.Module) -> int:
         if self._micro_batch_tokens is not None:

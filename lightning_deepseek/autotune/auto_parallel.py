@@ -1,0 +1,148 @@
+"""The ``"auto"`` settings' side of the cost model: gather the facts, measure, decide, print (collective).
+
+``HybridParallelStrategy(tensor_parallel_size="auto")`` / ``expert_parallel_size="auto"`` call
+:func:`decide_parallel` once at setup, before sharding, with the plan of every candidate ``tp``; when a
+``GradientCompression(bits="auto")`` callback is in the Trainer, its bits are decided in the same table. With a
+strategy that has no such decision (``"ddp"``), the callback calls :func:`decide_compression` itself at fit start.
+Every rank measures and then agrees on the slowest figures (:func:`~lightning_deepseek.autotune.measure.agree`),
+so every rank takes the same decision; rank 0 prints the table once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_deepseek.autotune.cost_model import (
+    ComputeProfile,
+    Decision,
+    Machine,
+    ModelFacts,
+    candidates,
+    decide,
+)
+from lightning_deepseek.autotune.measure import (
+    agree_compute,
+    agree_quantize,
+    device_memory_bytes,
+    measure_compute,
+    measure_quantize,
+    micro_batch_step,
+)
+from lightning_deepseek.moe.protocol import find_expert_layers
+from lightning_deepseek.parallel.placement import CommVolume, LinkCost, comm_volume, probe_links
+from lightning_deepseek.parallel.plan import Plan
+from lightning_deepseek.parallel.topology import Topology
+
+AUTO_BITS: tuple[int | None, ...] = (None, 8, 4)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The figures of one setup: compute (agreed over ranks), tokens per micro-batch, links."""
+
+    compute: ComputeProfile
+    tokens: int
+    links: dict[str, LinkCost]
+
+
+def divisors(n: int, at_most: int) -> list[int]:
+    return [d for d in range(1, min(n, at_most) + 1) if n % d == 0]
+
+
+def measure(module: pl.LightningModule, trainer: pl.Trainer | None, topology: Topology,
+            links: dict[str, LinkCost] | None, experts: Sequence[nn.Module] = ()) -> Measured:
+    """Time the model on a real micro-batch and probe the links (unless given); collective."""
+    step, description, tokens = micro_batch_step(module, trainer)
+    compute = agree_compute(measure_compute(module, step, description, experts=list(experts)))
+    return Measured(compute, tokens, links if links is not None else probe_links(topology))
+
+
+def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology: Topology, local_size: int,
+                    links: dict[str, LinkCost] | None, plan_for: Callable[[int], Plan], tp_sizes: Iterable[int],
+                    ep_sizes: Iterable[int] | None, bits: Iterable[int | None], tokens: int | None,
+                    placement: str, bucket_bytes: int, setting: str) -> Decision:
+    """Choose ``(tp, ep, bits)`` for ``HybridParallelStrategy`` (collective).
+
+    Args:
+        plan_for: the plan at a ``tp`` size (candidates whose plan is empty or invalid are dropped, except 1).
+        tp_sizes: the allowed ``tp`` sizes; ``ep_sizes``: the allowed expert-parallel sizes (None: the divisors of
+            the world size that divide every MoE layer's expert count).
+        tokens: rows per rank and micro-batch entering a feed-forward layer (None: the measured batch's).
+        setting: the user's setting, named in the table and in errors.
+    """
+    world = topology.world_size
+    layers = find_expert_layers(module)
+    if ep_sizes is None:
+        ep_sizes = [d for d in divisors(world, world) if all(layer.num_experts % d == 0 for layer in layers)]
+    measured = measure(module, trainer, topology, links, [layer.experts for layer in layers])
+    tokens = tokens or measured.tokens
+    micro = trainer.accumulate_grad_batches
+    plans: dict[int, Plan] = {}
+    for tp in tp_sizes:
+        with warnings.catch_warnings():  # the chosen size's plan warns again when it is applied
+            warnings.simplefilter("ignore")
+            try:
+                plan = plan_for(tp)
+            except ValueError:
+                continue
+        if tp == 1 or plan:
+            plans[tp] = plan
+    volumes = {tp: comm_volume(module, plan, tp, tokens, micro) for tp, plan in plans.items()}
+    expert_ids = {id(p) for layer in layers for p in layer.experts.parameters(recurse=False)
+                  if p.dim() >= 1 and p.size(0) == layer.num_experts}
+    facts = ModelFacts(param_bytes=_param_bytes(module.parameters()), volumes=volumes,
+                       expert_bytes=_param_bytes(p for p in module.parameters() if id(p) in expert_ids),
+                       num_moe_layers=len(layers))
+    bits = tuple(bits)
+    machine = _machine(topology, measured.links, next(module.parameters()).device, local_size, bits,
+                       max(v.replicated_grad_bytes for v in volumes.values()), bucket_bytes, placement)
+    decision = decide(candidates(world, sorted(plans), ep_sizes if layers else [1], bits), facts, measured.compute,
+                      machine, setting)
+    _print(decision, setting, measured, tokens)
+    return decision
+
+
+def decide_compression(module: pl.LightningModule, trainer: pl.Trainer, topology: Topology, dp_size: int,
+                       bucket_bytes: int) -> Decision:
+    """Choose the bits of ``GradientCompression(bits="auto")`` under plain data parallelism (collective)."""
+    measured = measure(module, trainer, topology, None)
+    grad_bytes = _param_bytes(p for p in module.parameters() if p.requires_grad)
+    volume = CommVolume(0, 0, 0, 0, grad_bytes, trainer.accumulate_grad_batches)
+    facts = ModelFacts(param_bytes=_param_bytes(module.parameters()), volumes={1: volume})
+    machine = _machine(topology, measured.links, next(module.parameters()).device, dp_size, AUTO_BITS, grad_bytes,
+                       bucket_bytes, "tp_intra_node")
+    setting = "GradientCompression(bits='auto')"
+    decision = decide(candidates(dp_size, [1], [1], AUTO_BITS), facts, measured.compute, machine, setting)
+    _print(decision, setting, measured, measured.tokens)
+    return decision
+
+
+def _param_bytes(params: Iterable[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _machine(topology: Topology, links: dict[str, LinkCost], device: torch.device, local_size: int,
+             bits: tuple[int | None, ...], grad_bytes: int, bucket_bytes: int, placement: str) -> Machine:
+    compressed = tuple(b for b in bits if b is not None)
+    costs = agree_quantize(measure_quantize(grad_bytes, compressed, device)) if compressed else {}
+    return Machine(topology, links, device_memory_bytes(device, local_size), costs, bucket_bytes=bucket_bytes,
+                   placement=placement)
+
+
+def _print(decision: Decision, setting: str, measured: Measured, tokens: int) -> None:
+    compute = measured.compute
+    links = ", ".join(f"{k} {c.bandwidth * 8 / 1e9:.2f} Gbit/s {c.latency * 1e6:.0f} us"
+                      for k, c in measured.links.items())
+    rank_zero_info(f"{setting}: cost model (lightning_deepseek.autotune.cost_model); compute {compute.source}: "
+                   f"forward {compute.forward_seconds * 1e3:.1f} ms, backward {compute.backward_seconds * 1e3:.1f} ms, "
+                   f"{tokens} tokens per rank; links {links}\n{decision.table()}")
+
+
+__all__ = ["decide_compression", "decide_parallel", "divisors", "measure"]

@@ -1,0 +1,313 @@
+"""Decisions by a cost model: the predicted step time of each parallel candidate, from measured figures.
+
+A candidate is a tensor-parallel size ``tp``, an expert-parallel size ``ep`` (MoE models) and a gradient
+compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro-batches, on one rank:
+
+    step = compute + tp_comm + ep_comm + exposed_dp + after_backward + quantize
+
+- ``compute = m (F + B)``: the measured forward and backward seconds of the user's own model on a real micro-batch
+  (:mod:`.measure`), the same for every candidate. A tensor-parallel rank runs the sharded layers on its ``tp``
+  group's ``tp`` micro-batches at ``1/tp`` of their width (``1/tp`` of the group's compute of those layers) and the
+  replicated rest on its own micro-batch: the same work as under DDP. An expert-parallel rank runs ``E/ep`` experts
+  on the tokens its group routes to them: the same expected work.
+- ``tp_comm``: :func:`~lightning_deepseek.parallel.placement.estimate_comm_seconds`' tensor-parallel term (four
+  ring collectives of one rank's activations per sharded pair and micro-batch); not overlapped, each layer waits
+  for its input.
+- ``ep_comm = 4 m * all_to_all(T k d s, ep)``: dispatch and combine of the routed tokens (``T`` tokens, top-``k``,
+  width ``d``, ``s`` bytes a value), forward and backward; ``all_to_all(M, n) = (n - 1)/n M/B + (n - 1) a``; the
+  ``ep`` group is ``ep`` consecutive ranks (:func:`~lightning_deepseek.parallel.expert.build_expert_mesh`).
+- ``exposed_dp``: DDP all-reduces the replicated gradients (everything tensor and expert parallelism leave whole)
+  over the world while backward runs, one all-reduce per bucket:
+  ``R = all_reduce(r(bits) * replicated bytes, world) + (buckets - 1) 2 (world - 1) a`` with
+  ``all_reduce(S, n) = 2 (n - 1)/n S/B + 2 (n - 1) a`` and ``r(bits)`` the compressed payload over the fp32 bytes
+  (:func:`~lightning_deepseek.compression.quantize.payload_bytes`): compression shrinks the bytes, not the
+  latency. What backward hides: at most ``B`` seconds,
+  and never the last bucket (``bucket_bytes`` of it, DDP's ``bucket_cap_mb``):
+  ``exposed_dp = max(R - overlap * m B, R * min(1, bucket / replicated bytes))``.
+- ``after_backward``: the tensor-parallel shards' all-reduce over ``dp`` and the experts' over ``world/ep`` run
+  once per step after backward (the strategy's reduction), not overlapped.
+- ``quantize = replicated bytes * (q + n dq)`` with ``q``/``dq`` the measured seconds per fp32 byte of the
+  quantize / dequantize kernels on this machine, ``n`` the payloads dequantized (the data-parallel ranks with the
+  single all-gather exchange, 2 with the two-phase one); it runs in DDP's hook on backward's thread.
+
+Memory per rank: ``params + grads + state_factor * params`` (optimizer states; Adam: 2) ``+ residual`` (fp32 error
+feedback of the replicated gradients when compressed) ``+ activations`` (the bytes autograd saves for backward,
+measured) must stay under ``headroom * device memory``; a candidate that does not fit is not allowed, and when none
+fits :class:`NoCandidateFitsError` names the setting and the fixes.
+
+Choice: the fitting candidate with the lowest prediction, unless it beats the simplest fitting candidate (smallest
+``tp``, ``ep``, no compression) by less than ``margin``: sharding and compressing change numerics and add code paths,
+so they must pay clearly. The model is deliberately simple (no contention between compute and communication on
+shared cores, no kernel efficiency change with width); ``benchmarks/autotune/bench_cost_model.py`` checks its
+ranking against measurements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from lightning_deepseek.compression.quantize import payload_bytes
+from lightning_deepseek.parallel.placement import (
+    CommVolume,
+    LinkCost,
+    all_reduce_seconds,
+    all_to_all_seconds,
+    candidate_mesh,
+    choose_placement,
+    estimate_comm_seconds,
+    group_link,
+)
+from lightning_deepseek.parallel.topology import Topology
+
+DEFAULT_BLOCK_SIZE = {8: 128, 4: 64}
+_GIB = 2**30
+
+
+class NoCandidateFitsError(ValueError):
+    """No candidate's parameters, gradients, optimizer states and activations fit the device memory."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: tensor-parallel size, expert-parallel size, compression bits (None: fp32)."""
+
+    tp: int = 1
+    ep: int = 1
+    bits: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"tp={self.tp} ep={self.ep} {'fp32' if self.bits is None else f'int{self.bits}'}"
+
+    @property
+    def simplicity(self) -> tuple[int, int, int]:
+        """Sort key: plain DDP first, then the least sharding, then the least compression."""
+        return (self.tp, self.ep, 0 if self.bits is None else 16 - self.bits)
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """Measured compute of one micro-batch on one rank, and what autograd keeps for backward.
+
+    Args:
+        forward_seconds: forward (with the loss) of one micro-batch.
+        backward_seconds: its backward.
+        activation_bytes: bytes of the tensors saved for backward.
+        routed_bytes: bytes one rank dispatches to the experts per micro-batch and MoE layer, ``T k d s``.
+        source: how it was measured, for the table.
+    """
+
+    forward_seconds: float
+    backward_seconds: float
+    activation_bytes: int = 0
+    routed_bytes: int = 0
+    source: str = "given"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the model holds and exchanges, per tensor-parallel size.
+
+    Args:
+        param_bytes: bytes of all parameters (one full replica).
+        volumes: for each allowed ``tp``, placement's :class:`CommVolume` (``tp=1``: nothing sharded).
+        expert_bytes: bytes of the routed-expert parameters (part of ``replicated_grad_bytes`` at ``ep=1``).
+        num_moe_layers: MoE layers (each dispatches and combines).
+        state_factor: optimizer state bytes per parameter byte (Adam, AdamW: 2).
+    """
+
+    param_bytes: int
+    volumes: Mapping[int, CommVolume]
+    expert_bytes: int = 0
+    num_moe_layers: int = 0
+    state_factor: float = 2.0
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The measured machine: topology, links, memory, compression kernels.
+
+    Args:
+        topology: islands of ranks.
+        links: ``{"intra": LinkCost, "inter": LinkCost}`` (probed or configured).
+        device_memory_bytes: memory one rank may use.
+        quantize_seconds_per_byte: ``{bits: (q, dq)}`` seconds per fp32 byte of quantize and dequantize.
+        bucket_bytes: DDP's bucket size (the last bucket is never hidden behind backward).
+        overlap: fraction of backward that can hide DDP's all-reduce (1: all of it).
+        headroom: fraction of ``device_memory_bytes`` a candidate may plan for.
+        single_exchange_max_world: compression's one-all-gather exchange up to this many data-parallel ranks.
+        placement: placement policy for the rank grid of each ``tp``.
+    """
+
+    topology: Topology
+    links: Mapping[str, LinkCost]
+    device_memory_bytes: int
+    quantize_seconds_per_byte: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    bucket_bytes: int = 25 * 2**20
+    overlap: float = 1.0
+    headroom: float = 0.9
+    single_exchange_max_world: int = 2
+    placement: str = "auto"
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One candidate's predicted step seconds, by part, and its memory per rank."""
+
+    candidate: Candidate
+    parts: Mapping[str, float]
+    memory_bytes: int
+    fits: bool
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.parts.values())
+
+    def row(self) -> str:
+        parts = " ".join(f"{k} {v * 1e3:.1f}" for k, v in self.parts.items())
+        memory = f"{self.memory_bytes / _GIB:.2f} GiB" + ("" if self.fits else " (does not fit)")
+        return f"{self.candidate.label:<18} {self.seconds * 1e3:>9.1f} ms  [{parts}]  {memory}"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen candidate, every prediction (fastest first), and why."""
+
+    chosen: Candidate
+    predictions: tuple[Prediction, ...]
+    reason: str
+
+    def prediction(self, candidate: Candidate) -> Prediction:
+        return next(p for p in self.predictions if p.candidate == candidate)
+
+    def table(self) -> str:
+        """The lines printed at setup: every candidate's predicted step time, parts in ms, memory; the choice."""
+        lines = ["candidate          predicted step  [parts, ms]  memory per rank"]
+        lines += [p.row() + ("  <- chosen" if p.candidate == self.chosen else "") for p in self.predictions]
+        lines.append(f"choice: {self.chosen.label}: {self.reason}")
+        return "\n".join(lines)
+
+    def summary(self) -> dict[str, object]:
+        """Entries for the run summary."""
+        return {"autotune_choice": self.chosen.label,
+                "autotune_predicted_ms": {p.candidate.label: round(p.seconds * 1e3, 2) for p in self.predictions},
+                "autotune_reason": self.reason}
+
+
+def compression_ratio(bits: int | None, block_size: int | None = None) -> float:
+    """Bytes on the wire over fp32 bytes for ``bits`` (1 for fp32)."""
+    if bits is None:
+        return 1.0
+    block = block_size or DEFAULT_BLOCK_SIZE[bits]
+    return payload_bytes(block * 1024, bits, block) / (4 * block * 1024)
+
+
+def memory_bytes(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile) -> int:
+    """Parameter, gradient, optimizer-state, residual and activation bytes of one rank under ``candidate``."""
+    volume = facts.volumes[candidate.tp]
+    expert_local = facts.expert_bytes // candidate.ep
+    params = volume.replicated_grad_bytes - facts.expert_bytes + expert_local + volume.sharded_grad_bytes
+    residual = (volume.replicated_grad_bytes - facts.expert_bytes) if candidate.bits is not None else 0
+    return int(params * (2 + facts.state_factor) + residual + compute.activation_bytes)
+
+
+def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, machine: Machine) -> Prediction:
+    """The predicted step seconds of ``candidate`` (by part) and whether it fits (see the module docstring)."""
+    world, topology, links = machine.world_size, machine.topology, dict(machine.links)
+    volume = facts.volumes[candidate.tp]
+    micro = volume.micro_batches
+    dp = world // candidate.tp
+    expert_in_ddp = facts.expert_bytes if candidate.ep == 1 else 0
+    ddp_bytes = volume.replicated_grad_bytes - facts.expert_bytes + expert_in_ddp
+    ddp_volume = CommVolume(volume.activation_bytes, volume.num_colwise, volume.num_rowwise,
+                            volume.sharded_grad_bytes, ddp_bytes, micro)
+    if machine.placement == "auto":
+        _, mesh, _ = choose_placement("auto", topology, dp, candidate.tp, ddp_volume, links)
+    else:
+        mesh = candidate_mesh(machine.placement, topology, dp, candidate.tp)
+    comm = estimate_comm_seconds(mesh, topology, ddp_volume, links)
+    backward = micro * compute.backward_seconds
+    world_link = group_link(topology, list(range(world)), links)
+    num_buckets = -(-ddp_bytes // machine.bucket_bytes)
+    wire = (all_reduce_seconds(int(ddp_bytes * compression_ratio(candidate.bits)), world, world_link)
+            + max(0, num_buckets - 1) * all_reduce_seconds(0, world, world_link))
+    last_bucket = min(1.0, machine.bucket_bytes / max(ddp_bytes, 1))
+    parts = {
+        "compute": micro * (compute.forward_seconds + compute.backward_seconds),
+        "tp": comm["tp"],
+        "ep": 0.0,
+        "dp": max(wire - machine.overlap * backward, wire * last_bucket) if ddp_bytes else 0.0,
+        "after": comm["sharded"],
+        "quantize": 0.0,
+    }
+    if candidate.ep > 1:
+        ep_link = group_link(topology, list(range(candidate.ep)), links)
+        parts["ep"] = 4 * micro * facts.num_moe_layers * all_to_all_seconds(compute.routed_bytes, candidate.ep, ep_link)
+        parts["after"] += all_reduce_seconds(facts.expert_bytes // candidate.ep, world // candidate.ep,
+                                             group_link(topology, list(range(0, world, candidate.ep)), links))
+    if candidate.bits is not None and ddp_bytes:
+        q, dq = machine.quantize_seconds_per_byte[candidate.bits]
+        payloads = dp if world <= machine.single_exchange_max_world else 2
+        parts["quantize"] = ddp_bytes * (q + payloads * dq)
+    memory = memory_bytes(candidate, facts, compute)
+    return Prediction(candidate, parts, memory, memory <= machine.headroom * machine.device_memory_bytes)
+
+
+def candidates(world_size: int, tp_sizes: Iterable[int] = (1,), ep_sizes: Iterable[int] = (1,),
+               bits: Iterable[int | None] = (None,)) -> list[Candidate]:
+    """Every combination whose sizes divide ``world_size`` (compression only with 2+ data-parallel ranks)."""
+    out = []
+    for tp in tp_sizes:
+        for ep in ep_sizes:
+            for b in bits:
+                if world_size % tp or world_size % ep or (b is not None and world_size // tp < 2):
+                    continue
+                out.append(Candidate(tp, ep, b))
+    return out
+
+
+def decide(options: Iterable[Candidate], facts: ModelFacts, compute: ComputeProfile, machine: Machine,
+           setting: str = "tensor_parallel_size='auto'", margin: float = 0.05) -> Decision:
+    """Predict every candidate and choose (see the module docstring).
+
+    Args:
+        options: the candidates (their ``tp`` sizes must be keys of ``facts.volumes``).
+        setting: the user's setting that asked for the decision, named in errors.
+        margin: a candidate other than the simplest fitting one must be predicted this much faster.
+
+    Raises:
+        NoCandidateFitsError: no candidate fits ``machine.device_memory_bytes``.
+    """
+    predictions = sorted((predict(c, facts, compute, machine) for c in options), key=lambda p: p.seconds)
+    if not predictions:
+        raise ValueError(f"{setting}: there is no candidate to decide between (world size {machine.world_size}).")
+    fitting = [p for p in predictions if p.fits]
+    if not fitting:
+        smallest = min(predictions, key=lambda p: p.memory_bytes)
+        budget = machine.headroom * machine.device_memory_bytes
+        raise NoCandidateFitsError(
+            f"{setting}: no candidate fits the device memory: the smallest, {smallest.candidate.label}, needs "
+            f"{smallest.memory_bytes / _GIB:.2f} GiB per rank (parameters, gradients, optimizer states x"
+            f"{facts.state_factor:g}, activations {compute.activation_bytes / _GIB:.2f} GiB) against "
+            f"{budget / _GIB:.2f} GiB usable. Train on more devices per node (a larger tensor_parallel_size), "
+            "use a smaller micro-batch, or shard the optimizer states (shard_optimizer_states=True).")
+    best = fitting[0]
+    simplest = min(fitting, key=lambda p: p.candidate.simplicity)
+    needed = "" if simplest.candidate == min(predictions, key=lambda p: p.candidate.simplicity).candidate else (
+        f"memory requires it ({min(predictions, key=lambda p: p.candidate.simplicity).candidate.label} does not fit)")
+    if best.candidate != simplest.candidate and best.seconds < (1 - margin) * simplest.seconds:
+        gain = simplest.seconds / best.seconds
+        reason = f"predicted {gain:.2f}x faster than {simplest.candidate.label}"
+        chosen = best.candidate
+    else:
+        chosen = simplest.candidate
+        reason = needed or (f"nothing is predicted to beat it by {margin:.0%} or more"
+                            if len(fitting) > 1 else "the only candidate")
+    if chosen != simplest.candidate and needed:
+        reason = f"{needed}; {reason}"
+    return Decision(chosen, tuple(predictions), reason)

@@ -1,0 +1,206 @@
+"""The measurements the cost model (:mod:`.cost_model`) decides from, taken at setup on this machine.
+
+- compute: a few timed forward (with the loss) and backward passes of the user's own model on a real micro-batch
+  (``example_input_array``, else the first batch of the training data through ``training_step``), before any
+  wrapping or sharding, so nothing communicates. The random state, the buffers (batch-norm statistics...) and the
+  gradients are put back afterwards: the measurement leaves training as it found it. Autograd's saved tensors
+  during one forward give the activation bytes.
+- compression kernels: quantize (with the error-feedback residual) and dequantize of a gradient-sized buffer, the
+  kernels the hook runs (:mod:`lightning_deepseek.compression.quantize`), seconds per fp32 byte.
+- links: :func:`lightning_deepseek.parallel.placement.probe_links` (reused, not duplicated).
+- device memory: the GPU's total memory, or the host's physical memory shared by its processes.
+Ranks measure different figures; :func:`agree` takes the slowest of every figure so that every rank decides the
+same (a decision that differed between ranks would build different meshes).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities import move_data_to_device
+from torch import nn
+
+from lightning_deepseek.autotune.cost_model import DEFAULT_BLOCK_SIZE, ComputeProfile
+from lightning_deepseek.compression.quantize import dequantize, quantize
+from lightning_deepseek.parallel.placement import probe_device
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    """A scalar to differentiate: the loss itself, a dict's ``loss``, or the sum of a model's float outputs."""
+    if isinstance(output, dict):
+        output = output.get("loss", next(iter(output.values())))
+    if isinstance(output, (tuple, list)):
+        return sum(_loss_of(o) for o in output if isinstance(o, torch.Tensor) and o.is_floating_point())
+    if hasattr(output, "loss") and getattr(output, "loss", None) is not None:  # transformers' ModelOutput
+        return output.loss
+    if hasattr(output, "logits"):
+        return output.logits.float().sum()
+    return output.float().sum() if output.dim() else output
+
+
+def _tokens(batch: Any) -> int:
+    """Rows entering a feed-forward layer: the first tensor's elements (token ids), or all but its last dimension."""
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    first = next((t for t in (batch if isinstance(batch, (tuple, list)) else [batch]) if isinstance(t, torch.Tensor)),
+                 None)
+    if first is None:
+        return 0
+    return first.numel() if not first.is_floating_point() else first[..., 0].numel()
+
+
+def micro_batch_step(module: pl.LightningModule, trainer: pl.Trainer | None) -> tuple[Callable[[], Any], str, int]:
+    """A zero-argument forward of one real micro-batch (returns what to differentiate), its description and its
+    tokens per rank.
+
+    ``example_input_array`` when the module sets one; else the first batch of the training data through
+    ``training_step`` (with ``self.log`` silenced: the loop's logging is not set up yet).
+    """
+    device = next(module.parameters()).device
+    example = getattr(module, "example_input_array", None)
+    if example is not None:
+        moved = move_data_to_device(example, device)
+        if isinstance(moved, dict):
+            return (lambda: module(**moved)), "example_input_array", _tokens(moved)
+        if isinstance(moved, (tuple, list)):
+            return (lambda: module(*moved)), "example_input_array", _tokens(moved)
+        return (lambda: module(moved)), f"example_input_array {tuple(moved.shape)}", _tokens(moved)
+    if trainer is None:
+        raise ValueError(f"{type(module).__name__} sets no example_input_array and there is no Trainer to take a "
+                         "training batch from: set example_input_array to measure the model.")
+    # Lightning keeps where the training data comes from (a datamodule, the module's hook, or the loaders given to
+    # fit()) only in the fit loop's data source; its setup hooks have run by now.
+    loader = trainer.fit_loop._data_source.dataloader()
+    batch = move_data_to_device(next(iter(loader)), device)
+    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    shape = tuple(first.shape) if isinstance(first, torch.Tensor) else "?"
+    return (lambda: module.training_step(batch, 0)), f"a training batch {shape}", _tokens(batch)
+
+
+def measure_compute(module: nn.Module, step: Callable[[], Any], description: str = "", repeats: int = 3,
+                    experts: list[nn.Module] = ()) -> ComputeProfile:
+    """Median forward and backward seconds of ``step`` (after one warm-up), the bytes saved for backward and,
+    for MoE models, the bytes routed to one layer's ``experts`` (their inputs ``(T, d)`` times ``k``).
+
+    The random state, buffers and gradients of ``module`` are restored afterwards.
+    """
+    routed: list[int] = []
+
+    def record(_: nn.Module, args: tuple, kwargs: dict) -> None:
+        values = [*args, kwargs.get("hidden_states"), kwargs.get("top_k_index")]
+        hidden, top_k_index = [v for v in values if isinstance(v, torch.Tensor)][:2]
+        routed.append(hidden.numel() * hidden.element_size() * top_k_index.shape[-1])
+
+    handles = [e.register_forward_pre_hook(record, with_kwargs=True) for e in experts]
+    device = next(module.parameters()).device
+    buffers = {k: v.clone() for k, v in module.named_buffers()}
+    grads = {p: p.grad for p in module.parameters()}
+    if isinstance(module, pl.LightningModule):
+        # training_step logs; the loop's result collection does not exist before fit starts.
+        module.log = module.log_dict = lambda *args, **kwargs: None
+    forward, backward, saved = [], [], 0
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for i in range(repeats + 1):
+                sizes: list[int] = []
+
+                def pack(t: torch.Tensor, sizes: list[int] = sizes) -> torch.Tensor:
+                    sizes.append(t.numel() * t.element_size())
+                    return t
+
+                _synchronize(device)
+                start = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = _loss_of(step())
+                _synchronize(device)
+                middle = time.perf_counter()
+                loss.backward()
+                _synchronize(device)
+                end = time.perf_counter()
+                if i:  # the first pass warms allocators and caches
+                    forward.append(middle - start)
+                    backward.append(end - middle)
+                saved = sum(sizes)
+    finally:
+        for handle in handles:
+            handle.remove()
+        if isinstance(module, pl.LightningModule):
+            del module.log, module.log_dict  # back to the class's methods
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                buffer.copy_(buffers[name])
+        for p, g in grads.items():
+            p.grad = g
+    return ComputeProfile(statistics.median(forward), statistics.median(backward), saved, max(routed, default=0),
+                          f"measured: {repeats} forward/backward passes of {description or 'a micro-batch'}")
+
+
+def measure_quantize(num_bytes: int, bits_options: tuple[int, ...] = (8, 4), device: torch.device | None = None,
+                     repeats: int = 3) -> dict[int, tuple[float, float]]:
+    """``{bits: (quantize, dequantize)}`` seconds per fp32 byte on a buffer of up to ``num_bytes`` (at least 1 MiB,
+    at most 16 MiB: the per-byte cost of the hook's tiled kernels does not depend on size beyond that)."""
+    device = device or torch.device("cpu")
+    numel = max(1 << 18, min(num_bytes // 4, 1 << 22)) // 256 * 256
+    x = torch.randn(numel, device=device)
+    residual = torch.empty_like(x)
+    out = torch.empty_like(x)
+    result = {}
+    for bits in bits_options:
+        block = DEFAULT_BLOCK_SIZE[bits]
+        q_times, dq_times = [], []
+        for i in range(repeats + 1):
+            _synchronize(device)
+            start = time.perf_counter()
+            codes, scales = quantize(x, bits, block, residual=residual)
+            _synchronize(device)
+            middle = time.perf_counter()
+            dequantize(codes, scales, bits, block, out=out)
+            _synchronize(device)
+            if i:
+                q_times.append(middle - start)
+                dq_times.append(time.perf_counter() - middle)
+        result[bits] = (statistics.median(q_times) / (numel * 4), statistics.median(dq_times) / (numel * 4))
+    return result
+
+
+def device_memory_bytes(device: torch.device, processes_per_node: int) -> int:
+    """Memory one rank may plan for: the GPU's, or the host's physical memory over its processes."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // max(1, processes_per_node)
+
+
+def agree(values: list[float]) -> list[float]:
+    """The maximum of each figure over all ranks (collective when a process group is up; else ``values``)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=probe_device(dist.get_backend_config()))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def agree_compute(profile: ComputeProfile) -> ComputeProfile:
+    """``profile`` with the slowest rank's figures (collective)."""
+    f, b, a, r = agree([profile.forward_seconds, profile.backward_seconds, float(profile.activation_bytes),
+                        float(profile.routed_bytes)])
+    return ComputeProfile(f, b, int(a), int(r), profile.source)
+
+
+def agree_quantize(costs: dict[int, tuple[float, float]]) -> dict[int, tuple[float, float]]:
+    """``costs`` with the slowest rank's figures (collective)."""
+    keys = sorted(costs)
+    flat = agree([v for k in keys for v in costs[k]])
+    return {k: (flat[2 * i], flat[2 * i + 1]) for i, k in enumerate(keys)}

@@ -1,0 +1,167 @@
+"""The cost model's decisions against recorded measurements (fixed link and compute figures; no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_deepseek.autotune.cost_model import (
+    Candidate,
+    ComputeProfile,
+    Machine,
+    ModelFacts,
+    NoCandidateFitsError,
+    candidates,
+    compression_ratio,
+    decide,
+    predict,
+)
+from lightning_deepseek.compression import CompressionConfig
+from lightning_deepseek.parallel.placement import (
+    CommVolume,
+    LinkCost,
+    candidate_mesh,
+    estimate_comm_seconds,
+    estimate_step_seconds,
+)
+from lightning_deepseek.parallel.topology import Topology
+
+MB = 2**20
+ONE_NODE = Topology(((0, 1),))
+TWO_NODES = Topology(((0, 1), (2, 3)))
+# Figures as measured on this machine's loopback (probe_links, benchmarks/compression/kernels.py).
+LOOPBACK = {"intra": LinkCost(bandwidth=3e9, latency=30e-6), "inter": LinkCost(bandwidth=3e9, latency=30e-6)}
+GBIT = {"intra": LinkCost(bandwidth=1e9 / 8, latency=100e-6), "inter": LinkCost(bandwidth=1e9 / 8, latency=100e-6)}
+QUANTIZE = {8: (0.4e-9, 0.2e-9), 4: (0.5e-9, 0.3e-9)}  # seconds per fp32 byte: ~2.5 GB/s quantize
+
+
+def facts(param_mb: float, ffn_share: float, activation_mb: float, tp_sizes=(1, 2), layers: int = 4) -> ModelFacts:
+    """A GPT-like model of ``param_mb`` MB of fp32 parameters, ``ffn_share`` of them in shardable pairs."""
+    total = int(param_mb * MB)
+    sharded = int(total * ffn_share)
+    volumes = {1: CommVolume(0, 0, 0, 0, total, 1)}
+    for tp in tp_sizes[1:]:
+        volumes[tp] = CommVolume(int(activation_mb * MB), layers, layers, sharded // tp, total - sharded, 1)
+    return ModelFacts(param_bytes=total, volumes=volumes)
+
+
+def machine(links, memory_gb: float = 64.0, topology: Topology = ONE_NODE) -> Machine:
+    return Machine(topology, links, int(memory_gb * 2**30), QUANTIZE)
+
+
+def test_fast_link_and_small_model_choose_plain_data_parallelism() -> None:
+    # The demo's size: 2 MB of gradients, 30 ms of compute, loopback: sharding and compression cannot pay.
+    decision = decide(candidates(2, [1, 2], [1], [None, 8, 4]), facts(2, 0.6, 0.25),
+                      ComputeProfile(0.010, 0.020, 8 * MB), machine(LOOPBACK))
+    assert decision.chosen == Candidate(1, 1, None)
+    assert "nothing is predicted to beat it" in decision.reason
+    tp2 = decision.prediction(Candidate(2, 1, None))
+    assert tp2.parts["tp"] > 0 and tp2.seconds > decision.prediction(Candidate()).seconds
+    table = decision.table()
+    assert all(c.label in table for c in candidates(2, [1, 2], [1], [None, 8, 4]))
+    assert "<- chosen" in table and "choice: tp=1 ep=1 fp32" in table
+
+
+def test_slow_link_and_big_gradients_choose_compression() -> None:
+    # 400 MB of gradients over 1 Gbit: the fp32 all-reduce takes seconds, quantizing them a fraction of one.
+    decision = decide(candidates(2, [1], [1], [None, 8, 4]), facts(400, 0.0, 0), ComputeProfile(0.05, 0.1),
+                      machine(GBIT), setting="GradientCompression(bits='auto')")
+    assert decision.chosen.bits in (8, 4) and decision.chosen.tp == 1
+    fp32, int8 = decision.prediction(Candidate()), decision.prediction(Candidate(bits=8))
+    backward = 0.1  # hides as much of either exchange
+    assert int8.parts["dp"] + backward == pytest.approx((fp32.parts["dp"] + backward) * compression_ratio(8), rel=0.01)
+    assert int8.parts["quantize"] > 0 and "faster than tp=1 ep=1 fp32" in decision.reason
+
+
+def test_compression_does_not_pay_where_latency_dominates() -> None:
+    # A tiny model's all-reduce is latency: 2 ms a message on a loaded machine; compression shrinks bytes only.
+    links = {k: LinkCost(3e9, 2e-3) for k in ("intra", "inter")}
+    decision = decide(candidates(2, [1], [1], [None, 8, 4]), facts(0.1, 0.0, 0), ComputeProfile(0.01, 0.01),
+                      machine(links))
+    assert decision.chosen.bits is None
+    assert decision.prediction(Candidate(bits=4)).parts["dp"] > 0.9 * decision.prediction(Candidate()).parts["dp"]
+
+
+def test_compression_is_refused_where_quantizing_costs_more_than_the_wire_saves() -> None:
+    slow_kernels = Machine(ONE_NODE, LOOPBACK, 64 * 2**30, {8: (5e-9, 5e-9), 4: (5e-9, 5e-9)})
+    decision = decide(candidates(2, [1], [1], [None, 8, 4]), facts(100, 0.0, 0), ComputeProfile(0.01, 0.001),
+                      slow_kernels)
+    assert decision.chosen.bits is None
+
+
+def test_a_model_too_large_to_replicate_is_sharded() -> None:
+    # 3 GB of parameters x (1 param + 1 grad + 2 Adam states) = 12 GB: does not fit 10 GB; tp=2 halves the FFN.
+    model = facts(3 * 1024, 0.9, 1.0)
+    decision = decide(candidates(2, [1, 2], [1], [None]), model, ComputeProfile(0.1, 0.2, 256 * MB),
+                      machine(LOOPBACK, memory_gb=10))
+    assert decision.chosen == Candidate(2, 1, None)
+    assert "memory requires it (tp=1 ep=1 fp32 does not fit)" in decision.reason
+    assert not decision.prediction(Candidate()).fits and "does not fit" in decision.table()
+
+
+def test_a_model_too_large_for_every_candidate_names_the_setting_and_the_fixes() -> None:
+    with pytest.raises(NoCandidateFitsError, match=r"tensor_parallel_size='auto': no candidate fits the device "
+                       r"memory: the smallest, tp=2 ep=1 fp32, needs .* GiB per rank .*shard_optimizer_states=True"):
+        decide(candidates(2, [1, 2], [1], [None]), facts(3 * 1024, 0.9, 1.0), ComputeProfile(0.1, 0.2),
+               machine(LOOPBACK, memory_gb=4))
+
+
+def test_tensor_parallelism_pays_where_replicated_gradients_dominate_a_slow_link() -> None:
+    # 4 ranks on two nodes at 1 Gbit: 90% of 200 MB of gradients in the FFN; tp=2 inside a node keeps the
+    # activation collectives on the fast link and all-reduces half the FFN gradients over dp across the slow one.
+    links = {"intra": LinkCost(25e9, 5e-6), "inter": GBIT["inter"]}
+    decision = decide(candidates(4, [1, 2], [1], [None]), facts(200, 0.9, 0.5), ComputeProfile(0.05, 0.1),
+                      machine(links, topology=TWO_NODES))
+    assert decision.chosen == Candidate(2, 1, None)
+
+
+def test_backward_hides_the_all_reduce_except_the_last_bucket() -> None:
+    model, compute = facts(100, 0.0, 0), ComputeProfile(1.0, 2.0)  # a long backward hides everything it can
+    wire = estimate_comm_seconds([[0], [1]], ONE_NODE, model.volumes[1], LOOPBACK)["replicated"]
+    prediction = predict(Candidate(), model, compute, machine(LOOPBACK))
+    # DDP's 25 MiB last bucket of 100 MiB (and the latency of three more buckets)
+    assert prediction.parts["dp"] == pytest.approx(wire * 25 / 100, rel=0.01)
+
+
+def test_expert_parallelism_weighs_all_to_all_against_the_expert_all_reduce_inside_and_across_islands() -> None:
+    volume = CommVolume(0, 0, 0, 0, 400 * MB, 1)
+    model = ModelFacts(param_bytes=400 * MB, volumes={1: volume}, expert_bytes=360 * MB, num_moe_layers=4)
+    few_tokens, many_tokens = ComputeProfile(0.05, 0.1, routed_bytes=MB), ComputeProfile(0.05, 0.1,
+                                                                                         routed_bytes=2000 * MB)
+    options = candidates(4, [1], [1, 2, 4], [None])
+    links = {"intra": LinkCost(25e9, 5e-6), "inter": GBIT["inter"]}
+    assert decide(options, model, few_tokens, machine(links, topology=TWO_NODES)).chosen.ep > 1
+    # Many routed tokens: an ep group inside a node (fast link) still pays, one across the 1 Gbit link does not.
+    assert decide(options, model, many_tokens, machine(links, topology=TWO_NODES)).chosen.ep == 2
+    assert decide(options, model, many_tokens, machine(GBIT, topology=TWO_NODES)).chosen.ep == 1
+
+
+def test_placement_terms_add_up_to_the_placement_estimate() -> None:
+    volume = CommVolume(MB, 2, 2, 10 * MB, 20 * MB, 2)
+    mesh = candidate_mesh("tp_intra_node", TWO_NODES, 2, 2)
+    parts = estimate_comm_seconds(mesh, TWO_NODES, volume, GBIT)
+    assert all(v > 0 for v in parts.values())
+    assert sum(parts.values()) == pytest.approx(estimate_step_seconds(mesh, TWO_NODES, volume, GBIT))
+
+
+def test_candidates_skip_sizes_that_do_not_divide_and_compression_without_data_parallel_ranks() -> None:
+    assert candidates(2, [1, 2], [1], [None, 8]) == [Candidate(1, 1, None), Candidate(1, 1, 8), Candidate(2, 1, None)]
+    assert Candidate(3) not in candidates(4, [1, 2, 3], [1], [None])
+
+
+def test_bits_auto_is_a_config_value_only_the_callback_decides() -> None:
+    assert CompressionConfig(bits="auto").bits == "auto"
+    with pytest.raises(ValueError, match="bits='auto' is decided by the GradientCompression callback"):
+        CompressionConfig(bits="auto").check_decided("register_compression_hook")
+    with pytest.raises(ValueError, match="bits='eight' is not supported"):
+        CompressionConfig(bits="eight")
+
+
+def test_per_node_is_accepted_and_bad_values_name_both_words() -> None:
+    from lightning_deepseek.parallel import HybridParallelStrategy
+
+    HybridParallelStrategy(tensor_parallel_size="per_node", expert_parallel_size="per_node")
+    with pytest.raises(ValueError, match="tensor_parallel_size='node' must be a positive integer or 'auto' .*"
+                                         "'per_node'"):
+        HybridParallelStrategy(tensor_parallel_size="node")
+    with pytest.raises(ValueError, match="expert_parallel_size=0 must be a positive integer or 'auto'"):
+        HybridParallelStrategy(expert_parallel_size=0)

@@ -1,0 +1,112 @@
+"""The ``"auto"`` settings decide from measurements on 2 real gloo processes (one spawn, several assertions):
+
+- ``HybridParallelStrategy(tensor_parallel_size="auto")`` with ``GradientCompression(bits="auto")`` on the tiny GPT:
+  the candidate table is printed once, every rank takes the same decision, the mesh and the hook follow it, the
+  run summary shows it;
+- ``GradientCompression(bits="auto")`` under Lightning's ``"ddp"`` on a transformers Llama from a tiny config (a
+  model we did not write, measured through its own ``training_step``);
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_deepseek.compression import GradientCompression
+from lightning_deepseek.parallel import HybridParallelStrategy
+from tests.helpers import run_distributed
+from tests.parallel.common import TinyLM, loader, make_trainer, token_data
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+class TinyLlama(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers as t
+        self.model = t.LlamaForCausalLM(t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=96,
+                                                      num_hidden_layers=2, num_attention_heads=4,
+                                                      num_key_value_heads=2, max_position_embeddings=32))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _fit(world_size: int, strategy: Any, module: pl.LightningModule, callbacks: list) -> dict[str, Any]:
+    records = _Records()
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(records)
+    try:
+        pl.seed_everything(0, verbose=False)
+        trainer = make_trainer(world_size, strategy, max_steps=2, callbacks=callbacks)
+        trainer.fit(module, loader(token_data(8 * world_size), 4))
+    finally:
+        logger.removeHandler(records)
+    return {"tables": [m for m in records.messages if "): cost model (" in m]}
+
+
+def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
+    strategy = HybridParallelStrategy(tensor_parallel_size="auto", min_shard_params=0)
+    compression = GradientCompression(bits="auto", warmup_steps=0, min_bucket_numel=256)
+    hybrid = _fit(world_size, strategy, TinyLM(), [compression])
+    decision = strategy.autotune_decision
+    hook_bits = compression.hook_state.config.bits if compression.hook_state is not None else None
+    ddp_compression = GradientCompression(bits="auto", min_bucket_numel=256)
+    llama = _fit(world_size, "ddp", TinyLlama(), [ddp_compression])
+    return {
+        "hybrid_tables": hybrid["tables"], "chosen": decision.chosen.label, "tp": strategy.parallel_dims.tp,
+        "candidates": [p.candidate.label for p in decision.predictions], "hook_bits": hook_bits,
+        "summary": {**strategy.summary(), **compression.summary()},
+        "llama_tables": llama["tables"], "llama_chosen": ddp_compression.decision.chosen.label,
+        "llama_summary": ddp_compression.summary(),
+        "llama_hook": ddp_compression.hook_state is not None,
+        "rank": dist.get_rank(),
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_distributed(_scenarios, 2, timeout=240)
+
+
+def test_hybrid_auto_decides_tp_and_bits_from_measurements_and_prints_the_table(ranks) -> None:
+    rank0, rank1 = ranks
+    assert rank0["chosen"] == rank1["chosen"] and rank0["tp"] == rank1["tp"]  # one decision, every rank
+    assert set(rank0["candidates"]) == {"tp=1 ep=1 fp32", "tp=1 ep=1 int8", "tp=1 ep=1 int4", "tp=2 ep=1 fp32"}
+    tp, bits = rank0["tp"], rank0["hook_bits"]
+    assert rank0["chosen"] == f"tp={tp} ep=1 {'fp32' if bits is None else f'int{bits}'}"
+    (table,) = rank0["hybrid_tables"]  # printed once, by rank 0
+    assert rank1["hybrid_tables"] == []
+    assert "tensor_parallel_size='auto', GradientCompression(bits='auto'): cost model" in table
+    assert "measured: 3 forward/backward passes of a training batch (4, 16)" in table
+    assert all(label in table for label in rank0["candidates"]) and f"choice: {rank0['chosen']}" in table
+    summary = rank0["summary"]
+    assert summary["autotune_choice"] == rank0["chosen"] and set(summary["autotune_predicted_ms"]) == set(
+        rank0["candidates"])
+    assert summary["hybrid_mesh"].startswith(f"dp={2 // tp} x tp={tp}")
+
+
+def test_bits_auto_under_ddp_decides_on_a_transformers_model(ranks) -> None:
+    rank0, rank1 = ranks
+    assert rank0["llama_chosen"] == rank1["llama_chosen"]
+    (table,) = rank0["llama_tables"]
+    assert "GradientCompression(bits='auto'): cost model" in table and "tp=1 ep=1 int4" in table
+    assert rank0["llama_hook"] == (rank0["llama_chosen"] != "tp=1 ep=1 fp32")
+    assert rank0["llama_summary"]["autotune_choice"] == rank0["llama_chosen"]
