@@ -33,7 +33,10 @@ def test_two_process_training_lowers_validation_loss(trained_run) -> None:
     assert summary["tokens_per_s"] > 0
     assert "run summary" in result.stdout and "val_loss_final" in result.stdout
     # The suite's components are the defaults and report their own figures.
-    assert summary["hybrid_mesh"].startswith("dp=1 x tp=2") and summary["compression"].startswith("int8")
+    # tensor_parallel_size="auto": the cost model's choice, the mesh it built, every candidate's prediction.
+    tp = int(summary["autotune_choice"].split()[0].removeprefix("tp="))
+    assert summary["autotune_choice"] in summary["autotune_predicted_ms"]
+    assert summary["hybrid_mesh"].startswith(f"dp={2 // tp} x tp={tp}") and summary["compression"].startswith("int8")
 
 
 def test_run_folder_has_plot_logs_and_checkpoint(trained_run) -> None:

@@ -260,14 +260,15 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
 
 def candidates(world_size: int, tp_sizes: Iterable[int] = (1,), ep_sizes: Iterable[int] = (1,),
                bits: Iterable[int | None] = (None,)) -> list[Candidate]:
-    """Every combination whose sizes divide ``world_size`` (compression only with 2+ data-parallel ranks)."""
-    out = []
+    """Every combination whose sizes divide ``world_size``; with one data-parallel rank there is no exchange to
+    compress, so such a ``tp`` comes uncompressed only."""
+    out: list[Candidate] = []
     for tp in tp_sizes:
         for ep in ep_sizes:
             for b in bits:
-                if world_size % tp or world_size % ep or (b is not None and world_size // tp < 2):
-                    continue
-                out.append(Candidate(tp, ep, b))
+                candidate = Candidate(tp, ep, b if world_size // max(tp, 1) > 1 else None)
+                if not (world_size % tp or world_size % ep or candidate in out):
+                    out.append(candidate)
     return out
 
 

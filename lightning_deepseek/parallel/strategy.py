@@ -371,24 +371,27 @@ class HybridParallelStrategy(DDPStrategy):
         cost model, from measured compute and links (collective; :mod:`lightning_deepseek.autotune`)."""
         # Imported here: the cost model reads compression's payload sizes, and compression imports this package.
         from lightning_deepseek.autotune.auto_parallel import AUTO_BITS, decide_parallel, divisors
+        from lightning_deepseek.compression.config import CompressionConfig as _Config
 
         assert self._topology is not None
         dims = self.parallel_dims
-        compression = next((c for c in trainer.callbacks if getattr(c, "config", None) is not None
-                            and getattr(c.config, "bits", None) == "auto"), None)
-        bits = AUTO_BITS if compression is not None else [None]
+        # A GradientCompression callback: bits="auto" is decided here, in the same table; fixed bits are costed.
+        fixed = next((c.config.bits for c in trainer.callbacks if isinstance(getattr(c, "config", None), _Config)),
+                     None)
+        compression = fixed == "auto"
+        bits = AUTO_BITS if compression else [fixed]
         tp_sizes = divisors(dims.world_size, self.num_processes) if self._tp_arg == "auto" else [dims.tp]
         ep_sizes = None if self._ep_size == "auto" else [dims.ep]
         settings = [f"{name}='auto'" for name, arg in (("tensor_parallel_size", self._tp_arg),
                                                         ("expert_parallel_size", self._ep_size)) if arg == "auto"]
-        settings += ["GradientCompression(bits='auto')"] if compression is not None else []
+        settings += ["GradientCompression(bits='auto')"] if compression else []
         self.autotune_decision = decide_parallel(
             module, trainer, topology=self._topology, local_size=self.num_processes, links=self._links,
             plan_for=lambda tp: decide_plan(module, self._plan_arg, dims.world_size, tp, False, self._min_shard_params),
             tp_sizes=tp_sizes, ep_sizes=ep_sizes, bits=bits, tokens=self._micro_batch_tokens,
             placement=self._placement_arg, bucket_bytes=int(self._ddp_kwargs.get("bucket_cap_mb", 25) * 2**20),
             setting=", ".join(settings))
-        self.autotune_decides_bits = compression is not None
+        self.autotune_decides_bits = compression
         return self.autotune_decision
 
     def _log_plan(self, module: nn.Module) -> None:

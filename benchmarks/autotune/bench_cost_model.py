@@ -1,0 +1,232 @@
+"""The cost model's predicted ranking against the measured ranking over a grid of candidates; the auto choice.
+
+Loopback (2 processes on this machine)::
+
+    .venv/bin/python benchmarks/autotune/bench_cost_model.py [--repeats 3] [--steps 10]
+
+Network testbed (root; 2 emulated nodes x 2 ranks, namespaces ``ldsa*``, subnet ``10.213.61.0/24``)::
+
+    .venv/bin/python benchmarks/autotune/bench_cost_model.py --testbed --rate 1gbit
+
+For each model, every candidate of the grid (``tensor_parallel_size`` x compression fp32/int8/int4, each as
+``HybridParallelStrategy`` + ``GradientCompression``) and Lightning's plain ``"ddp"`` train ``--steps`` steps, the
+candidates interleaved within each repetition; a step's time is the slowest rank's, the first 3 steps are dropped,
+the table reports medians over steps and then over repetitions. One run with ``tensor_parallel_size="auto"`` and
+``bits="auto"`` per repetition records the cost model's predictions (from its own measurements at setup) and its
+choice, and its own step time. Reported: Spearman's rank correlation of predicted and measured step times over the
+grid (target >= 0.8), the auto choice against the measured best, everything as a ratio to plain DDP's tokens/s,
+and the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+MODELS = {
+    # the demo's model (lds-train model=small), 8 sequences of 128 tokens per rank
+    "demo (small GPT)": (dict(preset="small", vocab_size=256), 8, 128),
+    # feed-forward heavy: 17 MB of gradients, few tokens: the gradient exchange matters
+    "wide FFN": (dict(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=256, mlp_ratio=16), 2, 16),
+}
+BITS = (None, 8, 4)
+
+
+def _label(tp: int, bits: int | None) -> str:
+    return f"tp={tp} ep=1 {'fp32' if bits is None else f'int{bits}'}"
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_deepseek import HybridParallelStrategy
+    from lightning_deepseek.compression import GradientCompression
+    from lightning_deepseek.models import GPT, GPTConfig
+    from lightning_deepseek.models.gpt import PRESETS
+
+    torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"])
+    nodes = int(os.environ.get("NUM_NODES", "1"))
+
+    class Bench(pl.LightningModule):
+        def __init__(self, config: dict) -> None:
+            super().__init__()
+            preset = PRESETS.get(config.get("preset", ""), {})
+            self.model = GPT(GPTConfig(**{**preset, **{k: v for k, v in config.items() if k != "preset"}}))
+            self.step_times: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+        def on_train_batch_start(self, batch, batch_idx):
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.step_times.append(time.perf_counter() - self._start)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    def fit(config: dict, batch: int, seq: int, strategy, callbacks) -> tuple[float, object]:
+        pl.seed_everything(0, verbose=False)
+        module = Bench(config)
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 256, (args.steps * batch * world, seq + 1), generator=generator)
+        data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch)
+        trainer = pl.Trainer(accelerator="cpu", devices=world // nodes, num_nodes=nodes, strategy=strategy,
+                             max_steps=args.steps, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+        trainer.fit(module, data)
+        times = torch.tensor(module.step_times[3:])
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends on its last rank
+        return times.median().item(), strategy
+
+    tp_sizes = [1, 2]
+    grid = [(tp, b) for tp in tp_sizes for b in BITS if not (world // tp < 2 and b is not None)]
+    results = []
+    for repeat in range(args.repeats):
+        for name, (config, batch, seq) in MODELS.items():
+            row: dict = {"repeat": repeat, "model": name, "measured": {}}
+            for tp, bits in grid:
+                callbacks = [GradientCompression(bits=bits, warmup_steps=0)] if bits else []
+                strategy = HybridParallelStrategy(tensor_parallel_size=tp, min_shard_params=0)
+                row["measured"][_label(tp, bits)], _ = fit(config, batch, seq, strategy, callbacks)
+            row["ddp"], _ = fit(config, batch, seq, "ddp", [])
+            auto = HybridParallelStrategy(tensor_parallel_size="auto", min_shard_params=0)
+            compression = GradientCompression(bits="auto", warmup_steps=0)
+            row["auto"], _ = fit(config, batch, seq, auto, [compression])
+            decision = auto.autotune_decision
+            row["chosen"] = decision.chosen.label
+            row["predicted"] = {p.candidate.label: p.seconds for p in decision.predictions}
+            row["tokens_per_step"] = batch * seq * world
+            results.append(row)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results))
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for r, i in enumerate(order):
+            out[i] = float(r)
+        return out
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    ma, mb = sum(ra) / n, sum(rb) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def report(results: list[dict], argv: list[str], where: str, load: tuple[float, float]) -> str:
+    lines = [f"Command: `{' '.join(argv)}` ({where}; {max(r['repeat'] for r in results) + 1} interleaved "
+             f"repetitions, medians; load average {load[0]:.1f} before, {load[1]:.1f} after)", ""]
+    pooled_pred, pooled_meas = [], []
+    for name in MODELS:
+        rows = [r for r in results if r["model"] == name]
+        labels = list(rows[0]["measured"])
+        measured = {k: statistics.median(r["measured"][k] for r in rows) for k in labels}
+        predicted = {k: statistics.median(r["predicted"][k] for r in rows) for k in labels}
+        ddp = statistics.median(r["ddp"] for r in rows)
+        auto = statistics.median(r["auto"] for r in rows)
+        choices = sorted({r["chosen"] for r in rows})
+        rho = spearman([predicted[k] for k in labels], [measured[k] for k in labels])
+        pooled_pred += [predicted[k] / min(predicted.values()) for k in labels]
+        pooled_meas += [measured[k] / min(measured.values()) for k in labels]
+        best = min(measured, key=measured.get)
+        lines += [f"**{name}**, {rows[0]['tokens_per_step']} tokens per step", "",
+                  "| candidate | predicted step | measured step | tokens/s vs plain DDP | measured rank |",
+                  "|---|---|---|---|---|"]
+        order = sorted(labels, key=measured.get)
+        for k in labels:
+            mark = " (auto's choice)" if k in choices else ""
+            lines.append(f"| {k}{mark} | {predicted[k] * 1e3:.1f} ms | {measured[k] * 1e3:.1f} ms | "
+                         f"{ddp / measured[k]:.2f}x | {order.index(k) + 1} |")
+        lines += [f"| plain DDP (`strategy=\"ddp\"`) | | {ddp * 1e3:.1f} ms | 1.00x | |",
+                  f"| auto run (tp/bits='auto', its own step time) | | {auto * 1e3:.1f} ms | {ddp / auto:.2f}x | |",
+                  "", f"Spearman (predicted vs measured, {len(labels)} candidates): {rho:.2f}; auto chose "
+                  f"{', '.join(choices)}; measured best {best}; auto's choice / best (measured step times of the "
+                  f"grid): {min(measured[c] for c in choices if c in measured) / measured[best]:.2f}x "
+                  f"slower-or-equal", ""]
+    lines.append(f"Pooled Spearman over both models (step times relative to each model's fastest): "
+                 f"{spearman(pooled_pred, pooled_meas):.2f}")
+    return "\n".join(lines)
+
+
+def launch(args: argparse.Namespace, out: Path) -> str:
+    """Start the workers (on loopback, or in the testbed's namespaces); return where they ran."""
+    procs = []
+    common = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
+              "--repeats", str(args.repeats)]
+
+    def wait() -> None:
+        deadline = time.time() + args.timeout
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(1, deadline - time.time()))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+        if any(p.returncode for p in procs):
+            raise SystemExit(f"a worker failed: return codes {[p.returncode for p in procs]}")
+
+    if not args.testbed:
+        for rank in range(2):
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29661", "RANK": str(rank),
+                   "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "NODE_RANK": "0", "PYTHONPATH": str(ROOT),
+                   "OMP_NUM_THREADS": "1"}
+            procs.append(subprocess.Popen(common, env=env, cwd=ROOT))
+        wait()
+        return "loopback, 2 processes, 1 thread each"
+    from benchmarks.testbed import Testbed
+
+    with Testbed(num_hosts=2, rate=args.rate, prefix="ldsa", subnet="10.213.61") as bed:
+        for rank in range(4):
+            node, local = divmod(rank, 2)
+            env = dict(MASTER_ADDR=bed.ip(0), MASTER_PORT="29662", RANK=str(rank), WORLD_SIZE="4",
+                       LOCAL_RANK=str(local), NODE_RANK=str(node), NUM_NODES="2", LDS_TOPOLOGY="0,1;2,3",
+                       PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(bed.command(node, common, env), cwd=ROOT))
+        wait()
+    return f"testbed, 2 emulated nodes x 2 ranks, {args.rate} link"
+
+
+def main(args: argparse.Namespace) -> None:
+    out = Path(tempfile.mkdtemp(prefix="ldsa-")) / "results.json"
+    before = os.getloadavg()[0]
+    where = launch(args, out)
+    results = json.loads(out.read_text())
+    print(report(results, [Path(sys.argv[0]).as_posix(), *sys.argv[1:]], where, (before, os.getloadavg()[0])))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--testbed", action="store_true")
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--timeout", type=float, default=1500)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--out", default="")
+    parsed = parser.parse_args()
+    worker(parsed) if parsed.worker else main(parsed)
