@@ -349,8 +349,9 @@ class HybridParallelStrategy(DDPStrategy):
         ep_size = "auto" if self._ep_size == "per_node" else self._ep_size  # resolve_ep_size's name for the rule
         if self._mesh is None and (self._tp_arg == "auto" or self._ep_size == "auto") and dims.world_size > 1:
             decision = self._decide(module, trainer)
-            dims = self._dims = ParallelDims(dims.world_size, tp=decision.chosen.tp, ep=dims.ep)
             ep_size = decision.chosen.ep if self._ep_size == "auto" else ep_size
+            dims = self._dims = ParallelDims(dims.world_size, tp=decision.chosen.tp,
+                                             ep=ep_size if isinstance(ep_size, int) else dims.ep)
         if self.autotune_decision is not None and self._tp_arg == "auto" and dims.tp == 1:
             self._plan = Plan(reason=f"tensor_parallel_size='auto': the cost model chose tp=1 "
                               f"({self.autotune_decision.reason}), so nothing is sharded and this trains as plain "

@@ -145,6 +145,7 @@ def test_placement_terms_add_up_to_the_placement_estimate() -> None:
 
 def test_candidates_skip_sizes_that_do_not_divide_and_compression_without_data_parallel_ranks() -> None:
     assert candidates(2, [1, 2], [1], [None, 8]) == [Candidate(1, 1, None), Candidate(1, 1, 8), Candidate(2, 1, None)]
+    assert candidates(2, [1, 2], [1], [8]) == [Candidate(1, 1, 8), Candidate(2, 1, None)]  # fixed bits, dp=1
     assert Candidate(3) not in candidates(4, [1, 2, 3], [1], [None])
 
 

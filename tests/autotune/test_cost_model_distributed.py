@@ -5,6 +5,8 @@
   run summary shows it;
 - ``GradientCompression(bits="auto")`` under Lightning's ``"ddp"`` on a transformers Llama from a tiny config (a
   model we did not write, measured through its own ``training_step``);
+- ``expert_parallel_size="auto"`` on a tiny MoE GPT: ep 1 or 2 by the cost model (routed bytes measured by hooks on
+  the experts), and the experts sharded accordingly.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from lightning_deepseek.compression import GradientCompression
 from lightning_deepseek.parallel import HybridParallelStrategy
 from tests.helpers import run_distributed
 from tests.parallel.common import TinyLM, loader, make_trainer, token_data
+
+MOE = dict(n_routed_experts=4, moe_top_k=2, n_shared_experts=1, moe_hidden=32, n_dense_layers=1, mlp_ratio=4)
 
 
 class _Records(logging.Handler):
@@ -59,7 +63,7 @@ def _fit(world_size: int, strategy: Any, module: pl.LightningModule, callbacks: 
         trainer.fit(module, loader(token_data(8 * world_size), 4))
     finally:
         logger.removeHandler(records)
-    return {"tables": [m for m in records.messages if "): cost model (" in m]}
+    return {"tables": [m for m in records.messages if ": cost model (lightning_deepseek" in m]}
 
 
 def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
@@ -70,7 +74,11 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
     hook_bits = compression.hook_state.config.bits if compression.hook_state is not None else None
     ddp_compression = GradientCompression(bits="auto", min_bucket_numel=256)
     llama = _fit(world_size, "ddp", TinyLlama(), [ddp_compression])
+    moe = HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size="auto", min_shard_params=0)
+    moe_run = _fit(world_size, moe, TinyLM(**MOE), [])
     return {
+        "moe_chosen": moe.autotune_decision.chosen.label, "moe_ep": moe.parallel_dims.ep,
+        "moe_summary": moe.summary(), "moe_tables": moe_run["tables"],
         "hybrid_tables": hybrid["tables"], "chosen": decision.chosen.label, "tp": strategy.parallel_dims.tp,
         "candidates": [p.candidate.label for p in decision.predictions], "hook_bits": hook_bits,
         "summary": {**strategy.summary(), **compression.summary()},
@@ -110,3 +118,14 @@ def test_bits_auto_under_ddp_decides_on_a_transformers_model(ranks) -> None:
     assert "GradientCompression(bits='auto'): cost model" in table and "tp=1 ep=1 int4" in table
     assert rank0["llama_hook"] == (rank0["llama_chosen"] != "tp=1 ep=1 fp32")
     assert rank0["llama_summary"]["autotune_choice"] == rank0["llama_chosen"]
+
+
+def test_expert_parallel_size_auto_decides_and_shards_accordingly(ranks) -> None:
+    rank0, rank1 = ranks
+    assert rank0["moe_chosen"] == rank1["moe_chosen"] and rank0["moe_ep"] == rank1["moe_ep"]
+    (table,) = rank0["moe_tables"]
+    assert "expert_parallel_size='auto': cost model" in table
+    assert "tp=1 ep=1 fp32" in table and "tp=1 ep=2 fp32" in table
+    ep = rank0["moe_ep"]
+    assert rank0["moe_chosen"] == f"tp=1 ep={ep} fp32"
+    assert ("expert_parallel" in rank0["moe_summary"]) == (ep == 2)
