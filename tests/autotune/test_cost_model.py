@@ -166,3 +166,13 @@ def test_per_node_is_accepted_and_bad_values_name_both_words() -> None:
         HybridParallelStrategy(tensor_parallel_size="node")
     with pytest.raises(ValueError, match="expert_parallel_size=0 must be a positive integer or 'auto'"):
         HybridParallelStrategy(expert_parallel_size=0)
+
+
+def test_bits_auto_on_one_device_is_an_error_naming_the_fix() -> None:
+    from lightning_deepseek.compression import GradientCompression
+    from tests.parallel.common import TinyLM, loader, make_trainer, token_data
+
+    trainer = make_trainer(1, "auto", max_steps=1, callbacks=[GradientCompression(bits="auto")])
+    with pytest.raises(ValueError, match=r"GradientCompression\(bits='auto'\) with 1 data-parallel rank .*Train on 2 "
+                                         "or more devices, or remove GradientCompression"):
+        trainer.fit(TinyLM(), loader(token_data(4), 2))
