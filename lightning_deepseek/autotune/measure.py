@@ -77,13 +77,19 @@ def micro_batch_step(module: pl.LightningModule, trainer: pl.Trainer | None) -> 
         if isinstance(moved, (tuple, list)):
             return (lambda: module(*moved)), "example_input_array", _tokens(moved)
         return (lambda: module(moved)), f"example_input_array {tuple(moved.shape)}", _tokens(moved)
-    if trainer is None:
-        raise ValueError(f"{type(module).__name__} sets no example_input_array and there is no Trainer to take a "
-                         "training batch from: set example_input_array to measure the model.")
-    # Lightning keeps where the training data comes from (a datamodule, the module's hook, or the loaders given to
-    # fit()) only in the fit loop's data source; its setup hooks have run by now.
-    loader = trainer.fit_loop._data_source.dataloader()
-    batch = move_data_to_device(next(iter(loader)), device)
+    fix = ("set the module's example_input_array (one micro-batch), or set the sizes the cost model would decide "
+           "(tensor_parallel_size, expert_parallel_size, bits) explicitly")
+    if trainer is None or not module.automatic_optimization:
+        why = "there is no Trainer" if trainer is None else "training_step steps the optimizer itself (manual)"
+        raise ValueError(f"The cost model times {type(module).__name__} on one micro-batch, but it sets no "
+                         f"example_input_array and {why}: {fix}.")
+    try:
+        # Lightning keeps where the training data comes from (a datamodule, the module's hook, or the loaders given
+        # to fit()) only in the fit loop's data source; the setup hooks have run by now.
+        batch = move_data_to_device(next(iter(trainer.fit_loop._data_source.dataloader())), device)
+    except Exception as exc:  # noqa: BLE001 - any failure to produce a batch gets the same advice
+        raise ValueError(f"The cost model could not take a training batch to time {type(module).__name__} "
+                         f"({type(exc).__name__}: {exc}): {fix}.") from exc
     first = batch[0] if isinstance(batch, (tuple, list)) else batch
     shape = tuple(first.shape) if isinstance(first, torch.Tensor) else "?"
     return (lambda: module.training_step(batch, 0)), f"a training batch {shape}", _tokens(batch)

@@ -157,6 +157,17 @@ def test_bits_auto_is_a_config_value_only_the_callback_decides() -> None:
         CompressionConfig(bits="eight")
 
 
+def test_lds_train_compression_auto_preset_builds_the_callback() -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from lightning_deepseek.cli import CONFIG_DIR
+
+    with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["compression=auto"])
+    assert instantiate(cfg.compression.callback).config.bits == "auto"
+
+
 def test_per_node_is_accepted_and_bad_values_name_both_words() -> None:
     from lightning_deepseek.parallel import HybridParallelStrategy
 
