@@ -14,11 +14,15 @@ Cost model (per optimizer step, ring algorithms, ``n`` ranks in a group, link of
   all-gathers the output gradient: ``(n - 1) * (M / B + a)`` each, ``M`` the bytes of one rank's activations;
 - data-parallel gradients, once per step: an all-reduce ``2 (n - 1) / n * S / B + 2 (n - 1) a`` of the sharded
   parameters over ``dp`` and of the replicated ones over the world.
-Compute is the same for every candidate and left out. Link figures come from ``link_costs`` or from a short
-point-to-point probe at start-up (a small and a 4 MiB message, between two ranks of one island and two ranks of
-different islands). The probe sends what the default group's backend carries: tensors on the current GPU when CUDA
-tensors go through NCCL (Lightning's default on GPUs, a group without a CPU backend), CPU tensors on gloo. NCCL's
-send and recv return to the host once queued, so the probe synchronizes the GPU around each exchange.
+Compute is the same for every candidate and left out. :func:`estimate_comm_seconds` gives the terms apart (tensor
+parallel, shard gradients, replicated gradients), :func:`comm_volume` the volume of a plan, and
+:func:`all_reduce_seconds` / :func:`all_to_all_seconds` the ring formulas: the cost model of the ``"auto"``
+settings (:mod:`lightning_deepseek.autotune.cost_model`) builds on them.
+Link figures come from ``link_costs`` or from a short point-to-point probe at start-up (a small and a 4 MiB message,
+between two ranks of one island and two ranks of different islands). The probe sends what the default group's
+backend carries: tensors on the current GPU when CUDA tensors go through NCCL (Lightning's default on GPUs, a group
+without a CPU backend), CPU tensors on gloo. NCCL's send and recv return to the host once queued, so the probe
+synchronizes the GPU around each exchange.
 """
 
 from __future__ import annotations

@@ -347,15 +347,20 @@ class HybridParallelStrategy(DDPStrategy):
         dims = self.parallel_dims
         _sync_module_states(module)  # tp groups shard from their first rank: make every rank hold rank 0's weights
         ep_size = "auto" if self._ep_size == "per_node" else self._ep_size  # resolve_ep_size's name for the rule
-        if self._mesh is None and (self._tp_arg == "auto" or self._ep_size == "auto") and dims.world_size > 1:
+        # The cost model times training steps: an evaluation without fit (trainer.test) runs data-parallel.
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self._mesh is None and (self._tp_arg == "auto" or self._ep_size == "auto") and dims.world_size > 1 \
+                and fitting:
             decision = self._decide(module, trainer)
-            ep_size = decision.chosen.ep if self._ep_size == "auto" else ep_size
-            dims = self._dims = ParallelDims(dims.world_size, tp=decision.chosen.tp,
-                                             ep=ep_size if isinstance(ep_size, int) else dims.ep)
-        if self.autotune_decision is not None and self._tp_arg == "auto" and dims.tp == 1:
-            self._plan = Plan(reason=f"tensor_parallel_size='auto': the cost model chose tp=1 "
-                              f"({self.autotune_decision.reason}), so nothing is sharded and this trains as plain "
-                              "DDP; set tensor_parallel_size to shard anyway.")
+            ep = decision.chosen.ep if self._ep_size == "auto" else dims.ep
+            dims = self._dims = ParallelDims(dims.world_size, tp=decision.chosen.tp, ep=ep)
+        if self.autotune_decision is not None and self._ep_size == "auto":  # also on a later setup (fit, then test)
+            ep_size = self.autotune_decision.chosen.ep
+        if self._tp_arg == "auto" and dims.tp == 1 and dims.world_size > 1:
+            why = (f"the cost model chose tp=1 ({self.autotune_decision.reason})" if self.autotune_decision is not None
+                   else "the cost model decides when fitting; this run only evaluates")
+            self._plan = Plan(reason=f"tensor_parallel_size='auto': {why}, so nothing is sharded and this runs as "
+                              "plain DDP; set tensor_parallel_size to shard anyway.")
         else:
             self._plan = decide_plan(module, self._plan_arg, dims.world_size, dims.tp, self._tp_arg == "per_node",
                                      self._min_shard_params)
