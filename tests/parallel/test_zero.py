@@ -245,3 +245,24 @@ def test_one_process_warns_that_there_is_nothing_to_shard() -> None:
     trainer = make_trainer(1, strategy, max_steps=1)
     with pytest.warns(UserWarning, match="shard_optimizer_states=True on one process"):
         trainer.fit(TinyLM(), loader(token_data(2), MICRO))
+
+
+def test_memory_table_shows_states_per_rank_with_and_without_zero() -> None:
+    from lightning_deepseek.optim import AdamW
+    from lightning_deepseek.parallel.plan import format_memory_table, memory_per_rank
+    from lightning_deepseek.parallel.zero import ReplicaGroup
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (1024, 1024, 512, 512)]  # 3072 FP32 elements
+    frozen = torch.nn.Parameter(torch.zeros(8), requires_grad=False)
+    world = ReplicaGroup((0, 1), None)
+    for optimizer, state in ((torch.optim.AdamW([*params, frozen]), 8), (AdamW(params), 4),
+                             (torch.optim.SGD(params, lr=0.1, momentum=0.9), 4), (torch.optim.SGD(params, lr=0.1), 0)):
+        memory = memory_per_rank([optimizer], [partition(params, lambda p: world)], world_size=2)
+        ddp, plain, zero = memory["DDP"], memory["this layout"], memory["this layout + ZeRO-1"]
+        assert ddp.params == ddp.grads == plain.params == zero.grads == 3072 * 4
+        assert ddp.states == plain.states == 3072 * state
+        assert zero.states == 3072 * state // 2  # 1024 + 512 elements on each rank
+    table = format_memory_table(memory_per_rank([torch.optim.AdamW(params)], [partition(params, lambda p: world)], 2),
+                                zero=True)
+    assert "| optimizer states | 0.02 | 0.02 (100%) | 0.01 (50%) |" in table
+    assert "this layout + ZeRO-1 (this run)" in table
