@@ -19,19 +19,21 @@ GPU (FP8 speed):        python benchmarks/precision/bench_fp8_moments.py --devic
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import shlex
 import sys
 import tempfile
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from bench_precision import StepTimer, fp32_val_loss  # same directory
+from bench_precision import (  # same directory
+    example_config,
+    machine_line,
+    parser_with_common_options,
+    resolve,
+    train_and_measure,
+)
 
-from lightning_deepseek import GPTConfig, LightningGPT, StagedPrecision, TextDataModule
-from lightning_deepseek.models import PRESETS
+from lightning_deepseek import LightningGPT, StagedPrecision
 from lightning_deepseek.optim import AdamW
 
 PARTS = {"fp8": ("BF16", "FP8"), "moments": ("FP32 moments", "BF16 moments", "BF16 moments, nearest rounding")}
@@ -75,45 +77,20 @@ def moment_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def run_one(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
-    pl.seed_everything(args.seed, verbose=False)
-    model = GPTWithMoments(GPTConfig(vocab_size=256, **{**PRESETS[args.size], "block_size": args.block_size}),
-                           learning_rate=args.lr, warmup_steps=max(1, args.steps // 10))
+    model = GPTWithMoments(**example_config(args))
     plugin, model.moments = setting(name)
-    data = TextDataModule(block_size=args.block_size, batch_size=args.batch_size, cache_dir=cache_dir)
-    timer = StepTimer(args.skip_steps, cuda=args.device == "cuda")
-    trainer = pl.Trainer(accelerator=args.device, devices=1, max_steps=args.steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, num_sanity_val_steps=0, gradient_clip_val=1.0, callbacks=[timer],
-                         plugins=[plugin] if plugin else None)
-    trainer.fit(model, data)
+    trainer, measured = train_and_measure(model, args, cache_dir, plugins=[plugin] if plugin else None)
     return {
-        "tokens_per_s": timer.tokens / timer.seconds,
-        "val_loss": fp32_val_loss(model, data, args.val_batches, trainer.strategy.root_device),
+        **measured,
         "moment_bytes": moment_bytes(trainer.optimizers[0]),
         "fp8_layers": len(plugin.float8_layers) if plugin is not None and plugin.float8 is not None else 0,
     }
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser = parser_with_common_options(__doc__.splitlines()[0])
     parser.add_argument("--part", choices=(*PARTS, "all"), default="all")
-    parser.add_argument("--size", choices=sorted(PRESETS), default=None)
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--skip-steps", type=int, default=3, help="warm-up steps per run left out of throughput")
-    parser.add_argument("--val-batches", type=int, default=20)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--seed", type=int, default=1234)
-    args = parser.parse_args(argv)
-    for key, value in DEFAULTS[args.device].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda but torch.cuda.is_available() is False")
-    torch.set_num_threads(args.threads)
+    args = resolve(parser, argv, DEFAULTS)
     parts = list(PARTS) if args.part == "all" else [args.part]
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as cache_dir:
@@ -127,11 +104,9 @@ def main(argv: list[str] | None = None) -> str:
 
 
 def format_table(results: dict[str, dict[str, Any]], parts: list[str], args: argparse.Namespace) -> str:
-    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     lines = [
         f"command: python {shlex.join(['benchmarks/precision/bench_fp8_moments.py', *sys.argv[1:]])}",
-        f"machine: {args.device} ({device}), torch {torch.__version__}, {args.threads} CPU thread(s); "
-        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        machine_line(args),
         f"model: {args.size} (block {args.block_size}), batch {args.batch_size}, {args.steps} steps, one run each "
         f"(deterministic on CPU); throughput leaves out the first {args.skip_steps} steps",
     ]

@@ -87,48 +87,78 @@ def fp32_val_loss(model: LightningGPT, data: TextDataModule, num_batches: int, d
     return sum(losses) / len(losses)
 
 
-def run_one(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
-    pl.seed_everything(args.seed, verbose=False)
-    model = LightningGPT(GPTConfig(vocab_size=256, **{**PRESETS[args.size], "block_size": args.block_size}),
-                         learning_rate=args.lr, warmup_steps=max(1, args.steps // 10))
+def train_and_measure(model: LightningGPT, args: argparse.Namespace, cache_dir: str,
+                      **trainer_kwargs: Any) -> tuple[pl.Trainer, dict[str, float]]:
+    """Train ``model`` for ``args.steps`` steps of the example text; tokens/s of its steps and its FP32 val loss."""
     data = TextDataModule(block_size=args.block_size, batch_size=args.batch_size, cache_dir=cache_dir)
     timer = StepTimer(args.skip_steps, cuda=args.device == "cuda")
-    setting = precision_setting(name, args.device)
     trainer = pl.Trainer(
         accelerator=args.device, devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        gradient_clip_val=1.0, callbacks=[timer], **setting,
+        gradient_clip_val=1.0, callbacks=[timer], **trainer_kwargs,
     )
     trainer.fit(model, data)
+    return trainer, {"tokens_per_s": timer.tokens / timer.seconds,
+                     "val_loss": fp32_val_loss(model, data, args.val_batches, trainer.strategy.root_device)}
+
+
+def example_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``LightningGPT`` arguments of the benchmark's model (seeded before it is built)."""
+    pl.seed_everything(args.seed, verbose=False)
+    return dict(config=GPTConfig(vocab_size=256, **{**PRESETS[args.size], "block_size": args.block_size}),
+                learning_rate=args.lr, warmup_steps=max(1, args.steps // 10))
+
+
+def run_one(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
+    model = LightningGPT(**example_config(args))
+    trainer, measured = train_and_measure(model, args, cache_dir, **precision_setting(name, args.device))
     plugin = trainer.precision_plugin
     return {
-        "tokens_per_s": timer.tokens / timer.seconds,
-        "val_loss": fp32_val_loss(model, data, args.val_batches, trainer.strategy.root_device),
+        **measured,
         "skipped": getattr(plugin, "num_skipped_steps", None),
         "fallbacks": len(getattr(plugin, "fallbacks", {})),
     }
 
 
-def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser_with_common_options(description: str) -> argparse.ArgumentParser:
+    """The options both precision benchmarks take (``None``: the device's default, see ``resolve``)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--size", choices=sorted(PRESETS), default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--skip-steps", type=int, default=3, help="warm-up steps per run left out of throughput")
     parser.add_argument("--val-batches", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=1234)
+    return parser
+
+
+def resolve(parser: argparse.ArgumentParser, argv: list[str] | None,
+            defaults: dict[str, dict[str, Any]]) -> argparse.Namespace:
+    """Parse, fill unset options from the device's ``defaults``, check the device, set the CPU threads."""
     args = parser.parse_args(argv)
-    for key, value in DEFAULTS[args.device].items():
+    for key, value in defaults[args.device].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch.cuda.is_available() is False")
     torch.set_num_threads(args.threads)
+    return args
+
+
+def machine_line(args: argparse.Namespace) -> str:
+    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
+    return (f"machine: {args.device} ({device}), torch {torch.__version__}, {args.threads} CPU thread(s); "
+            f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = parser_with_common_options(__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=None)
+    args = resolve(parser, argv, DEFAULTS)
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory() as cache_dir:
         for rep in range(args.reps):
@@ -144,11 +174,9 @@ def main(argv: list[str] | None = None) -> str:
 def format_table(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> str:
     speed = {name: statistics.median(r["tokens_per_s"] for r in runs) for name, runs in results.items()}
     loss = {name: statistics.median(r["val_loss"] for r in runs) for name, runs in results.items()}
-    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     lines = [
         f"command: python {shlex.join(['benchmarks/precision/bench_precision.py', *sys.argv[1:]])}",
-        f"machine: {args.device} ({device}), torch {torch.__version__}, {args.threads} CPU thread(s); "
-        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        machine_line(args),
         f"model: {args.size} (block {args.block_size}), batch {args.batch_size}, {args.steps} steps, "
         f"{args.reps} interleaved repetitions, medians; throughput leaves out the first {args.skip_steps} steps",
         "",

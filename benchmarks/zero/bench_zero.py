@@ -5,7 +5,8 @@ Run: ``.venv/bin/python benchmarks/zero/bench_zero.py [--steps 150] [--repeats 2
 the repetitions; it reads each run's ``summary.json``. Configurations: Lightning's DDP (the baseline), hybrid at
 ``tp=1`` (= DDP's layout) with and without ZeRO-1, hybrid at ``tp=2`` with and without ZeRO-1. Prints a Markdown
 table: tokens/s as a ratio to DDP (medians), optimizer-state bytes per rank (rank 0, measured) as a ratio to the
-same layout without ZeRO-1, and the final train/validation losses.
+same layout without ZeRO-1, and the final train/validation losses. Step time on loopback and on the 1 Gbit
+testbed, 4 processes: ``benchmarks/zero/step_time.py``.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ from lightning_deepseek.parallel.placement import (
     describe_placement,
     probe_links,
 )
-from lightning_deepseek.parallel.plan import Plan, decide_plan, format_plan_table
+from lightning_deepseek.parallel.plan import Plan, decide_plan, format_memory_table, format_plan_table, memory_per_rank
 from lightning_deepseek.parallel.styles import apply_tensor_parallel
 from lightning_deepseek.parallel.topology import Topology, discover_topology, parse_topology
 from lightning_deepseek.parallel.zero import ShardedOptimizerStates
@@ -409,16 +409,15 @@ class HybridParallelStrategy(DDPStrategy):
                        f"{table}")
 
     def _shard_states(self) -> None:
-        """ZeRO-1 on every optimizer (``shard_optimizer_states=True``)."""
+        """ZeRO-1 on every optimizer (``shard_optimizer_states=True``); prints the memory per rank."""
         for handle in self._zero:
             handle.remove()
         self._zero = []
-        if not self._shard_optimizer_states:
-            return
         if self.world_size == 1:
-            rank_zero_warn("HybridParallelStrategy: shard_optimizer_states=True on one process: every parameter has "
-                           "one replica, so there is nothing to shard. Run on 2 or more devices to shard the "
-                           "optimizer states.")
+            if self._shard_optimizer_states:
+                rank_zero_warn("HybridParallelStrategy: shard_optimizer_states=True on one process: every parameter "
+                               "has one replica, so there is nothing to shard. Run on 2 or more devices to shard the "
+                               "optimizer states.")
             return
         world = zero.ReplicaGroup(tuple(range(self.world_size)), None)
         dp = _replica_group(self._mesh, "dp") if self._mesh is not None else world
@@ -429,12 +428,16 @@ class HybridParallelStrategy(DDPStrategy):
             if is_expert_param(param):
                 return edp  # expert slices: replicated over the expert-data-parallel group
             return dp if isinstance(param, DTensor) else world
-        for i, optimizer in enumerate(self.optimizers):
-            inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        inners = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        owners = [zero.partition([p for g in o.param_groups for p in g["params"]], replica_group_of) for o in inners]
+        memory = memory_per_rank(inners, owners, self.world_size)  # with the partition ZeRO-1 deals or would deal
+        rank_zero_info(f"HybridParallelStrategy memory per rank:\n"
+                       f"{format_memory_table(memory, self._shard_optimizer_states)}")
+        if not self._shard_optimizer_states:
+            return
+        for i, (inner, owned) in enumerate(zip(inners, owners)):
             zero.check_shardable(inner, i)
-            params = [p for group in inner.param_groups for p in group["params"]]
-            owners = zero.partition(params, replica_group_of)
-            self._zero.append(zero.ShardedOptimizerStates(inner, owners, self.global_rank))
+            self._zero.append(zero.ShardedOptimizerStates(inner, owned, self.global_rank))
 
     def _settle_mixed_param_groups(self) -> None:
         changed = _disable_foreach_on_mixed_groups(self.optimizers)

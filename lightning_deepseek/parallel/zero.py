@@ -93,6 +93,24 @@ def state_bytes(optimizer: Optimizer) -> int:
     return sum(_local(t).numel() * t.element_size() for t in tensors)
 
 
+def estimated_state_bytes(optimizer: Optimizer, param: torch.Tensor, group: dict[str, Any]) -> int:
+    """Bytes of the state ``optimizer`` will keep for ``param`` (its local shard) in param group ``group``, before
+    the first step creates it: the parameter-sized tensors of each ``SHARDABLE`` optimizer (scalar step counters
+    left out); another optimizer counts as Adam's two."""
+    if isinstance(optimizer, torch.optim.SGD):
+        count = int(group["momentum"] != 0)
+    elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        count = 2 + int(group.get("amsgrad", False))
+    elif isinstance(optimizer, torch.optim.RMSprop):
+        count = 1 + int(group["momentum"] > 0) + int(group["centered"])
+    elif isinstance(optimizer, (torch.optim.Adagrad, torch.optim.ASGD)):
+        count = 1
+    else:  # Adadelta, Adamax, NAdam, RAdam, Rprop, lightning_deepseek's AdamW: two
+        count = 2
+    itemsize = optimizer.moment_dtype.itemsize if isinstance(optimizer, AdamW) else param.element_size()
+    return count * _local(param).numel() * itemsize
+
+
 def check_shardable(optimizer: Optimizer, index: int = 0) -> None:
     """Raise ``UnshardableOptimizerError`` for an optimizer whose step couples parameters (e.g. LBFGS)."""
     if isinstance(optimizer, SHARDABLE):

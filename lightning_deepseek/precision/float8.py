@@ -9,9 +9,20 @@ The remaining ops run under BF16 autocast, as DeepSeek-V3 keeps them in higher p
 Selection (DeepSeek-V3's split): every ``nn.Linear`` except the output head and MoE routers (``exclude``: names of
 modules, matched against each component of the module's path; ``gate`` counts as a router only beside an
 ``experts`` module, so a SwiGLU ``gate`` projection is converted), layers whose dims are not multiples of 16 (the
-FP8 GEMM's requirement) and tensor-parallel (DTensor) weights, which torchao converts only through its own
-tensor-parallel styles (not composed here yet; they stay in BF16, with a warning). Embeddings and norms are not
+FP8 GEMM's requirement; for a tensor-parallel layer, its local shard's dims). Embeddings and norms are not
 ``nn.Linear`` and stay as they are.
+
+Tensor parallelism: the layers the plan sharded (DTensor weights) are converted like the others, in place. The
+``Float8Linear`` takes over the same DTensor Parameters and the tensor-parallel plan's input/output hooks (the
+all-gather of the batch-sharded input, the reduce-scatter of the partial output); torchao's float8 casts and GEMM
+run on DTensors, whose scales (per tensor or per row) are amaxes that DTensor reduces over the mesh, so each
+shard is quantized exactly as the unsharded tensor would be (tested for every recipe).
+Why not torchao's ``Float8ColwiseParallel``/``Float8RowwiseParallel``: they must be applied by
+``parallelize_module`` to layers that are already ``Float8Linear``, but the plan shards once at setup and an FP8
+stage starts and ends mid-run; re-applying a style re-wraps every weight in a new Parameter (the optimizer state,
+DDP's hooks and ZeRO's partition hold the old ones); and they support tensorwise scaling only. Their gain, the
+all-gather of the activations in FP8 instead of BF16, is what this forgoes: the tensor-parallel collectives move
+BF16 bytes.
 
 Recipe: torchao's names (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or a ``Float8LinearConfig``.
 DeepSeek-V3's block-wise 1x128 / 128x128 scaling is not among torchao's stable float8 training recipes.
@@ -32,8 +43,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 DEFAULT_EXCLUDE = ("head", "lm_head", "output", "router", "gate", "classifier", "score")
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -101,14 +112,9 @@ class Float8Training:
             return False
         if last in self.exclude and (last != "gate" or _has_experts(parent)):
             return False  # the head, a router (DeepSeek-V3 keeps gating in higher precision), or excluded by name
-        out_features, in_features = module.weight.shape
-        if out_features % 16 or in_features % 16:
-            return False
-        if hasattr(module.weight, "device_mesh"):
-            rank_zero_warn(f"Stage('fp8'): {fqn} has a tensor-parallel (DTensor) weight; it stays in BF16 (FP8 with "
-                           "the tensor-parallel plan is not supported yet).")
-            return False
-        return True
+        weight = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight
+        out_features, in_features = weight.shape  # a tensor-parallel shard: the GEMM runs on the local shard
+        return not (out_features % 16 or in_features % 16)
 
     def convert(self, model: nn.Module, device_type: str) -> list[str]:
         """Swap the selected ``nn.Linear`` layers of ``model`` for ``Float8Linear``; return their paths."""
@@ -125,6 +131,8 @@ class Float8Training:
             return chosen
 
         convert_to_float8_training(model, module_filter_fn=select, config=self.config(device_type))
+        for fqn in converted:
+            _carry_hooks(parents[fqn], model.get_submodule(fqn))
         return converted
 
 
@@ -154,5 +162,20 @@ def revert(model: nn.Module) -> int:
             linear = nn.Linear(module.in_features, module.out_features, bias=False)
         linear.weight = module.weight
         linear.bias = module.bias
+        _carry_hooks(module, linear)
         setattr(parent, child, linear)
     return len(swaps)
+
+
+# A tensor-parallel layer's all-gather and reduce-scatter are forward hooks that torch's ``distribute_module``
+# registered on the module object; the swap makes a new object. nn.Module has no public way to list or move its
+# hooks, so the hook dicts themselves are handed over (they are module attributes since torch 2.0).
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    for name in _HOOK_DICTS:
+        setattr(new, name, getattr(old, name))
+    if getattr(old, "_distribute_module_applied", False):
+        new._distribute_module_applied = True

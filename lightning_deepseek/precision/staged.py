@@ -328,7 +328,7 @@ class StagedPrecision(Precision):
             if not self.float8_layers:
                 raise StagedPrecisionError(
                     f"Stage('fp8') found no nn.Linear layer to convert in {type(module).__name__} (excluded by "
-                    f"fp8_exclude={list(self.float8.exclude)}, dims not multiples of 16, or tensor-parallel). "
+                    f"fp8_exclude={list(self.float8.exclude)}, or dims not multiples of 16). "
                     "Use 'bf16-mixed' for this stage or narrow fp8_exclude.")
         elif not in_fp8 and self._float8_active:
             float8.revert(module)

@@ -4,7 +4,10 @@
   ``dp=2``, accumulation + clipping; losses of every step and final weights, 1e-6 relative over 20 steps);
 - each rank keeps the state of about half of the parameters, and the two halves cover the model;
 - DCP checkpoints reshard: a ZeRO save at ``dp=2`` resumes with ZeRO off at ``tp=2`` and with ZeRO at ``dp=2``,
-  with exactly the saved momenta, and both continue alike.
+  with exactly the saved momenta, and both continue alike;
+- with ``StagedPrecision`` (FP32 -> FP16 with loss scaling -> BF16, AdamW) an overflow on one rank skips the step
+  on both ranks, and no parameter broadcast runs on the skipped step; the run matches unsharded (1e-6), and a
+  resume mid-FP16 continues as the uninterrupted run (1e-6).
 """
 
 from __future__ import annotations
@@ -18,10 +21,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_deepseek import HybridParallelStrategy
-from lightning_deepseek.parallel.zero import UnshardableOptimizerError, check_shardable, partition
+from lightning_deepseek import HybridParallelStrategy, StagedPrecision
+from lightning_deepseek.parallel.zero import (
+    ShardedOptimizerStates,
+    UnshardableOptimizerError,
+    check_shardable,
+    partition,
+)
 from tests.helpers import run_distributed
 from tests.parallel.common import TinyLM, full_state, loader, make_trainer, relative_error, token_data
+from tests.precision.tiny import RecordSkips
 
 STEPS, MICRO, TOL = 20, 2, 1e-6
 
@@ -85,8 +94,54 @@ def _reshard(world_size: int, ckpt: Path) -> dict[str, Any]:
     return {"saved": saved, "resumed": resumed}
 
 
+STAGED_STEPS, SKIP_AT, RESUME_AT = 8, 3, 4  # an epoch is RESUME_AT steps: Lightning resumes exactly at its end
+
+
+class _InfOnRankZero(pl.Callback):
+    """After the gradient reduction of step ``SKIP_AT``, rank 0 alone writes an inf into a replicated gradient."""
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step == SKIP_AT and trainer.global_rank == 0:
+            pl_module.model.head.weight.grad[0, 0] = float("inf")
+
+
+class _SaveAt(pl.Callback):
+    def __init__(self, step: int, path: Path | None) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:  # where ModelCheckpoint saves
+        if self.path is not None and trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def _fit_staged(world_size: int, zero: bool, save: Path | None = None, resume: Path | None = None) -> dict[str, Any]:
+    """AdamW at dp=2 through FP32 -> FP16 (loss scaling) -> BF16, one overflow on rank 0; broadcasts counted."""
+    pl.seed_everything(0, verbose=False)
+    module, skips = TinyLM(adam=True, lr=1e-3), RecordSkips()
+    plugin = StagedPrecision([("32-true", 2), ("16-mixed", 6), ("bf16-mixed",)], init_scale=1024.0, hysteresis=1)
+    strategy = HybridParallelStrategy(tensor_parallel_size=1, shard_optimizer_states=zero)
+    trainer = make_trainer(world_size, strategy, max_steps=STAGED_STEPS, max_epochs=-1, plugins=[plugin],
+                           callbacks=[_InfOnRankZero(), skips, _SaveAt(RESUME_AT, save)])
+    broadcasts = []
+    original = ShardedOptimizerStates.broadcast_parameters
+
+    def counted(self: ShardedOptimizerStates) -> None:
+        broadcasts.append(trainer.global_step)
+        original(self)
+
+    ShardedOptimizerStates.broadcast_parameters = counted  # type: ignore[method-assign]
+    try:
+        trainer.fit(module, loader(token_data(RESUME_AT * world_size * MICRO), MICRO), ckpt_path=resume)
+    finally:
+        ShardedOptimizerStates.broadcast_parameters = original  # type: ignore[method-assign]
+    return {"losses": module.losses, "state": full_state(module), "skipped": skips.skipped,
+            "scales": skips.scales, "broadcasts": broadcasts, "events": plugin.events()}
+
+
 def _scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
-    out = {}
+    ckpt = Path(tmp) / "staged.ckpt"
+    out = {"staged": {"plain": _fit_staged(world_size, zero=False), "zero": _fit_staged(world_size, True, save=ckpt),
+                      "resumed": _fit_staged(world_size, True, resume=ckpt)}}
     for name, kwargs in {"sgd_tp2": dict(tp=2), "adamw_dp2": dict(tp=1, adam=True),
                          "accumulate_clip_tp2": dict(tp=2, accumulate=2, clip=0.5)}.items():
         out[name] = {"plain": _fit(world_size, zero=False, **kwargs), "zero": _fit(world_size, zero=True, **kwargs)}
@@ -143,6 +198,31 @@ def test_zero_checkpoint_reshards_on_load(two_ranks: list[dict[str, Any]]) -> No
         assert abs(got - want) <= 1e-5 * abs(want)
 
 
+def test_staged_precision_skips_on_every_rank_without_broadcast(two_ranks: list[dict[str, Any]]) -> None:
+    for rank in two_ranks:
+        plain, zero = rank["staged"]["plain"], rank["staged"]["zero"]
+        assert zero["skipped"] == plain["skipped"] == [SKIP_AT]  # rank 1 had no inf and skipped too
+        assert zero["scales"] == plain["scales"] and zero["events"] == plain["events"]
+        steps = [s for s in range(STAGED_STEPS) if s != SKIP_AT]
+        assert zero["broadcasts"] == steps  # global_step before it advances: no broadcast at SKIP_AT
+        assert plain["broadcasts"] == []
+        for got, want in zip(zero["losses"], plain["losses"], strict=True):
+            assert abs(got - want) <= TOL * abs(want)
+        assert relative_error(zero["state"], plain["state"]) <= TOL
+    assert two_ranks[0]["staged"]["zero"]["state"].keys() == two_ranks[1]["staged"]["zero"]["state"].keys()
+    assert relative_error(two_ranks[0]["staged"]["zero"]["state"], two_ranks[1]["staged"]["zero"]["state"]) == 0
+
+
+def test_staged_zero_resumes_mid_fp16_as_uninterrupted(two_ranks: list[dict[str, Any]]) -> None:
+    for rank in two_ranks:
+        zero, resumed = rank["staged"]["zero"], rank["staged"]["resumed"]
+        assert resumed["scales"] == zero["scales"][RESUME_AT:]  # the loss scale came back from the checkpoint
+        assert resumed["broadcasts"] == list(range(RESUME_AT, STAGED_STEPS))
+        for got, want in zip(resumed["losses"], zero["losses"][RESUME_AT:], strict=True):
+            assert abs(got - want) <= TOL * abs(want)
+        assert relative_error(resumed["state"], zero["state"]) <= TOL
+
+
 def test_partition_deals_largest_first_to_least_loaded() -> None:
     from lightning_deepseek.parallel.zero import ReplicaGroup
 
@@ -165,3 +245,24 @@ def test_one_process_warns_that_there_is_nothing_to_shard() -> None:
     trainer = make_trainer(1, strategy, max_steps=1)
     with pytest.warns(UserWarning, match="shard_optimizer_states=True on one process"):
         trainer.fit(TinyLM(), loader(token_data(2), MICRO))
+
+
+def test_memory_table_shows_states_per_rank_with_and_without_zero() -> None:
+    from lightning_deepseek.optim import AdamW
+    from lightning_deepseek.parallel.plan import format_memory_table, memory_per_rank
+    from lightning_deepseek.parallel.zero import ReplicaGroup
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (1024, 1024, 512, 512)]  # 3072 FP32 elements
+    frozen = torch.nn.Parameter(torch.zeros(8), requires_grad=False)
+    world = ReplicaGroup((0, 1), None)
+    for optimizer, state in ((torch.optim.AdamW([*params, frozen]), 8), (AdamW(params), 4),
+                             (torch.optim.SGD(params, lr=0.1, momentum=0.9), 4), (torch.optim.SGD(params, lr=0.1), 0)):
+        memory = memory_per_rank([optimizer], [partition(params, lambda p: world)], world_size=2)
+        ddp, plain, zero = memory["DDP"], memory["this layout"], memory["this layout + ZeRO-1"]
+        assert ddp.params == ddp.grads == plain.params == zero.grads == 3072 * 4
+        assert ddp.states == plain.states == 3072 * state
+        assert zero.states == 3072 * state // 2  # 1024 + 512 elements on each rank
+    table = format_memory_table(memory_per_rank([torch.optim.AdamW(params)], [partition(params, lambda p: world)], 2),
+                                zero=True)
+    assert "| optimizer states | 0.02 | 0.02 (100%) | 0.01 (50%) |" in table
+    assert "this layout + ZeRO-1 (this run)" in table
