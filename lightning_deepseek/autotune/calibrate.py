@@ -246,10 +246,13 @@ class _Calibrator:
         self.results[candidate.name] = Row(candidate, state, best, step_seconds=steps)
         return float(timer.tokens_per_s or 0.0)
 
-    def next_round(self) -> list[str]:
-        """The candidates measured to the end so far (pruned and failed ones are not measured again)."""
-        return [c.name for c in self.order if (row := self.results.get(c.name)) and row.state in ("measured",
-                                                                                                   "reference")]
+    def next_round(self, best: int | None) -> list[str]:
+        """Plain DDP and the ``best`` fastest others measured so far (``None``: all of them), in the first round's
+        order; pruned and failed candidates are not measured again."""
+        done = [r for c in self.order if (r := self.results.get(c.name)) and r.state in ("measured", "reference")]
+        others = sorted((r for r in done if not r.candidate.is_plain_ddp), key=lambda r: -(r.tokens_per_s or 0.0))
+        keep = {r.candidate for r in others[:best]} | {PLAIN_DDP}
+        return [r.candidate.name for r in done if r.candidate in keep]
 
     def _measure(self, candidate: Candidate, trial: optuna.Trial, first: bool) -> _StepTimer:
         from lightning_deepseek.data import TextDataModule
@@ -260,7 +263,9 @@ class _Calibrator:
         accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
         # The first fit of a process also pays one-off costs (kernel selection, allocator growth): untimed steps.
         warmup = tune.warmup_steps + (tune.first_warmup_steps if first else 0)
-        timer = _StepTimer(trial, warmup * accumulate, prune=tune.prune and not candidate.is_plain_ddp)
+        # Never pruned: plain DDP (every ratio's base) and the first eligible candidate (so that one is measured).
+        prune = tune.prune and not candidate.is_plain_ddp and candidate != self.eligible[0]
+        timer = _StepTimer(trial, warmup * accumulate, prune=prune)
         callbacks: list[Callback] = []
         if cfg.compression.get("callback") is not None:
             # Timed steps must be compressed ones: the compression warm-up (uncompressed steps) is skipped here.
@@ -311,7 +316,7 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
         with quiet:
             for round_index in range(int(cfg.tune.rounds)):  # interleaved: every candidate once per round
                 if round_index:
-                    sampler.names += calibrator.next_round()
+                    sampler.names += calibrator.next_round(cfg.tune.get("recheck_best"))
                 run_trials(study, space, calibrator.run, n_trials=len(sampler.names), max_failure_rate=1.0)
     finally:
         optuna.logging.set_verbosity(verbosity)

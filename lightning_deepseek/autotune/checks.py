@@ -93,6 +93,10 @@ def check_tune(cfg: DictConfig, experts: int = 0, resume: str | None = None) -> 
     if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not math.isfinite(gain) or gain < 0:
         raise ConfigError(f"tune.min_gain={gain} is not valid: it must be a number >= 0 (0.03: leave plain DDP "
                           "only for a configuration 3% faster). Set it like tune.min_gain=0.03.")
+    recheck = tune.get("recheck_best")
+    if recheck is not None and (isinstance(recheck, bool) or not isinstance(recheck, int) or recheck < 0):
+        raise ConfigError(f"tune.recheck_best={recheck} is not valid: it must be a whole number >= 0 or null (every "
+                          "candidate). Set it like tune.recheck_best=2.")
     if not isinstance(tune.get("prune"), bool):
         raise ConfigError(f"tune.prune={tune.get('prune')} is not valid: it must be true or false.")
     keep = tune.get("keep") or []
