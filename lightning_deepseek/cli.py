@@ -186,6 +186,8 @@ def _exit_if_rank_lost(trainer: pl.Trainer) -> None:
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def _train_app(cfg: DictConfig) -> float | None:
     report = run_training(cfg)
+    if cfg.hpo.get("objectives"):  # a multi-objective sweep (hpo=pareto): one value per direction
+        return [report.get(key) for key in cfg.hpo.objectives]
     return report.get("val_loss_final")  # the objective that a Hydra sweeper minimises
 
 
