@@ -88,7 +88,7 @@ def validate_config(cfg: DictConfig, folder: RunFolder) -> RunPlan:
                           f"{model_config.block_size}: lower data.block_size or pick a larger model preset.")
     TextDataModule(**data_kwargs, cache_dir=folder.path).validate()
     resume, note = resolve_resume(cfg.get("resume"), folder, model_config)
-    check_tune(cfg, model_config.n_routed_experts or 0, resume)
+    check_tune(cfg, model_config.n_routed_experts or 0)
     return RunPlan(model_config, data_kwargs, resume, note)
 
 

@@ -28,7 +28,7 @@ import contextlib
 import io
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from optuna.distributions import CategoricalDistribution
 from typing_extensions import override
 
 from lightning_deepseek.autotune.candidates import PLAIN_DDP, Candidate, candidates, describe_forced, forced_settings
-from lightning_deepseek.autotune.checks import task_overrides
+from lightning_deepseek.autotune.checks import nothing_to_choose, task_overrides
 from lightning_deepseek.hpo.loop import run_trials
 
 
@@ -137,7 +137,8 @@ class Calibration:
                  "step_seconds": list(r.step_seconds)} for r in self.rows]
         (folder / "tune.json").write_text(json.dumps(
             {"mode": self.mode, "seconds": self.seconds, "kept": self.kept, "min_gain": self.min_gain,
-             "choice": self.choice.name, "choice_overrides": self.choice.overrides(), "rows": rows}, indent=2))
+             "choice": self.choice.name, "choice_overrides": self.choice.overrides(),
+             "choice_fields": asdict(self.choice), "rows": rows}, indent=2))
 
 
 class TuneReport(Callback):
@@ -344,14 +345,42 @@ def choose(rows: list[Row], eligible: list[Candidate], min_gain: float) -> Candi
 
 def calibrated_config(cfg: DictConfig, plan: Any, folder: Any) -> DictConfig:
     """``cfg`` with the calibration's choice applied and a ``TuneReport`` callback carrying the summary rows; the
-    launching process prints the table and writes it to the run folder."""
+    launching process prints the table and writes it to the run folder.
+
+    Not measured: a resumed run continues with the choice its own run folder recorded (``tune.json`` beside its
+    ``checkpoints``), as its checkpoint was written with it; ``tune=auto`` with nothing to choose from (one
+    process, or every setting kept) trains as configured, with a one-line note.
+    """
     folder.claim()
+    if plan.resume is not None:
+        return _resumed_choice(cfg, Path(plan.resume), folder.is_launcher)
+    reason = nothing_to_choose(cfg, int(getattr(plan.model_config, "n_routed_experts", 0) or 0))
+    if reason is not None:  # only tune=auto gets here (check_tune raised for quick and grid)
+        if folder.is_launcher:
+            print(f"lds-train: tune=auto: no calibration, training as configured: {reason.split('. ')[0]}.",
+                  flush=True)
+        return cfg
     calibration = calibrate(cfg, plan, folder)
     if folder.is_launcher:
         calibration.write(folder.path)
         print(calibration.table(), flush=True)
-    out = calibration.choice.apply(cfg)
-    callbacks = OmegaConf.to_container(out.callbacks) if out.get("callbacks") else {}
-    callbacks["tune_report"] = {"_target_": f"{TuneReport.__module__}.TuneReport", "rows": calibration.summary()}
-    out.callbacks = callbacks
-    return out
+    return _with_report(calibration.choice.apply(cfg), calibration.summary())
+
+
+def _resumed_choice(cfg: DictConfig, checkpoint: Path, is_launcher: bool) -> DictConfig:
+    found = next((p / "tune.json" for p in checkpoint.parents if (p / "tune.json").is_file()), None)
+    if found is None:
+        return cfg  # a run without calibration: its settings are the ones given
+    recorded = json.loads(found.read_text())
+    choice = Candidate(**recorded["choice_fields"])
+    if is_launcher:
+        print(f"lds-train: tune: resuming with the choice of {found.parent}: {choice.name} (no new calibration)",
+              flush=True)
+    return _with_report(choice.apply(cfg), {"tune_choice": f"{choice.name} (resumed)"})
+
+
+def _with_report(cfg: DictConfig, rows: dict[str, Any]) -> DictConfig:
+    callbacks = OmegaConf.to_container(cfg.callbacks) if cfg.get("callbacks") else {}
+    callbacks["tune_report"] = {"_target_": f"{TuneReport.__module__}.TuneReport", "rows": rows}
+    cfg.callbacks = callbacks
+    return cfg

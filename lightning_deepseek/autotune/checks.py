@@ -22,7 +22,7 @@ from lightning_deepseek.autotune.candidates import (
 )
 from lightning_deepseek.errors import ConfigError
 
-MODES = ("none", "quick", "grid")
+MODES = ("none", "auto", "quick", "grid")
 _STRATEGIES = ("ddp", "hybrid")
 _COMPRESSIONS = ("none", "int8", "int4")
 
@@ -57,26 +57,19 @@ def _list_of(setting: str, value: Any, allowed: tuple[str, ...], example: str) -
                           f"it like {example}.")
 
 
-def check_tune(cfg: DictConfig, experts: int = 0, resume: str | None = None) -> None:
-    """Values of the ``tune`` group, and whether a calibration can run: several processes, no checkpoint to
-    resume, and at least two configurations left once the forced settings are kept."""
+def check_tune(cfg: DictConfig, experts: int = 0) -> None:
+    """Values of the ``tune`` group, and (``quick``, ``grid``) whether a calibration can run: several processes
+    and at least two configurations left once the forced settings are kept. ``auto`` trains as configured where
+    a calibration has nothing to choose from."""
     if "tune" not in cfg:
         return
     tune = OmegaConf.to_container(cfg.tune, resolve=True)
     mode = tune.get("mode")
     if mode not in MODES:
-        raise ConfigError(f"tune.mode={mode!r} is not a calibration mode. Use tune=quick, tune=grid or tune=none.")
+        raise ConfigError(f"tune.mode={mode!r} is not a calibration mode. Use tune=auto, tune=quick, tune=grid or "
+                          "tune=none.")
     if mode == "none":
         return
-    per_node, nodes = processes(cfg)
-    if per_node * nodes < 2:
-        raise ConfigError(f"tune={mode} compares multi-process configurations, but this run has one process "
-                          f"(trainer.devices={cfg.trainer.get('devices')}, trainer.num_nodes={nodes}). Train with "
-                          "two or more processes (trainer.devices=2), or pass tune=none.")
-    if resume is not None:
-        raise ConfigError(f"tune={mode} with resume={resume!r}: a resumed run must keep the configuration its "
-                          "checkpoint was written with. Pass that run's choice (tune.txt in its folder lists the "
-                          "overrides) together with tune=none.")
     _list_of("tune.strategies", tune.get("strategies"), _STRATEGIES, "tune.strategies=[ddp,hybrid]")
     _list_of("tune.compressions", tune.get("compressions"), _COMPRESSIONS, "tune.compressions=[none,int8]")
     buckets = tune.get("bucket_cap_mb")
@@ -104,13 +97,28 @@ def check_tune(cfg: DictConfig, experts: int = 0, resume: str | None = None) -> 
     if unknown:
         raise ConfigError(f"tune.keep={keep} names {unknown}, which calibration does not choose. List some of "
                           f"{', '.join(DIMENSIONS)}, e.g. tune.keep=[compression].")
+    reason = nothing_to_choose(cfg, experts)
+    if reason is not None and mode != "auto":  # auto: train as configured (calibrated_config says why)
+        raise ConfigError(reason)
+
+
+def nothing_to_choose(cfg: DictConfig, experts: int = 0) -> str | None:
+    """Why a calibration of ``cfg`` has nothing to choose from (one process; one configuration left once the
+    forced settings are kept), as the paragraph of the error; ``None`` when it has."""
+    mode = cfg.tune.mode
+    per_node, nodes = processes(cfg)
+    if per_node * nodes < 2:
+        return (f"tune={mode} compares multi-process configurations, but this run has one process "
+                f"(trainer.devices={cfg.trainer.get('devices')}, trainer.num_nodes={nodes}). Train with two or more "
+                "processes (trainer.devices=2), or pass tune=none.")
     forced = forced_settings(cfg, task_overrides())
     found, left_out = candidates(cfg, forced, experts)
-    if len(found) < 2:
-        kept = describe_forced(cfg, forced) or "nothing"
-        why = "; ".join(f"{c.name}: {reason}" for c, reason in left_out)
-        only = f"which leaves only {found[0].name}" if found else "which leaves no configuration"
-        raise ConfigError(f"tune={mode} has nothing to choose from: the run keeps {kept} (set on the command line or "
-                          f"in tune.keep) and tries strategies {tune['strategies']} x compressions "
-                          f"{tune['compressions']}, {only}{f' ({why})' if why else ''}. Drop one of the kept "
-                          "settings, widen tune.strategies/tune.compressions, or pass tune=none to train as set.")
+    if len(found) >= 2:
+        return None
+    kept = describe_forced(cfg, forced) or "nothing"
+    why = "; ".join(f"{c.name}: {reason}" for c, reason in left_out)
+    only = f"which leaves only {found[0].name}" if found else "which leaves no configuration"
+    return (f"tune={mode} has nothing to choose from: the run keeps {kept} (set on the command line or in "
+            f"tune.keep) and tries strategies {list(cfg.tune.strategies)} x compressions "
+            f"{list(cfg.tune.compressions)}, {only}{f' ({why})' if why else ''}. Drop one of the kept settings, "
+            "widen tune.strategies/tune.compressions, or pass tune=none to train as set.")

@@ -5,8 +5,17 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lightning_deepseek.autotune import PLAIN_DDP, Candidate, candidates, check_tune_option, choose, forced_settings
+from lightning_deepseek.autotune import (
+    PLAIN_DDP,
+    Candidate,
+    candidates,
+    check_tune,
+    check_tune_option,
+    choose,
+    forced_settings,
+)
 from lightning_deepseek.autotune.calibrate import Calibration, Row
+from lightning_deepseek.autotune.checks import nothing_to_choose
 from lightning_deepseek.cli import prepare_training
 from lightning_deepseek.errors import user_errors_exit
 from lightning_deepseek.run import CONFIG_DIR, RunFolder
@@ -87,7 +96,16 @@ def test_bad_tune_setting_is_one_paragraph_and_exit_2(overrides: list[str], need
     assert needle in " ".join(err.split()), err
 
 
+def test_tune_auto_trains_as_configured_where_there_is_nothing_to_choose() -> None:
+    one = _cfg("tune=auto", "trainer.devices=1")
+    kept = _cfg("tune=auto", "strategy=ddp", "compression=none", "tune.keep=[strategy,compression]")
+    for cfg, why in ((one, "this run has one process"), (kept, "has nothing to choose from")):
+        check_tune(cfg)  # no error: tune=quick and tune=grid raise here (above)
+        assert why in nothing_to_choose(cfg)
+    assert nothing_to_choose(_cfg("tune=auto")) is None  # the demo's settings: a calibration
+
+
 def test_unknown_tune_option_on_the_command_line_names_the_options() -> None:
-    with pytest.raises(ValueError, match=r"tune='fast' is not a calibration mode. Use one of grid, none, quick"):
+    with pytest.raises(ValueError, match=r"tune='fast' is not a calibration mode. Use one of auto, grid, none, quick"):
         check_tune_option(["model=tiny", "tune=fast"])
     check_tune_option(["tune=quick", "tune.steps=2"])  # known options and keys pass
