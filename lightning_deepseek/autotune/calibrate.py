@@ -27,7 +27,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -291,6 +294,23 @@ class _Calibrator:
         return timer
 
 
+@contextlib.contextmanager
+def _quiet_trainers() -> Iterator[None]:
+    """The measuring trainers' start-up lines and warnings (accelerator, strategy plan) and Optuna's trial lines
+    are not printed: the table says what was measured, and the training that follows prints its own."""
+    logger = logging.getLogger("lightning.pytorch")
+    level, verbosity = logger.level, optuna.logging.get_verbosity()
+    logger.setLevel(logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # its per-trial lines; run_trials prints its own
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+        optuna.logging.set_verbosity(verbosity)
+
+
 def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
     """Measure the candidates of ``cfg.tune`` in this run's processes and choose; see the module docstring.
 
@@ -307,9 +327,7 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
     calibrator = _Calibrator(cfg, plan, folder, order, eligible)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1) if cfg.tune.prune \
         else optuna.pruners.NopPruner()
-    verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
+    with _quiet_trainers():
         sampler = _InOrder([c.name for c in order])
         study = optuna.create_study(direction="maximize", pruner=pruner, study_name="lds-tune", sampler=sampler)
         space = {"candidate": CategoricalDistribution([c.name for c in order])}
@@ -319,8 +337,6 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
                 if round_index:
                     sampler.names += calibrator.next_round(cfg.tune.get("recheck_best"))
                 run_trials(study, space, calibrator.run, n_trials=len(sampler.names), max_failure_rate=1.0)
-    finally:
-        optuna.logging.set_verbosity(verbosity)
     rows = [calibrator.results.get(c.name, Row(c, "failed", note="did not run")) for c in order]
     rows += [Row(c, "not tried", note=reason) for c, reason in left_out]
     choice = choose(rows, eligible, float(cfg.tune.min_gain))
