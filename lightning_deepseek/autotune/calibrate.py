@@ -365,17 +365,13 @@ def calibrated_config(cfg: DictConfig, plan: Any, folder: Any) -> DictConfig:
 
     Not measured: a resumed run continues with the choice its own run folder recorded (``tune.json`` beside its
     ``checkpoints``), as its checkpoint was written with it; ``tune=auto`` with nothing to choose from (one
-    process, or every setting kept) trains as configured, with a one-line note.
+    process, or every setting kept) trains as configured.
     """
     folder.claim()
     if plan.resume is not None:
         return _resumed_choice(cfg, Path(plan.resume), folder.is_launcher)
-    reason = nothing_to_choose(cfg, int(getattr(plan.model_config, "n_routed_experts", 0) or 0))
-    if reason is not None:  # only tune=auto gets here (check_tune raised for quick and grid)
-        if folder.is_launcher:
-            print(f"lds-train: tune=auto: no calibration, training as configured: {reason.split('. ')[0]}.",
-                  flush=True)
-        return cfg
+    if nothing_to_choose(cfg, int(getattr(plan.model_config, "n_routed_experts", 0) or 0)) is not None:
+        return cfg  # only tune=auto gets here (check_tune raised for quick and grid): the user's settings stand
     calibration = calibrate(cfg, plan, folder)
     if folder.is_launcher:
         calibration.write(folder.path)
