@@ -56,10 +56,10 @@ class Row:
 
     Args:
         candidate: the configuration.
-        state: ``measured``, ``pruned``, ``failed``, ``not tried`` or ``reference`` (plain DDP measured for the
+        state: ``measured``, ``pruned``, ``failed`` or ``reference`` (plain DDP measured for the
             ratios although the forced settings exclude it).
         tokens_per_s: measured throughput (``None`` when not measured to the end).
-        note: why it was pruned, failed or not tried.
+        note: why it was pruned or failed.
         step_seconds: rank 0's time of each timed step (the throughput uses the slowest rank's total).
     """
 
@@ -322,7 +322,7 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
     started = time.perf_counter()
     forced = forced_settings(cfg, task_overrides())
     experts = int(getattr(plan.model_config, "n_routed_experts", 0) or 0)
-    eligible, left_out = candidates(cfg, forced, experts)
+    eligible = candidates(cfg, forced, experts)
     order = eligible if eligible[0].is_plain_ddp else [PLAIN_DDP, *eligible]
     calibrator = _Calibrator(cfg, plan, folder, order, eligible)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1) if cfg.tune.prune \
@@ -338,7 +338,6 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
                     sampler.names += calibrator.next_round(cfg.tune.get("recheck_best"))
                 run_trials(study, space, calibrator.run, n_trials=len(sampler.names), max_failure_rate=1.0)
     rows = [calibrator.results.get(c.name, Row(c, "failed", note="did not run")) for c in order]
-    rows += [Row(c, "not tried", note=reason) for c, reason in left_out]
     choice = choose(rows, eligible, float(cfg.tune.min_gain))
     return Calibration(str(cfg.tune.mode), rows, choice, time.perf_counter() - started,
                        describe_forced(cfg, forced), float(cfg.tune.min_gain))

@@ -141,42 +141,36 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(cfg: DictConfig, forced: list[str], experts: int = 0
-               ) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
-    """The configurations to choose from, plain DDP first when it is one, and the ones left out with the reason.
+def candidates(cfg: DictConfig, forced: list[str], experts: int = 0) -> list[Candidate]:
+    """The configurations to choose from, plain DDP first when it is one.
 
     Enumerated from ``tune.strategies``, ``tune.compressions`` and ``tune.bucket_cap_mb``: hybrid takes each
     ``tp`` that divides the processes per node (> 1), and for MoE models each ``ep`` that divides the world size
-    and ``experts`` (routed experts per MoE layer; 0: a dense model); compression needs two or more
-    data-parallel ranks.
+    and ``experts`` (routed experts per MoE layer; 0: a dense model). Compression pairs with hybrid at any ``tp``:
+    its data-parallel part (everything not sharded) spans every rank. A combination a strategy refuses at set-up
+    is a ``failed`` row of the calibration, not an error.
     """
     per_node, nodes = processes(cfg)
-    world = per_node * nodes
     own = current(cfg)
     strategies = [own.strategy] if "strategy" in forced else list(cfg.tune.strategies)
     compressions = [own.compression] if "compression" in forced else list(cfg.tune.compressions)
     buckets = [own.bucket_cap_mb] if "bucket_cap_mb" in forced else list(cfg.tune.get("bucket_cap_mb") or [None])
     found: list[Candidate] = []
-    left_out: list[tuple[Candidate, str]] = []
     for strategy in strategies:
         if strategy == "hybrid":
             tps = [own.tensor_parallel_size] if "tensor_parallel_size" in forced else \
                 [d for d in _divisors(per_node) if d > 1]
             eps = [own.expert_parallel_size] if "expert_parallel_size" in forced or not experts else \
-                [d for d in _divisors(world) if experts % d == 0]
+                [d for d in _divisors(per_node * nodes) if experts % d == 0]
             shapes = [(tp, ep if experts else None) for tp in tps for ep in eps]
         else:
             shapes = [(None, None)]
         for (tp, ep), compression, bucket in itertools.product(shapes, compressions, buckets):
             candidate = Candidate(strategy, tp, ep, compression, bucket)
-            dp = world // tp if isinstance(tp, int) else world
-            if compression != "none" and dp < 2:
-                left_out.append((candidate, f"{compression} needs two or more data-parallel ranks (tp={tp} of "
-                                            f"{world} processes leaves one)"))
-            elif candidate not in found:
+            if candidate not in found:
                 found.append(candidate)
     found.sort(key=lambda c: not c.is_plain_ddp)  # the baseline first
-    return found, left_out
+    return found
 
 
 def describe_forced(cfg: DictConfig, forced: list[str]) -> str:

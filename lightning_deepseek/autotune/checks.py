@@ -112,13 +112,12 @@ def nothing_to_choose(cfg: DictConfig, experts: int = 0) -> str | None:
                 f"(trainer.devices={cfg.trainer.get('devices')}, trainer.num_nodes={nodes}). Train with two or more "
                 "processes (trainer.devices=2), or pass tune=none.")
     forced = forced_settings(cfg, task_overrides())
-    found, left_out = candidates(cfg, forced, experts)
+    found = candidates(cfg, forced, experts)
     if len(found) >= 2:
         return None
     kept = describe_forced(cfg, forced) or "nothing"
-    why = "; ".join(f"{c.name}: {reason}" for c, reason in left_out)
     only = f"which leaves only {found[0].name}" if found else "which leaves no configuration"
     return (f"tune={mode} has nothing to choose from: the run keeps {kept} (set on the command line or in "
             f"tune.keep) and tries strategies {list(cfg.tune.strategies)} x compressions "
-            f"{list(cfg.tune.compressions)}, {only}{f' ({why})' if why else ''}. Drop one of the kept settings, "
+            f"{list(cfg.tune.compressions)}, {only}. Drop one of the kept settings, "
             "widen tune.strategies/tune.compressions, or pass tune=none to train as set.")

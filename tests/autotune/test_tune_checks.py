@@ -26,14 +26,14 @@ def _cfg(*overrides: str):
         return compose("train", overrides=["model=tiny", "trainer.devices=2", *overrides])
 
 
-def test_candidates_start_with_plain_ddp_and_leave_out_compression_without_data_parallel_ranks() -> None:
-    found, left_out = candidates(_cfg("tune=quick"), forced=[])
+def test_candidates_start_with_plain_ddp() -> None:
+    found = candidates(_cfg("tune=quick"), forced=[])
     assert found[0] == PLAIN_DDP
-    assert [c.name for c in found] == ["ddp/none", "ddp/int8", "ddp/int4", "hybrid/tp2/none"]
-    assert {c.name for c, _ in left_out} == {"hybrid/tp2/int8", "hybrid/tp2/int4"}
-    four, _ = candidates(_cfg("tune=grid", "trainer.devices=4", "allow_oversubscribe=true"), forced=[])
+    assert [c.name for c in found] == ["ddp/none", "ddp/int8", "ddp/int4", "hybrid/tp2/none", "hybrid/tp2/int8",
+                                       "hybrid/tp2/int4"]
+    four = candidates(_cfg("tune=grid", "trainer.devices=4", "allow_oversubscribe=true"), forced=[])
     assert {"hybrid/tp2/int8/bucket1", "hybrid/tp4/none", "ddp/int4/bucket100"} <= {c.name for c in four}
-    moe, _ = candidates(_cfg("tune=quick", "model=moe-tiny"), forced=[], experts=8)
+    moe = candidates(_cfg("tune=quick", "model=moe-tiny"), forced=[], experts=8)
     assert {"hybrid/tp2/ep1/none", "hybrid/tp2/ep2/none"} <= {c.name for c in moe}
 
 
@@ -41,8 +41,8 @@ def test_forced_settings_come_from_the_command_line_and_tune_keep() -> None:
     cfg = _cfg("tune=quick", "tune.keep=[bucket_cap_mb]")
     forced = forced_settings(cfg, ["compression=int8", "strategy.tensor_parallel_size=2", "model=tiny"])
     assert forced == ["tensor_parallel_size", "compression", "bucket_cap_mb"]
-    found, _ = candidates(_cfg("tune=quick", "compression=int8"), forced=["compression"])
-    assert [c.name for c in found] == ["ddp/int8"]  # hybrid tp2 leaves no data-parallel rank to compress over
+    found = candidates(_cfg("tune=quick", "compression=int8"), forced=["compression"])
+    assert [c.name for c in found] == ["ddp/int8", "hybrid/tp2/int8"]
 
 
 def test_apply_gives_the_config_a_direct_run_with_the_overrides_composes() -> None:
