@@ -325,7 +325,7 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
     eligible = candidates(cfg, forced, experts)
     order = eligible if eligible[0].is_plain_ddp else [PLAIN_DDP, *eligible]
     calibrator = _Calibrator(cfg, plan, folder, order, eligible)
-    pruner = optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1) if cfg.tune.prune \
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0) if cfg.tune.prune \
         else optuna.pruners.NopPruner()
     with _quiet_trainers():
         sampler = _InOrder([c.name for c in order])
