@@ -9,7 +9,8 @@ from tests.helpers import run_distributed
 BASE = ["model=tiny", "data.batch_size=8", "trainer.devices=2", "trainer.max_steps=4", "trainer.val_check_interval=2",
         "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
         "+trainer.enable_model_summary=false", "plot=false"]
-TUNE = ["tune=quick", "tune.steps=2", "tune.warmup_steps=1", "tune.min_gain=0.0", "tune.compressions=[none,int8]",
+TUNE = ["tune=quick", "tune.steps=2", "tune.warmup_steps=1", "tune.first_warmup_steps=0", "tune.min_gain=0.0",
+        "tune.compressions=[none,int8]",
         "tune.recheck_best=1"]
 
 
