@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--grid-steps", type=int, default=4)
+    parser.add_argument("--grid-buckets", default="[null,1,100]", help="tune.bucket_cap_mb of the grid")
     parser.add_argument("--grid-out", type=Path, default=ROOT / "benchmarks" / "autotune" / "grid_loopback.json")
     args = parser.parse_args()
     load_before = os.getloadavg()
@@ -56,6 +57,7 @@ def main() -> None:
         for rep in range(args.reps):
             folder = Path(tmp) / str(rep)
             lds_train(folder / "grid", "tune=grid", f"tune.steps={args.grid_steps}", "trainer.max_steps=1",
+                      f"tune.bucket_cap_mb={args.grid_buckets}",
                       "trainer.val_check_interval=1")
             table = json.loads((folder / "grid" / "tune.json").read_text())
             for row in table["rows"]:
@@ -75,6 +77,7 @@ def main() -> None:
     best = max(medians, key=medians.get)
     args.grid_out.write_text(json.dumps(
         {"machine": "loopback, 2 CPU processes, model=small (the demo)", "reps": args.reps,
+         "load_average_1min_before_after": [load_before[0], load_after[0]],
          "timed_steps_per_round": args.grid_steps, "rounds": 2,
          "configs": [{"name": n, "overrides": overrides[n], "tokens_per_s_median": medians[n], "per_rep": grid[n]}
                      for n in sorted(medians, key=medians.get, reverse=True)]}, indent=2) + "\n")
