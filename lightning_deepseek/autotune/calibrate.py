@@ -168,7 +168,6 @@ class _StepTimer(Callback):
         self.step_seconds: list[float] = []  # this rank's, for the table file
         self._last = 0.0
         self.pruned_at: int | None = None
-        self.global_rank = 0
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -179,7 +178,6 @@ class _StepTimer(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.global_rank = trainer.global_rank
         self.batches += 1
         if self.batches <= self.warmup_batches:
             return
@@ -226,7 +224,6 @@ class _Calibrator:
     order: list[Candidate]
     eligible: list[Candidate]
     results: dict[str, Row] = field(default_factory=dict)
-    global_rank: int = 0
 
     def run(self, trial: optuna.Trial, params: dict[str, Any]) -> float:
         candidate = next(c for c in self.order if c.name == params["candidate"])
@@ -245,7 +242,7 @@ class _Calibrator:
             self.results[candidate.name] = Row(candidate, "pruned", timer.tokens_per_s, note, steps)
             raise optuna.TrialPruned(note)
         # Interference on a shared machine only ever slows a step down: a candidate's best round is its speed.
-        best = max(timer.tokens_per_s or 0.0, earlier.tokens_per_s or 0.0 if earlier else 0.0)
+        best = max(timer.tokens_per_s or 0.0, (earlier.tokens_per_s or 0.0) if earlier else 0.0)
         state = "measured" if candidate in self.eligible else "reference"
         self.results[candidate.name] = Row(candidate, state, best, step_seconds=steps)
         return float(timer.tokens_per_s or 0.0)
@@ -290,7 +287,6 @@ class _Calibrator:
                              enable_progress_bar=False, enable_model_summary=False,
                              default_root_dir=self.folder.path)
         trainer.fit(model, datamodule=data)
-        self.global_rank = trainer.global_rank
         return timer
 
 
