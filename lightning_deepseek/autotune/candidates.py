@@ -145,8 +145,9 @@ def candidates(cfg: DictConfig, forced: list[str], experts: int = 0) -> list[Can
     """The configurations to choose from, plain DDP first when it is one.
 
     Enumerated from ``tune.strategies``, ``tune.compressions`` and ``tune.bucket_cap_mb``: hybrid takes each
-    ``tp`` that divides the processes per node (> 1), and for MoE models each ``ep`` that divides the world size
-    and ``experts`` (routed experts per MoE layer; 0: a dense model). Compression pairs with hybrid at any ``tp``:
+    ``tp`` that divides the processes per node (> 1; MoE models also 1), and for MoE models each ``ep`` that
+    divides the world size and ``experts`` (routed experts per MoE layer; 0: a dense model), except tp=1 with
+    ep=1 (DDP's layout). Compression pairs with hybrid at any ``tp``:
     its data-parallel part (everything not sharded) spans every rank. A combination a strategy refuses at set-up
     is a ``failed`` row of the calibration, not an error.
     """
@@ -158,11 +159,12 @@ def candidates(cfg: DictConfig, forced: list[str], experts: int = 0) -> list[Can
     found: list[Candidate] = []
     for strategy in strategies:
         if strategy == "hybrid":
+            # tp=1 only for MoE models, where it still shards the experts (ep > 1); tp=1 with ep=1 is DDP's layout.
             tps = [own.tensor_parallel_size] if "tensor_parallel_size" in forced else \
-                [d for d in _divisors(per_node) if d > 1]
+                [d for d in _divisors(per_node) if d > 1 or experts]
             eps = [own.expert_parallel_size] if "expert_parallel_size" in forced or not experts else \
                 [d for d in _divisors(per_node * nodes) if experts % d == 0]
-            shapes = [(tp, ep if experts else None) for tp in tps for ep in eps]
+            shapes = [(tp, ep if experts else None) for tp in tps for ep in eps if experts == 0 or (tp, ep) != (1, 1)]
         else:
             shapes = [(None, None)]
         for (tp, ep), compression, bucket in itertools.product(shapes, compressions, buckets):

@@ -34,7 +34,8 @@ def test_candidates_start_with_plain_ddp() -> None:
     four = candidates(_cfg("tune=grid", "trainer.devices=4", "allow_oversubscribe=true"), forced=[])
     assert {"hybrid/tp2/int8/bucket1", "hybrid/tp4/none", "ddp/int4/bucket100"} <= {c.name for c in four}
     moe = candidates(_cfg("tune=quick", "model=moe-tiny"), forced=[], experts=8)
-    assert {"hybrid/tp2/ep1/none", "hybrid/tp2/ep2/none"} <= {c.name for c in moe}
+    assert {"hybrid/tp1/ep2/none", "hybrid/tp2/ep1/none", "hybrid/tp2/ep2/none"} <= {c.name for c in moe}
+    assert "hybrid/tp1/ep1/none" not in {c.name for c in moe}
 
 
 def test_forced_settings_come_from_the_command_line_and_tune_keep() -> None:
