@@ -375,7 +375,8 @@ def calibrated_config(cfg: DictConfig, plan: Any, folder: Any) -> DictConfig:
 
 
 def _resumed_choice(cfg: DictConfig, checkpoint: Path, is_launcher: bool) -> DictConfig:
-    found = next((p / "tune.json" for p in checkpoint.parents if (p / "tune.json").is_file()), None)
+    # run/checkpoints/last.ckpt, or a DCP folder run/checkpoints/step-N: the run folder is at most 3 levels up.
+    found = next((p / "tune.json" for p in list(checkpoint.parents)[:3] if (p / "tune.json").is_file()), None)
     if found is None:
         return cfg  # a run without calibration: its settings are the ones given
     recorded = json.loads(found.read_text())

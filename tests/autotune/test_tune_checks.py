@@ -1,5 +1,6 @@
 """``tune``: candidates, forced settings, the choice rule and every bad input (no processes started)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,19 @@ def test_unknown_tune_option_on_the_command_line_names_the_options() -> None:
     with pytest.raises(ValueError, match=r"tune='fast' is not a calibration mode. Use one of auto, grid, none, quick"):
         check_tune_option(["model=tiny", "tune=fast"])
     check_tune_option(["tune=quick", "tune.steps=2"])  # known options and keys pass
+
+
+def test_a_resumed_run_keeps_the_choice_its_run_folder_recorded(tmp_path: Path) -> None:
+    from dataclasses import asdict
+
+    from lightning_deepseek.autotune.calibrate import _resumed_choice
+
+    choice = Candidate("ddp", None, None, "int4", 1)
+    (tmp_path / "tune.json").write_text(json.dumps({"choice_fields": asdict(choice)}))
+    resumed = _resumed_choice(_cfg("tune=auto"), tmp_path / "checkpoints" / "last.ckpt", is_launcher=False)
+    assert resumed.strategy == _cfg(*choice.overrides()).strategy
+    assert resumed.compression.callback.bits == 4 and resumed.callbacks.tune_report.rows.tune_choice.endswith(
+        "(resumed)")
+    untuned = _cfg("tune=auto")  # a run folder without tune.json: the settings as given
+    other = tmp_path / "other" / "run" / "checkpoints" / "last.ckpt"
+    assert _resumed_choice(untuned, other, is_launcher=False) is untuned
