@@ -22,6 +22,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_deepseek.autotune import check_tune_option
 from lightning_deepseek.checkpointing import (
     RunCheckpoint,
     RunInterrupted,
@@ -127,6 +128,10 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     """
     folder = RunFolder.from_config(cfg)
     try:
+        if cfg.get("tune") is not None and cfg.tune.get("mode") != "none":  # measure, then train with the fastest
+            from lightning_deepseek.autotune import calibrated_config  # Optuna: imported only when tuning
+
+            cfg = calibrated_config(cfg, validate_config(cfg, folder), folder)
         plan, data, model, trainer = prepare_training(cfg, folder)
     except USER_ERRORS as exc:
         folder.fail(exc)
@@ -181,6 +186,8 @@ def _exit_if_rank_lost(trainer: pl.Trainer) -> None:
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def _train_app(cfg: DictConfig) -> float | None:
     report = run_training(cfg)
+    if cfg.hpo.get("objectives"):  # a multi-objective sweep (hpo=pareto): one value per direction
+        return [report.get(key) for key in cfg.hpo.objectives]
     return report.get("val_loss_final")  # the objective that a Hydra sweeper minimises
 
 
@@ -252,6 +259,7 @@ def train() -> None:
     sys.argv[1:] = expand_home_in_overrides(sys.argv[1:])
     try:
         check_run_dir_override(sys.argv[1:])
+        check_tune_option(sys.argv[1:])
     except ConfigError as exc:
         exit_on_user_error(exc)
     _train_app()

@@ -21,6 +21,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_deepseek.autotune.checks import check_tune
 from lightning_deepseek.checkpointing import checkpoint_model_config, checkpoints_in, is_complete
 from lightning_deepseek.config_checks import (
     check_data,
@@ -87,6 +88,7 @@ def validate_config(cfg: DictConfig, folder: RunFolder) -> RunPlan:
                           f"{model_config.block_size}: lower data.block_size or pick a larger model preset.")
     TextDataModule(**data_kwargs, cache_dir=folder.path).validate()
     resume, note = resolve_resume(cfg.get("resume"), folder, model_config)
+    check_tune(cfg, model_config.n_routed_experts or 0)
     return RunPlan(model_config, data_kwargs, resume, note)
 
 

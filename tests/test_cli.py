@@ -10,7 +10,7 @@ import pytest
 
 BIN = Path(sys.executable).parent
 TINY = ["model=tiny", "data.batch_size=8", "trainer.val_check_interval=20", "trainer.limit_val_batches=5",
-        "trainer.log_every_n_steps=5", "trainer.enable_progress_bar=false"]
+        "trainer.log_every_n_steps=5", "trainer.enable_progress_bar=false", "tune=none"]
 
 
 def run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:

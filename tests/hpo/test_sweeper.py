@@ -18,7 +18,7 @@ from lightning_deepseek.hpo import FatalTrialError, open_storage
 BIN = Path(sys.executable).parent
 TRIAL = ["model=tiny", "model.block_size=16", "data.batch_size=4", "trainer.devices=1", "trainer.max_steps=8",
          "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=2",
-         "trainer.enable_progress_bar=false", "plot=false", "optim.warmup_steps=1"]
+         "trainer.enable_progress_bar=false", "plot=false", "optim.warmup_steps=1", "tune=none"]
 
 
 def sweep_cmd(sweep_dir: Path, *args: str) -> list[str]:

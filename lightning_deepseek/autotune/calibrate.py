@@ -1,0 +1,394 @@
+"""``lds-train tune=quick|grid``: measure candidate configurations inside the training processes, train with the
+fastest.
+
+Each candidate (:mod:`~lightning_deepseek.autotune.candidates`: strategy, tp/ep sizes, compression, DDP bucket
+size) is one trial of an Optuna study with a throughput objective, run by the project's own trial loop
+(:func:`lightning_deepseek.hpo.loop.run_trials`): a short ``Trainer.fit`` of a freshly seeded model on the run's
+own data, ``tune.warmup_steps`` untimed steps then ``tune.steps`` timed ones. Plain DDP without compression is
+always the first trial, so that every row compares with it side by side in the same processes. With
+``tune.prune`` Optuna's ``MedianPruner`` stops a candidate once it is slower than the median of those measured so
+far (each timed step is reported as an intermediate value), which is what keeps the calibration within a few
+percent of the demo's time.
+
+Why inside the running processes: a new process per candidate would cost ~10 s of imports each. The first fit
+starts the processes (Lightning's launcher), later fits find ``LOCAL_RANK`` set and the process group initialised
+and reuse both. Every rank runs the same trials in the same order; a step's time is the slowest rank's (an
+all-reduce of one number per step), so every rank sees the same values, prunes the same trials and makes the
+same choice, with no message passing beyond that.
+
+The training that follows is untouched: the run's config with the chosen candidate applied
+(:meth:`Candidate.apply`) goes through ``prepare_training`` as a direct run would, re-seeded, so its losses equal
+those of ``lds-train <the choice's overrides> tune=none`` (tests/autotune/test_calibrate.py checks this).
+The table (``tune.txt``, ``tune.json`` in the run folder) and the summary rows come from :class:`Calibration`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import optuna
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback
+from omegaconf import DictConfig, OmegaConf
+from optuna.distributions import CategoricalDistribution
+from typing_extensions import override
+
+from lightning_deepseek.autotune.candidates import PLAIN_DDP, Candidate, candidates, describe_forced, forced_settings
+from lightning_deepseek.autotune.checks import nothing_to_choose, task_overrides
+from lightning_deepseek.hpo.loop import run_trials
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: a candidate and what its measurement gave.
+
+    Args:
+        candidate: the configuration.
+        state: ``measured``, ``pruned``, ``failed`` or ``reference`` (plain DDP measured for the
+            ratios although the forced settings exclude it).
+        tokens_per_s: measured throughput (``None`` when not measured to the end).
+        note: why it was pruned or failed.
+        step_seconds: rank 0's time of each timed step (the throughput uses the slowest rank's total).
+    """
+
+    candidate: Candidate
+    state: str
+    tokens_per_s: float | None = None
+    note: str = ""
+    step_seconds: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The measured table and the choice.
+
+    Args:
+        mode: ``quick`` or ``grid``.
+        rows: every candidate, plain DDP first.
+        choice: the configuration training uses.
+        seconds: wall time of the calibration.
+        kept: the forced settings, ``compression=int8``-style (empty: none).
+        min_gain: the margin by which a candidate must beat plain DDP to be chosen.
+    """
+
+    mode: str
+    rows: list[Row]
+    choice: Candidate
+    seconds: float
+    kept: str = ""
+    min_gain: float = 0.0
+
+    @property
+    def baseline(self) -> float | None:
+        return next((r.tokens_per_s for r in self.rows if r.candidate.is_plain_ddp), None)
+
+    def ratio(self, row: Row) -> float | None:
+        if row.tokens_per_s is None or not self.baseline:
+            return None
+        return row.tokens_per_s / self.baseline
+
+    @property
+    def choice_ratio(self) -> float | None:
+        return next((self.ratio(r) for r in self.rows if r.candidate == self.choice), None)
+
+    def table(self) -> str:
+        """The table as printed and written to ``tune.txt``."""
+        width = max(len(r.candidate.name) for r in self.rows)
+        lines = [f"calibration (tune={self.mode}, {self.seconds:.1f} s): tokens/s of each configuration, side by side "
+                 "with plain DDP in the same processes",
+                 f"{'configuration':<{width}}  {'tokens/s':>9}  {'vs ddp':>6}  state"]
+        for row in self.rows:
+            tps = f"{row.tokens_per_s:9.0f}" if row.tokens_per_s is not None else f"{'-':>9}"
+            ratio = self.ratio(row)
+            shown = f"{ratio:5.2f}x" if ratio is not None else f"{'-':>6}"
+            mark = "  <- chosen" if row.candidate == self.choice else ""
+            note = f" ({row.note})" if row.note else ""
+            lines.append(f"{row.candidate.name:<{width}}  {tps}  {shown}  {row.state}{note}{mark}")
+        if self.kept:
+            lines.append(f"kept as set (forced): {self.kept}; candidates that would change it were not tried")
+        lines.append(f"choice: {self.choice.name} = lds-train {' '.join(self.choice.overrides())} tune=none "
+                     f"(plain DDP unless another is >= {self.min_gain:.0%} faster)")
+        return "\n".join(lines)
+
+    def summary(self) -> dict[str, Any]:
+        """Rows of the run summary."""
+        ratio = self.choice_ratio
+        return {"tune_choice": self.choice.name,
+                "tune_vs_plain_ddp": round(ratio, 3) if ratio is not None else None,
+                "tune_candidates": f"{sum(r.state == 'measured' for r in self.rows)} measured, "
+                                   f"{sum(r.state == 'pruned' for r in self.rows)} pruned of {len(self.rows)}",
+                "tune_seconds": round(self.seconds, 1)}
+
+    def write(self, folder: Path) -> None:
+        """``tune.txt`` (the table) and ``tune.json`` (the same, for scripts) in the run folder."""
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "tune.txt").write_text(self.table() + "\n")
+        rows = [{"name": r.candidate.name, "overrides": r.candidate.overrides(), "state": r.state,
+                 "tokens_per_s": r.tokens_per_s, "vs_plain_ddp": self.ratio(r), "note": r.note,
+                 "step_seconds": list(r.step_seconds)} for r in self.rows]
+        (folder / "tune.json").write_text(json.dumps(
+            {"mode": self.mode, "seconds": self.seconds, "kept": self.kept, "min_gain": self.min_gain,
+             "choice": self.choice.name, "choice_overrides": self.choice.overrides(),
+             "choice_fields": asdict(self.choice), "rows": rows}, indent=2))
+
+
+class TuneReport(Callback):
+    """Puts the calibration's rows into the run summary (``RunSummary`` reads ``summary()`` of callbacks)."""
+
+    def __init__(self, rows: dict[str, Any]) -> None:
+        self.rows = dict(rows)
+
+    def summary(self) -> dict[str, Any]:
+        return dict(self.rows)
+
+
+class _StepTimer(Callback):
+    """Times the steps after the warm-up; reports throughput to the trial after each and stops when pruned."""
+
+    def __init__(self, trial: optuna.Trial, warmup_batches: int, prune: bool) -> None:
+        self.trial = trial
+        self.warmup_batches = warmup_batches
+        self.prune = prune
+        self.batches = 0
+        self.start = 0.0
+        self.tokens = 0
+        self.tokens_per_s: float | None = None
+        self.step_seconds: list[float] = []  # this rank's, for the table file
+        self._last = 0.0
+        self.pruned_at: int | None = None
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.batches == self.warmup_batches:
+            self.start = self._last = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.batches += 1
+        if self.batches <= self.warmup_batches:
+            return
+        self.tokens += batch[0].numel() * trainer.world_size
+        now = time.perf_counter()
+        self.step_seconds.append(round(now - self._last, 4))
+        self._last = now
+        elapsed = torch.tensor([now - self.start], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time: the same on every rank
+        self.tokens_per_s = self.tokens / max(float(elapsed), 1e-9)
+        measured = self.batches - self.warmup_batches
+        self.trial.report(self.tokens_per_s, measured)
+        if self.prune and self.trial.should_prune():
+            self.pruned_at = measured
+            trainer.should_stop = True
+
+
+class _InOrder(optuna.samplers.BaseSampler):
+    """Proposes the candidates in the given order, one per trial (plain DDP first): a calibration measures each
+    once, and the pruner needs the baseline's values before the others'."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    @override
+    def infer_relative_search_space(self, study: optuna.Study, trial: Any) -> dict[str, Any]:
+        return {}
+
+    @override
+    def sample_relative(self, study: optuna.Study, trial: Any, search_space: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    @override
+    def sample_independent(self, study: optuna.Study, trial: Any, param_name: str, param_distribution: Any) -> Any:
+        return self.names[trial.number]
+
+
+@dataclass
+class _Calibrator:
+    cfg: DictConfig
+    plan: Any
+    folder: Any
+    order: list[Candidate]
+    eligible: list[Candidate]
+    results: dict[str, Row] = field(default_factory=dict)
+
+    def run(self, trial: optuna.Trial, params: dict[str, Any]) -> float:
+        candidate = next(c for c in self.order if c.name == params["candidate"])
+        earlier = self.results.get(candidate.name)
+        try:
+            timer = self._measure(candidate, trial, first=trial.number == 0)
+        except Exception as exc:  # noqa: BLE001 - a configuration that cannot run is a row of the table
+            self.results[candidate.name] = Row(candidate, "failed", note=" ".join(str(exc).split())[:160])
+            raise
+        steps = (*earlier.step_seconds, *timer.step_seconds) if earlier else tuple(timer.step_seconds)
+        if timer.pruned_at is not None and earlier is not None and earlier.state != "failed":
+            self.results[candidate.name] = Row(candidate, earlier.state, earlier.tokens_per_s, earlier.note, steps)
+            raise optuna.TrialPruned("slower than the median in this round; its earlier round stands")
+        if timer.pruned_at is not None:
+            note = f"below the median after {timer.pruned_at} timed steps"
+            self.results[candidate.name] = Row(candidate, "pruned", timer.tokens_per_s, note, steps)
+            raise optuna.TrialPruned(note)
+        # Interference on a shared machine only ever slows a step down: a candidate's best round is its speed.
+        best = max(timer.tokens_per_s or 0.0, (earlier.tokens_per_s or 0.0) if earlier else 0.0)
+        state = "measured" if candidate in self.eligible else "reference"
+        self.results[candidate.name] = Row(candidate, state, best, step_seconds=steps)
+        return float(timer.tokens_per_s or 0.0)
+
+    def next_round(self, best: int | None) -> list[str]:
+        """Plain DDP and the ``best`` fastest others measured so far (``None``: all of them), in the first round's
+        order; pruned and failed candidates are not measured again."""
+        done = [r for c in self.order if (r := self.results.get(c.name)) and r.state in ("measured", "reference")]
+        others = sorted((r for r in done if not r.candidate.is_plain_ddp), key=lambda r: -(r.tokens_per_s or 0.0))
+        keep = {r.candidate for r in others[:best]} | {PLAIN_DDP}
+        return [r.candidate.name for r in done if r.candidate in keep]
+
+    def _measure(self, candidate: Candidate, trial: optuna.Trial, first: bool) -> _StepTimer:
+        from lightning_deepseek.data import TextDataModule
+        from lightning_deepseek.models import LightningGPT
+
+        cfg = candidate.apply(self.cfg)
+        tune = self.cfg.tune
+        accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
+        # The first fit of a process also pays one-off costs (kernel selection, allocator growth): untimed steps.
+        warmup = tune.warmup_steps + (tune.first_warmup_steps if first else 0)
+        # Never pruned: plain DDP (every ratio's base) and the first eligible candidate (so that one is measured).
+        prune = tune.prune and not candidate.is_plain_ddp and candidate != self.eligible[0]
+        timer = _StepTimer(trial, warmup * accumulate, prune=prune)
+        callbacks: list[Callback] = []
+        if cfg.compression.get("callback") is not None:
+            # Timed steps must be compressed ones: the compression warm-up (uncompressed steps) is skipped here.
+            callbacks.append(instantiate(cfg.compression.callback, warmup_steps=0))
+        callbacks += [instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
+        kwargs: dict[str, Any] = {k: cfg.trainer[k] for k in ("accelerator", "devices", "num_nodes",
+                                                              "gradient_clip_val", "accumulate_grad_batches")
+                                  if k in cfg.trainer}
+        plugins = [instantiate(cfg.precision.plugin)] if cfg.precision.get("plugin") is not None else None
+        if plugins is None:
+            kwargs["precision"] = cfg.precision.name
+        pl.seed_everything(cfg.seed, workers=True, verbose=False)
+        data = TextDataModule(**self.plan.data_kwargs, cache_dir=self.folder.path)
+        model = LightningGPT(self.plan.model_config, **cfg.optim)
+        trainer = pl.Trainer(**kwargs, strategy=instantiate(cfg.strategy), plugins=plugins,
+                             callbacks=[*callbacks, timer], max_steps=warmup + tune.steps,
+                             limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=self.folder.path)
+        trainer.fit(model, datamodule=data)
+        return timer
+
+
+@contextlib.contextmanager
+def _quiet_trainers() -> Iterator[None]:
+    """The measuring trainers' start-up lines and warnings (accelerator, strategy plan) and Optuna's trial lines
+    are not printed: the table says what was measured, and the training that follows prints its own."""
+    logger = logging.getLogger("lightning.pytorch")
+    level, verbosity = logger.level, optuna.logging.get_verbosity()
+    logger.setLevel(logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # its per-trial lines; run_trials prints its own
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+        optuna.logging.set_verbosity(verbosity)
+
+
+def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
+    """Measure the candidates of ``cfg.tune`` in this run's processes and choose; see the module docstring.
+
+    Args:
+        cfg: the composed ``lds-train`` config (``tune.mode`` quick or grid, checked by ``check_tune``).
+        plan: the run's ``RunPlan`` (model shape, data arguments).
+        folder: the run's ``RunFolder`` (the data cache, and where ``tune.txt`` goes).
+    """
+    started = time.perf_counter()
+    forced = forced_settings(cfg, task_overrides())
+    experts = int(getattr(plan.model_config, "n_routed_experts", 0) or 0)
+    eligible = candidates(cfg, forced, experts)
+    order = eligible if eligible[0].is_plain_ddp else [PLAIN_DDP, *eligible]
+    calibrator = _Calibrator(cfg, plan, folder, order, eligible)
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0) if cfg.tune.prune \
+        else optuna.pruners.NopPruner()
+    with _quiet_trainers():
+        sampler = _InOrder([c.name for c in order])
+        study = optuna.create_study(direction="maximize", pruner=pruner, study_name="lds-tune", sampler=sampler)
+        space = {"candidate": CategoricalDistribution([c.name for c in order])}
+        quiet = contextlib.redirect_stderr(io.StringIO()) if not folder.is_launcher else contextlib.nullcontext()
+        with quiet:
+            for round_index in range(int(cfg.tune.rounds)):  # interleaved: every candidate once per round
+                if round_index:
+                    sampler.names += calibrator.next_round(cfg.tune.get("recheck_best"))
+                run_trials(study, space, calibrator.run, n_trials=len(sampler.names), max_failure_rate=1.0)
+    rows = [calibrator.results.get(c.name, Row(c, "failed", note="did not run")) for c in order]
+    choice = choose(rows, eligible, float(cfg.tune.min_gain))
+    return Calibration(str(cfg.tune.mode), rows, choice, time.perf_counter() - started,
+                       describe_forced(cfg, forced), float(cfg.tune.min_gain))
+
+
+def choose(rows: list[Row], eligible: list[Candidate], min_gain: float) -> Candidate:
+    """The fastest measured eligible candidate; plain DDP (when eligible) unless that one beats it by
+    ``min_gain``. Raises ``RuntimeError`` when no eligible candidate was measured."""
+    measured = [r for r in rows if r.state == "measured" and r.candidate in eligible and r.tokens_per_s]
+    if not measured:
+        failed = "; ".join(f"{r.candidate.name}: {r.note}" for r in rows if r.state == "failed")
+        raise RuntimeError(f"tune: no configuration could be measured ({failed}). Pass tune=none and check the "
+                           "strategy and compression settings.")
+    best = max(measured, key=lambda r: r.tokens_per_s or 0.0)
+    plain = next((r for r in measured if r.candidate.is_plain_ddp), None)
+    if plain is not None and (best.tokens_per_s or 0.0) < (plain.tokens_per_s or 0.0) * (1 + min_gain):
+        return plain.candidate
+    return best.candidate
+
+
+def calibrated_config(cfg: DictConfig, plan: Any, folder: Any) -> DictConfig:
+    """``cfg`` with the calibration's choice applied and a ``TuneReport`` callback carrying the summary rows; the
+    launching process prints the table and writes it to the run folder.
+
+    Not measured: a resumed run continues with the choice its own run folder recorded (``tune.json`` beside its
+    ``checkpoints``), as its checkpoint was written with it; ``tune=auto`` with nothing to choose from (one
+    process, or every setting kept) trains as configured.
+    """
+    folder.claim()
+    if plan.resume is not None:
+        return _resumed_choice(cfg, Path(plan.resume), folder.is_launcher)
+    if nothing_to_choose(cfg, int(getattr(plan.model_config, "n_routed_experts", 0) or 0)) is not None:
+        return cfg  # only tune=auto gets here (check_tune raised for quick and grid): the user's settings stand
+    calibration = calibrate(cfg, plan, folder)
+    if folder.is_launcher:
+        calibration.write(folder.path)
+        print(calibration.table(), flush=True)
+    return _with_report(calibration.choice.apply(cfg), calibration.summary())
+
+
+def _resumed_choice(cfg: DictConfig, checkpoint: Path, is_launcher: bool) -> DictConfig:
+    # run/checkpoints/last.ckpt, or a DCP folder run/checkpoints/step-N: the run folder is at most 3 levels up.
+    found = next((p / "tune.json" for p in list(checkpoint.parents)[:3] if (p / "tune.json").is_file()), None)
+    if found is None:
+        return cfg  # a run without calibration: its settings are the ones given
+    recorded = json.loads(found.read_text())
+    choice = Candidate(**recorded["choice_fields"])
+    if is_launcher:
+        print(f"lds-train: tune: resuming with the choice of {found.parent}: {choice.name} (no new calibration)",
+              flush=True)
+    return _with_report(choice.apply(cfg), {"tune_choice": f"{choice.name} (resumed)"})
+
+
+def _with_report(cfg: DictConfig, rows: dict[str, Any]) -> DictConfig:
+    callbacks = OmegaConf.to_container(cfg.callbacks) if cfg.get("callbacks") else {}
+    callbacks["tune_report"] = {"_target_": f"{TuneReport.__module__}.TuneReport", "rows": rows}
+    cfg.callbacks = callbacks
+    return cfg

@@ -1,0 +1,123 @@
+"""The checks of the ``tune`` group, run by ``lds-train`` in the launching process before any training process.
+
+No torch import here: ``config_checks.py`` calls :func:`check_tune` before torch is loaded, and ``cli.py`` calls
+:func:`check_tune_option` on the raw command line (Hydra itself would answer an unknown ``tune=`` option with a
+traceback-style message and the wrong exit code).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_deepseek.autotune.candidates import (
+    CONF_DIR,
+    DIMENSIONS,
+    candidates,
+    describe_forced,
+    forced_settings,
+    processes,
+)
+from lightning_deepseek.errors import ConfigError
+
+MODES = ("none", "auto", "quick", "grid")
+_STRATEGIES = ("ddp", "hybrid")
+_COMPRESSIONS = ("none", "int8", "int4")
+
+
+def tune_options() -> list[str]:
+    """The options of the ``tune`` config group (``conf/tune/*.yaml``)."""
+    return sorted(p.stem for p in (CONF_DIR / "tune").glob("*.yaml"))
+
+
+def check_tune_option(argv: list[str]) -> None:
+    """``tune=X`` on the command line names an option of the group."""
+    options = tune_options()
+    for arg in argv:
+        if arg.startswith("tune="):
+            value = arg.split("=", 1)[1].strip("'\"")
+            if value not in options:
+                raise ConfigError(f"tune={value!r} is not a calibration mode. Use one of {', '.join(options)} (tune="
+                                  "quick: a few steps of each configuration, then train with the fastest; tune=none: "
+                                  "train as configured).")
+
+
+def task_overrides() -> list[str]:
+    """The command-line overrides of this run (empty outside a Hydra app, e.g. the Python API)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def _list_of(setting: str, value: Any, allowed: tuple[str, ...], example: str) -> None:
+    if not isinstance(value, list) or not value or any(v not in allowed for v in value):
+        raise ConfigError(f"{setting}={value} is not valid: it must be a non-empty list of {', '.join(allowed)}. Set "
+                          f"it like {example}.")
+
+
+def check_tune(cfg: DictConfig, experts: int = 0) -> None:
+    """Values of the ``tune`` group, and (``quick``, ``grid``) whether a calibration can run: several processes
+    and at least two configurations left once the forced settings are kept. ``auto`` trains as configured where
+    a calibration has nothing to choose from."""
+    if "tune" not in cfg:
+        return
+    tune = OmegaConf.to_container(cfg.tune, resolve=True)
+    mode = tune.get("mode")
+    if mode not in MODES:
+        raise ConfigError(f"tune.mode={mode!r} is not a calibration mode. Use tune=auto, tune=quick, tune=grid or "
+                          "tune=none.")
+    if mode == "none":
+        return
+    _list_of("tune.strategies", tune.get("strategies"), _STRATEGIES, "tune.strategies=[ddp,hybrid]")
+    _list_of("tune.compressions", tune.get("compressions"), _COMPRESSIONS, "tune.compressions=[none,int8]")
+    buckets = tune.get("bucket_cap_mb")
+    if not isinstance(buckets, list) or not buckets or any(
+            b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1) for b in buckets):
+        raise ConfigError(f"tune.bucket_cap_mb={buckets} is not valid: it must be a non-empty list of positive "
+                          "whole numbers of MB or null (torch's 25). Set it like tune.bucket_cap_mb=[null,1,100].")
+    for key, low in (("steps", 1), ("warmup_steps", 0), ("rounds", 1), ("first_warmup_steps", 0)):
+        value = tune.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"tune.{key}={value} is not valid: it must be a whole number >= {low}. Set it like "
+                              f"tune.{key}={3 if low else 1}.")
+    gain = tune.get("min_gain")
+    if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not math.isfinite(gain) or gain < 0:
+        raise ConfigError(f"tune.min_gain={gain} is not valid: it must be a number >= 0 (0.03: leave plain DDP "
+                          "only for a configuration 3% faster). Set it like tune.min_gain=0.03.")
+    recheck = tune.get("recheck_best")
+    if recheck is not None and (isinstance(recheck, bool) or not isinstance(recheck, int) or recheck < 0):
+        raise ConfigError(f"tune.recheck_best={recheck} is not valid: it must be a whole number >= 0 or null (every "
+                          "candidate). Set it like tune.recheck_best=2.")
+    if not isinstance(tune.get("prune"), bool):
+        raise ConfigError(f"tune.prune={tune.get('prune')} is not valid: it must be true or false.")
+    keep = tune.get("keep") or []
+    unknown = [k for k in keep if k not in DIMENSIONS]
+    if unknown:
+        raise ConfigError(f"tune.keep={keep} names {unknown}, which calibration does not choose. List some of "
+                          f"{', '.join(DIMENSIONS)}, e.g. tune.keep=[compression].")
+    reason = nothing_to_choose(cfg, experts)
+    if reason is not None and mode != "auto":  # auto: train as configured (calibrated_config says why)
+        raise ConfigError(reason)
+
+
+def nothing_to_choose(cfg: DictConfig, experts: int = 0) -> str | None:
+    """Why a calibration of ``cfg`` has nothing to choose from (one process; one configuration left once the
+    forced settings are kept), as the paragraph of the error; ``None`` when it has."""
+    mode = cfg.tune.mode
+    per_node, nodes = processes(cfg)
+    if per_node * nodes < 2:
+        return (f"tune={mode} compares multi-process configurations, but this run has one process "
+                f"(trainer.devices={cfg.trainer.get('devices')}, trainer.num_nodes={nodes}). Train with two or more "
+                "processes (trainer.devices=2), or pass tune=none.")
+    forced = forced_settings(cfg, task_overrides())
+    found = candidates(cfg, forced, experts)
+    if len(found) >= 2:
+        return None
+    kept = describe_forced(cfg, forced) or "nothing"
+    only = f"which leaves only {found[0].name}" if found else "which leaves no configuration"
+    return (f"tune={mode} has nothing to choose from: the run keeps {kept} (set on the command line or in "
+            f"tune.keep) and tries strategies {list(cfg.tune.strategies)} x compressions "
+            f"{list(cfg.tune.compressions)}, {only}. Drop one of the kept settings, "
+            "widen tune.strategies/tune.compressions, or pass tune=none to train as set.")

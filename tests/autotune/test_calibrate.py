@@ -1,0 +1,67 @@
+"""A real 2-process calibration (gloo): the choice is the fastest candidate measured, the training that follows
+equals a direct run of that choice, and a forced setting is kept. One process group serves all three runs."""
+
+import json
+from pathlib import Path
+
+from tests.helpers import run_distributed
+
+BASE = ["model=tiny", "data.batch_size=8", "trainer.devices=2", "trainer.max_steps=4", "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+        "+trainer.enable_model_summary=false", "plot=false"]
+TUNE = ["tune=quick", "tune.steps=2", "tune.warmup_steps=1", "tune.first_warmup_steps=0", "tune.min_gain=0.0",
+        "tune.compressions=[none,int8]",
+        "tune.recheck_best=1"]
+
+
+def _train(overrides: list[str], run_dir: Path) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from lightning_deepseek.cli import run_training
+    from lightning_deepseek.run import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[*BASE, *overrides, f"run_dir={run_dir}"])
+    run_training(cfg)
+
+
+def _tune_replay_and_force(rank: int, world_size: int, root: str) -> None:
+    tuned = Path(root) / "tuned"
+    _train(TUNE, tuned)
+    choice = json.loads((tuned / "tune.json").read_text())["choice_overrides"]
+    _train([*choice, "tune=none"], Path(root) / "direct")
+    _train([*TUNE, "compression=int8", "tune.keep=[compression]", "tune.bucket_cap_mb=[null,1]",
+                    "tune.strategies=[ddp]",
+                    "trainer.max_steps=2", "tune.steps=1", "tune.rounds=1"],
+           Path(root) / "forced")
+
+
+def test_two_process_calibration(tmp_path: Path) -> None:
+    run_distributed(_tune_replay_and_force, 2, str(tmp_path), timeout=240)
+    table = json.loads((tmp_path / "tuned" / "tune.json").read_text())
+    rows = {row["name"]: row for row in table["rows"]}
+    assert list(rows)[0] == "ddp/none" and rows["ddp/none"]["vs_plain_ddp"] == 1.0
+    measured = {name: row["tokens_per_s"] for name, row in rows.items() if row["state"] == "measured"}
+    assert "ddp/none" in measured  # the baseline is never pruned
+    assert list(rows) == ["ddp/none", "ddp/int8", "hybrid/tp2/none", "hybrid/tp2/int8"]
+    assert all(row["state"] in ("measured", "pruned") for row in rows.values())
+    assert len(rows["ddp/none"]["step_seconds"]) == 4  # two rounds of two timed steps
+    assert table["choice"] == max(measured, key=measured.get)  # min_gain=0: the fastest measured
+    assert (tmp_path / "tuned" / "tune.txt").read_text().count("<- chosen") == 1
+
+    # The training after the calibration is the direct run of the choice: the same losses, bit for bit.
+    tuned = json.loads((tmp_path / "tuned" / "summary.json").read_text())
+    direct = json.loads((tmp_path / "direct" / "summary.json").read_text())
+    assert tuned["train_curve"] == direct["train_curve"] and len(tuned["train_curve"]) == 4
+    assert tuned["val_curve"] == direct["val_curve"] and len(tuned["val_curve"]) == 2
+    assert tuned["tune_choice"] == table["choice"] and tuned["tune_vs_plain_ddp"] > 0
+    assert "tune_choice" not in direct
+
+    # compression forced to int8: only int8 candidates are tried; plain DDP is measured as the reference.
+    forced = json.loads((tmp_path / "forced" / "tune.json").read_text())
+    assert forced["kept"] == "compression=int8" and forced["choice"] in ("ddp/int8", "ddp/int8/bucket1")
+    states = {row["name"]: row["state"] for row in forced["rows"]}
+    assert states["ddp/none"] == "reference" and states["ddp/int8"] == "measured"
+    assert all("/int8" in name for name, state in states.items() if state in ("measured", "pruned"))
+    assert "kept as set (forced): compression=int8" in (tmp_path / "forced" / "tune.txt").read_text()
+    assert json.loads((tmp_path / "forced" / "summary.json").read_text())["compression"].startswith("int8")

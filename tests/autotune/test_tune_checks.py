@@ -1,0 +1,129 @@
+"""``tune``: candidates, forced settings, the choice rule and every bad input (no processes started)."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from lightning_deepseek.autotune import (
+    PLAIN_DDP,
+    Candidate,
+    candidates,
+    check_tune,
+    check_tune_option,
+    choose,
+    forced_settings,
+)
+from lightning_deepseek.autotune.calibrate import Calibration, Row
+from lightning_deepseek.autotune.checks import nothing_to_choose
+from lightning_deepseek.cli import prepare_training
+from lightning_deepseek.errors import user_errors_exit
+from lightning_deepseek.run import CONFIG_DIR, RunFolder
+
+
+def _cfg(*overrides: str):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose("train", overrides=["model=tiny", "trainer.devices=2", *overrides])
+
+
+def test_candidates_start_with_plain_ddp() -> None:
+    found = candidates(_cfg("tune=quick"), forced=[])
+    assert found[0] == PLAIN_DDP
+    assert [c.name for c in found] == ["ddp/none", "ddp/int8", "ddp/int4", "hybrid/tp2/none", "hybrid/tp2/int8",
+                                       "hybrid/tp2/int4"]
+    four = candidates(_cfg("tune=grid", "trainer.devices=4", "allow_oversubscribe=true"), forced=[])
+    assert {"hybrid/tp2/int8/bucket1", "hybrid/tp4/none", "ddp/int4/bucket100"} <= {c.name for c in four}
+    moe = candidates(_cfg("tune=quick", "model=moe-tiny"), forced=[], experts=8)
+    assert {"hybrid/tp1/ep2/none", "hybrid/tp2/ep1/none", "hybrid/tp2/ep2/none"} <= {c.name for c in moe}
+    assert "hybrid/tp1/ep1/none" not in {c.name for c in moe}
+
+
+def test_forced_settings_come_from_the_command_line_and_tune_keep() -> None:
+    cfg = _cfg("tune=quick", "tune.keep=[bucket_cap_mb]")
+    forced = forced_settings(cfg, ["compression=int8", "strategy.tensor_parallel_size=2", "model=tiny"])
+    assert forced == ["tensor_parallel_size", "compression", "bucket_cap_mb"]
+    found = candidates(_cfg("tune=quick", "compression=int8"), forced=["compression"])
+    assert [c.name for c in found] == ["ddp/int8", "hybrid/tp2/int8"]
+
+
+def test_apply_gives_the_config_a_direct_run_with_the_overrides_composes() -> None:
+    candidate = Candidate("hybrid", 2, None, "int8", 5)
+    applied = candidate.apply(_cfg("tune=quick"))
+    direct = _cfg(*candidate.overrides(), "tune=quick")
+    assert applied.strategy == direct.strategy and applied.compression == direct.compression
+    assert _cfg().strategy != applied.strategy  # apply copies: the run's own config is unchanged
+
+
+def _row(name: str, tps: float | None, state: str = "measured") -> Row:
+    strategy, *rest = name.split("/")
+    tp = int(rest.pop(0)[2:]) if strategy == "hybrid" else None
+    return Row(Candidate(strategy, tp, None, rest[0]), state, tps)
+
+
+def test_choice_is_the_fastest_measured_unless_plain_ddp_is_within_min_gain() -> None:
+    rows = [_row("ddp/none", 1000.0), _row("ddp/int8", 1020.0), _row("hybrid/tp2/none", 900.0),
+            _row("ddp/int4", 5000.0, "pruned")]
+    eligible = [r.candidate for r in rows]
+    assert choose(rows, eligible, min_gain=0.0).name == "ddp/int8"
+    assert choose(rows, eligible, min_gain=0.03).name == "ddp/none"  # 2% is within noise: keep the baseline
+    # Plain DDP measured only as the reference (compression forced): never chosen, still the ratio's base.
+    assert choose(rows, eligible[1:], min_gain=0.03).name == "ddp/int8"
+    table = Calibration("quick", rows, rows[1].candidate, 3.0, kept="compression=int8", min_gain=0.03)
+    assert "1.02x" in table.table() and "kept as set (forced): compression=int8" in table.table()
+    assert table.summary()["tune_vs_plain_ddp"] == 1.02
+    with pytest.raises(RuntimeError, match="no configuration could be measured"):
+        choose([_row("ddp/none", None, "failed")], [PLAIN_DDP], 0.0)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["tune=quick", "trainer.devices=1"], "tune=quick compares multi-process configurations, but this run has one "
+                                          "process (trainer.devices=1, trainer.num_nodes=1)"),
+    (["tune=quick", "tune.keep=[strategy,compression]"], "tune=quick has nothing to choose from: the run keeps "
+                                                         "strategy=hybrid, compression=int8"),
+    (["tune=quick", "tune.mode=fast"], "tune.mode='fast' is not a calibration mode"),
+    (["tune=quick", "tune.steps=0"], "tune.steps=0 is not valid"),
+    (["tune=quick", "tune.compressions=[int3]"], "tune.compressions=['int3'] is not valid"),
+    (["tune=quick", "tune.keep=[lr]"], "tune.keep=['lr'] names ['lr'], which calibration does not choose"),
+])
+def test_bad_tune_setting_is_one_paragraph_and_exit_2(overrides: list[str], needle: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _cfg(*overrides, f"run_dir={tmp_path / 'run'}")
+    folder = RunFolder(tmp_path / "run", named_by_hydra=False)
+    with pytest.raises(SystemExit) as exited:
+        user_errors_exit()(prepare_training)(cfg, folder)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("lds-train: error: ") == 1
+    assert needle in " ".join(err.split()), err
+
+
+def test_tune_auto_trains_as_configured_where_there_is_nothing_to_choose() -> None:
+    one = _cfg("tune=auto", "trainer.devices=1")
+    kept = _cfg("tune=auto", "strategy=ddp", "compression=none", "tune.keep=[strategy,compression]")
+    for cfg, why in ((one, "this run has one process"), (kept, "has nothing to choose from")):
+        check_tune(cfg)  # no error: tune=quick and tune=grid raise here (above)
+        assert why in nothing_to_choose(cfg)
+    assert nothing_to_choose(_cfg("tune=auto")) is None  # the demo's settings: a calibration
+
+
+def test_unknown_tune_option_on_the_command_line_names_the_options() -> None:
+    with pytest.raises(ValueError, match=r"tune='fast' is not a calibration mode. Use one of auto, grid, none, quick"):
+        check_tune_option(["model=tiny", "tune=fast"])
+    check_tune_option(["tune=quick", "tune.steps=2"])  # known options and keys pass
+
+
+def test_a_resumed_run_keeps_the_choice_its_run_folder_recorded(tmp_path: Path) -> None:
+    from dataclasses import asdict
+
+    from lightning_deepseek.autotune.calibrate import _resumed_choice
+
+    choice = Candidate("ddp", None, None, "int4", 1)
+    (tmp_path / "tune.json").write_text(json.dumps({"choice_fields": asdict(choice)}))
+    resumed = _resumed_choice(_cfg("tune=auto"), tmp_path / "checkpoints" / "last.ckpt", is_launcher=False)
+    assert resumed.strategy == _cfg(*choice.overrides()).strategy
+    assert resumed.compression.callback.bits == 4 and resumed.callbacks.tune_report.rows.tune_choice.endswith(
+        "(resumed)")
+    untuned = _cfg("tune=auto")  # a run folder without tune.json: the settings as given
+    other = tmp_path / "other" / "run" / "checkpoints" / "last.ckpt"
+    assert _resumed_choice(untuned, other, is_launcher=False) is untuned
