@@ -65,6 +65,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_deepseek.moe.node_limited import check_max_islands
 from lightning_deepseek.parallel import checkpoint as _checkpoint_io
 from lightning_deepseek.parallel import clipping, zero
 from lightning_deepseek.parallel.arguments import check_ddp_kwargs
@@ -146,6 +147,8 @@ class HybridParallelStrategy(DDPStrategy):
             dispatched by all-to-all; :mod:`lightning_deepseek.parallel.expert`); must divide the world size and
             every layer's expert count. 1: experts replicated like everything else. ``"auto"``: the largest size
             inside a node that divides every layer's expert count (1 without MoE layers).
+        max_islands_per_token: node-limited routing (DeepSeek-V3): each token's routed experts lie on at most this
+            many islands of ``topology`` (:mod:`lightning_deepseek.moe.node_limited`); None: no limit.
         save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
             optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
         shard_optimizer_states: ZeRO-1: each replica of a parameter keeps the optimizer state of only the
@@ -169,6 +172,7 @@ class HybridParallelStrategy(DDPStrategy):
         link_costs: dict[str, dict[str, float]] | None = None,
         micro_batch_tokens: int | None = None,
         expert_parallel_size: int | Literal["auto"] = 1,
+        max_islands_per_token: int | None = None,
         save_distributed_checkpoint: bool = True,
         shard_optimizer_states: bool = False,
         process_group_backend: str | None = None,
@@ -187,6 +191,7 @@ class HybridParallelStrategy(DDPStrategy):
             raise TypeError(f"plan={plan!r} must be 'auto' or a dict of module-name patterns to 'colwise'/'rowwise'.")
         if expert_parallel_size != "auto" and (not isinstance(expert_parallel_size, int) or expert_parallel_size < 1):
             raise ValueError(f"expert_parallel_size={expert_parallel_size!r} must be a positive integer or 'auto'.")
+        check_max_islands(max_islands_per_token)
         if min_shard_params < 0:
             raise ValueError(f"min_shard_params={min_shard_params} must be >= 0.")
         self._tp_arg = tensor_parallel_size
@@ -198,6 +203,7 @@ class HybridParallelStrategy(DDPStrategy):
                        if link_costs is not None else None)
         self._micro_batch_tokens = micro_batch_tokens
         self._ep_size = expert_parallel_size
+        self._max_islands = max_islands_per_token
         self._expert_plan: ExpertParallelPlan | None = None
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._dims: ParallelDims | None = None
@@ -337,7 +343,7 @@ class HybridParallelStrategy(DDPStrategy):
         apply_tensor_parallel(module, self._plan.styles, self._mesh["tp"])
         self._log_plan(module)
         self._expert_plan = setup_expert_parallel(module, self.root_device.type, self.world_size, self._ep_size,
-                                                  self.num_processes)
+                                                  self.num_processes, self._topology, self._max_islands)
 
     def _log_plan(self, module: nn.Module) -> None:
         if not self._plan and self._plan.warn:
