@@ -10,6 +10,8 @@ and one 4-process spawn, each running several scenarios (process start dominates
 - ep=2 on a model with no MoE layer: a warning naming what was looked for, then plain training;
 - ep=2 under ``StagedPrecision`` (FP32 -> FP16 with loss scaling -> BF16, clipping): every stage runs, the losses
   stay within 3% of the FP32 reference;
+- ``ElasticTraining`` at ep=2 (``LightningGPT`` MoE with ``ExpertLoadBalancing``): a job stopped after its step-3
+  checkpoint and resumed ends bitwise equal to an uninterrupted one (weights and balancing biases);
 - ``lds-sample`` from the DCP checkpoint of an ep=2 ``LightningGPT`` run (``moe-tiny``): the experts come back
   whole (the weights as trained) and it prints text after the prompt.
 
@@ -28,6 +30,7 @@ and one 4-process spawn, each running several scenarios (process start dominates
 from __future__ import annotations
 
 import importlib.util
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -172,6 +175,36 @@ def sample_checkpoint(world_size: int, folder: str) -> dict[str, Any]:
     return {"ckpt": ckpt, "state": full_state(module)}
 
 
+def elastic(world_size: int, folder: str) -> dict[str, Any]:
+    """ElasticTraining at ep=2: 6 steps uninterrupted, and 3 steps then a resume to 6 (full weights and biases)."""
+    from lightning_deepseek import GPTConfig, LightningGPT, TextDataModule
+    from lightning_deepseek.elastic import ElasticTraining
+    from tests.elastic.audit import write_corpus
+
+    def run(run_dir: Path, max_steps: int) -> dict[str, np.ndarray]:
+        if dist.get_rank() == 0 and not (run_dir / "corpus.txt").exists():
+            write_corpus(run_dir / "corpus.txt")
+        dist.barrier()
+        pl.seed_everything(0, verbose=False)
+        data = TextDataModule(path=str(run_dir / "corpus.txt"), block_size=16, batch_size=2, cache_dir=run_dir)
+        model = LightningGPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32, n_routed_experts=4,
+                                       moe_top_k=2, moe_hidden=16), learning_rate=3e-3)
+        callbacks = [ExpertLoadBalancing(update_rate=RATE), ElasticTraining(run_dir / "ckpt", 8,
+                                                                            checkpoint_every_n_steps=3)]
+        trainer = make_trainer(world_size, HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size=2),
+                               max_steps=max_steps, callbacks=callbacks, limit_val_batches=0)
+        trainer.fit(model, datamodule=data)
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+        return {k: v.detach().numpy().copy() for k, v in state.items()}
+
+    reference = run(Path(folder) / "elastic-ref", 6)
+    run(Path(folder) / "elastic", 3)
+    resumed = run(Path(folder) / "elastic", 6)
+    reports = (Path(folder) / "elastic" / "ckpt" / "reports.jsonl").read_text().splitlines()
+    from_steps = [r["from_step"] for r in map(json.loads, reports) if r["event"] == "resumed"]
+    return {"reference": reference, "resumed": resumed, "from_steps": from_steps}
+
+
 def two_rank_scenarios(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     ckpt = str(Path(folder) / "ep.ckpt")
     ep = fit(world_size, STEPS, tp=1, folder=folder, clip=0.5, ckpt=ckpt)
@@ -179,7 +212,8 @@ def two_rank_scenarios(rank: int, world_size: int, folder: str) -> dict[str, Any
     plot = (Path(folder) / "expert_load.png").is_file()
     return {"ep": ep, "ep_tp": fit(world_size, STEPS // 2, tp=2, folder=folder, accumulate=2),
             "resumed": resumed["state"], "no_moe": no_moe(world_size), "ckpt": ckpt, "plot": plot,
-            "staged": staged_precision(world_size), "sample": sample_checkpoint(world_size, folder)}
+            "staged": staged_precision(world_size), "sample": sample_checkpoint(world_size, folder),
+            "elastic": elastic(world_size, folder)}
 
 
 def four_rank_scenarios(rank: int, world_size: int, folder: str, ckpt: str) -> dict[str, Any]:
@@ -275,6 +309,14 @@ def test_ep2_under_staged_precision_runs_every_stage(result: dict[str, Any]) -> 
     ref_losses, _ = reference(2, STAGED_STEPS, clip=0.5)
     # half-precision stages round differently; the trajectory stays within a few percent of the FP32 one
     assert losses == pytest.approx(ref_losses, rel=0.03) and losses[-1] < losses[0]
+
+
+def test_elastic_training_resumes_an_expert_parallel_job_bitwise(result: dict[str, Any]) -> None:
+    reference, resumed = result["elastic"]["reference"], result["elastic"]["resumed"]
+    assert result["elastic"]["from_steps"] == [3]  # so the equality below is not two runs from scratch
+    assert any("expert_bias" in name for name in reference) and reference.keys() == resumed.keys()
+    for name, expected in reference.items():
+        np.testing.assert_array_equal(resumed[name], expected, err_msg=name)
 
 
 def test_lds_sample_reads_an_expert_parallel_checkpoint(result: dict[str, Any]) -> None:
