@@ -146,7 +146,7 @@ def no_moe(world_size: int) -> list[str]:
     return [str(w.message) for w in caught if "expert_parallel_size" in str(w.message)]
 
 
-def staged_precision(world_size: int) -> dict[str, Any]:
+def staged_precision(world_size: int, folder: str) -> dict[str, Any]:
     from lightning_deepseek.precision import StagedPrecision
 
     pl.seed_everything(0, verbose=False)
@@ -154,14 +154,14 @@ def staged_precision(world_size: int) -> dict[str, Any]:
     plugin = StagedPrecision(schedule=[("32-true", 3), ("16-mixed", 6), ("bf16-mixed", None)])
     strategy = HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size=2)
     trainer = make_trainer(world_size, strategy, max_steps=STAGED_STEPS, plugins=[plugin], gradient_clip_val=0.5,
-                           callbacks=[ExpertLoadBalancing(update_rate=RATE)])
+                           callbacks=[ExpertLoadBalancing(update_rate=RATE)], default_root_dir=folder)
     trainer.fit(module, loader(token_data(STAGED_STEPS * world_size * MICRO), MICRO))
     losses: list[Any] = [None] * world_size
     dist.all_gather_object(losses, module.losses)
     return {"losses": losses, "events": [e for _, e in plugin.events()]}
 
 
-def compressed(world_size: int) -> dict[str, Any]:
+def compressed(world_size: int, folder: str) -> dict[str, Any]:
     from lightning_deepseek import GradientCompression
 
     pl.seed_everything(0, verbose=False)
@@ -169,7 +169,7 @@ def compressed(world_size: int) -> dict[str, Any]:
     compression = GradientCompression(bits=8, warmup_steps=0, min_bucket_numel=0)
     strategy = HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size=2)
     trainer = make_trainer(world_size, strategy, max_steps=STAGED_STEPS,
-                           callbacks=[ExpertLoadBalancing(update_rate=RATE), compression])
+                           callbacks=[ExpertLoadBalancing(update_rate=RATE), compression], default_root_dir=folder)
     trainer.fit(module, loader(token_data(STAGED_STEPS * world_size * MICRO), MICRO))
     losses: list[Any] = [None] * world_size
     dist.all_gather_object(losses, module.losses)
@@ -209,7 +209,7 @@ def elastic(world_size: int, folder: str) -> dict[str, Any]:
         callbacks = [ExpertLoadBalancing(update_rate=RATE), ElasticTraining(run_dir / "ckpt", 8,
                                                                             checkpoint_every_n_steps=3)]
         trainer = make_trainer(world_size, HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size=2),
-                               max_steps=max_steps, callbacks=callbacks, limit_val_batches=0)
+                               max_steps=max_steps, callbacks=callbacks, limit_val_batches=0, default_root_dir=run_dir)
         trainer.fit(model, datamodule=data)
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         return {k: v.detach().numpy().copy() for k, v in state.items()}
@@ -229,8 +229,8 @@ def two_rank_scenarios(rank: int, world_size: int, folder: str) -> dict[str, Any
     plot = (Path(folder) / "expert_load.png").is_file()
     return {"ep": ep, "ep_tp": fit(world_size, STEPS // 2, tp=2, folder=folder, accumulate=2),
             "resumed": resumed["state"], "no_moe": no_moe(world_size), "ckpt": ckpt, "plot": plot,
-            "staged": staged_precision(world_size), "sample": sample_checkpoint(world_size, folder),
-            "elastic": elastic(world_size, folder), "compressed": compressed(world_size)}
+            "staged": staged_precision(world_size, folder), "sample": sample_checkpoint(world_size, folder),
+            "elastic": elastic(world_size, folder), "compressed": compressed(world_size, folder)}
 
 
 def four_rank_scenarios(rank: int, world_size: int, folder: str, ckpt: str) -> dict[str, Any]:
