@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU figure the open issues need, in one device call of under 10 minutes (see ../.library/device):
 #   1. the compression hook's CUDA path (tests/compression/test_cuda.py: NCCL, device futures, residual reset,
-#      both exchanges, event timings under Lightning) and the topology probe's (tests/parallel/test_cuda.py);
+#      both exchanges, event timings under Lightning), the topology probe's (tests/parallel/test_cuda.py) and expert
+#      parallelism's (tests/parallel/test_expert_cuda.py: NCCL all-to-all dispatch, grouped GEMM in BF16, #15);
 #   2. quantize + dequantize throughput next to a device memory copy (benchmarks/compression/kernels.py, #7);
 #   3. FP32 / FP16 / BF16 / staged throughput and final loss at GPT-2 124M size (bench_precision.py, #4);
 #   4. FP8 (torchao float8 training, real FP8 GEMMs on compute capability >= 8.9) against BF16 at GPT-2 124M:
@@ -17,7 +18,8 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__,
       torch.cuda.get_device_name())" 2>&1 | tee "$out/env.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >>"$out/env.txt" 2>&1
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/compression/test_cuda.py tests/parallel/test_cuda.py 2>&1 \
+timeout 180 python3 -m pytest -q -s -p no:cacheprovider tests/compression/test_cuda.py tests/parallel/test_cuda.py \
+  tests/parallel/test_expert_cuda.py 2>&1 \
   | tee "$out/cuda_tests.txt"
 timeout 90 python3 benchmarks/compression/kernels.py --device cuda --numel 67108864 2>&1 | tee "$out/kernels.md"
 timeout 360 python3 benchmarks/precision/bench_precision.py --device cuda --size gpt2-124m 2>"$out/precision.log" \

@@ -4,8 +4,9 @@ Run: ``.venv/bin/python benchmarks/moe/bench_balance.py [--model moe-tiny] [--st
 Trains the same model (same seed, same batches: random windows of the built-in corpus, 8 x block_size tokens,
 AdamW 1e-3) once per ``update_rate`` of the bias balancing (0 = none, the load only counted), with the counter and
 bias update that ``ExpertLoadBalancing`` runs after each optimizer step, and reports the load imbalance (max over
-experts of tokens / mean; max and mean over layers) averaged over the last 100 steps and the validation loss on
-20 held-out batches (the last 10% of the corpus). A plain loop rather than ``lds-train``: on this shared machine
+experts of tokens / mean; max and mean over layers) of every step averaged over the last 100 steps (what a step's
+slowest expert costs), the imbalance of the tokens summed over those 100 steps (worst layer), and the validation
+loss on 20 held-out batches (the last 10% of the corpus). A plain loop rather than ``lds-train``: on this shared machine
 the app's per-step overhead made 300-step runs take half an hour.
 """
 
@@ -36,22 +37,26 @@ def batches(tokens: torch.Tensor, block: int, count: int, seed: int) -> list[tup
             for row in starts]
 
 
-def run(model_name: str, steps: int, rate: float, train: list, val: list) -> tuple[float, float, float]:
+def run(model_name: str, steps: int, rate: float, train: list, val: list) -> tuple[float, float, float, float]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**PRESETS[model_name]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     counter = LoadCounter(find_expert_layers(model))
-    history = []
+    history, totals = [], []
     for x, y in train[:steps]:
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
         optimizer.step()
         optimizer.zero_grad()
-        history.append(update_biases(counter.layers, counter.take(), rate))
+        counts = counter.take()
+        totals.append(counts)
+        history.append(update_biases(counter.layers, counts, rate))
     last = torch.stack(history[-100:])
+    summed = torch.stack(totals[-100:]).sum(0)
+    window = (summed.max(dim=1).values / summed.mean(dim=1)).max().item()
     model.eval()
     with torch.no_grad():
         val_loss = sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item() for x, y in val) / len(val)
-    return last.max(dim=1).values.mean().item(), last.mean().item(), val_loss
+    return last.max(dim=1).values.mean().item(), last.mean().item(), window, val_loss
 
 
 def main() -> None:
@@ -67,10 +72,11 @@ def main() -> None:
     train, val = batches(tokens[:split], block, args.steps, 0), batches(tokens[split:], block, 20, 1)
     print(f"model={args.model} steps={args.steps} batch={BATCH}x{block} (1 CPU thread); imbalance over the last "
           "100 steps")
-    print(f"{'update_rate':>11} {'max/mean, worst layer':>22} {'max/mean, layer mean':>21} {'val_loss':>9}")
+    print(f"{'update_rate':>11} {'max/mean, worst layer':>22} {'max/mean, layer mean':>21} "
+          f"{'100-step sums, worst layer':>27} {'val_loss':>9}")
     for rate in args.rates:
-        worst, mean, val_loss = run(args.model, args.steps, rate, train, val)
-        print(f"{rate:>11g} {worst:>22.3f} {mean:>21.3f} {val_loss:>9.4f}", flush=True)
+        worst, mean, window, val_loss = run(args.model, args.steps, rate, train, val)
+        print(f"{rate:>11g} {worst:>22.3f} {mean:>21.3f} {window:>27.3f} {val_loss:>9.4f}", flush=True)
 
 
 if __name__ == "__main__":

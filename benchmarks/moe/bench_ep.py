@@ -1,14 +1,21 @@
-"""Expert parallelism against plain DDP: step time, expert bytes per rank, all-to-all bytes (counted vs formula).
+"""Expert parallelism against plain DDP: step time, expert bytes per rank, all-to-all bytes (counted vs formula),
+and node-limited routing's bytes over the slow link.
 
-Run: ``.venv/bin/python benchmarks/moe/bench_ep.py [--world 2] [--steps 15] [--repeats 3]`` (loopback, gloo).
-In one run, interleaved repetitions of the same MoE GPT (16 routed experts of hidden width 256 per layer, top-2,
-d=128, few tokens per micro-batch, so that the expert gradients dominate DDP's traffic) trained with SGD by:
+Run (loopback, gloo): ``.venv/bin/python benchmarks/moe/bench_ep.py [--world 4] [--steps 15] [--repeats 3]``;
+on the network testbed (needs root; 2 emulated nodes x 2 ranks joined by ``--rate``, default 1 Gbit):
+``.venv/bin/python benchmarks/moe/bench_ep.py --testbed [--rate 1gbit]``. The islands are declared ``0,1;2,3`` (2
+ranks per node) in both. In one run, interleaved repetitions of the same MoE GPT (16 routed experts of hidden width
+256 per layer, top-2, d=128, few tokens per micro-batch, so that the expert gradients dominate DDP's traffic)
+trained with SGD by:
 - ``ddp``: plain torch DDP, experts replicated and all-reduced with everything else;
-- ``ep``: experts sharded ``ep=world`` (``apply_expert_parallel``), DDP over the rest, experts reduced over their
-  replicas (none at ep=world).
-Reports the median step time (after 3 warm-up steps) of each, the ratio EP/DDP, expert parameter (+ SGD momentum)
-bytes per rank, and the all-to-all bytes one rank sends to others per step, counted at the collective (forward;
-the backward's reverse all-to-alls move the same bytes by construction) against the uniform-routing formula.
+- ``ep2``: experts sharded over the 2 ranks of a node (``ep=2 x edp=2``: the all-to-all stays inside the node, the
+  expert gradients are all-reduced across the nodes over their 2 replicas);
+- ``ep4``: experts sharded over all 4 ranks (the all-to-all crosses nodes; no expert all-reduce);
+- ``ep4_m1``: ``ep4`` with node-limited routing, each token's experts on one node (``max_islands_per_token=1``).
+(With ``--world 2``: ``ddp`` and ``ep2`` only.) Reports the median step time (after 3 warm-up steps) of each, the
+ratio to DDP, expert parameter (+ SGD momentum) bytes per rank, and per rank and step the all-to-all bytes sent to
+other ranks and to other nodes, counted at the collective (forward; the backward's reverse all-to-alls move the
+same bytes by construction), against the uniform-routing formula.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,10 +35,15 @@ sys.path.insert(0, str(ROOT))
 
 MODEL = dict(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=128, n_routed_experts=16, moe_top_k=2,
              n_shared_experts=1, moe_hidden=256)
-MICRO, SEQ = 2, 16
+MICRO, SEQ, TOPOLOGY = 2, 16, "0,1;2,3"
 
 
-def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+def modes(world: int) -> list[str]:
+    return ["ddp", "ep2", "ep4", "ep4_m1"] if world == 4 else ["ddp", "ep2"]
+
+
+def run(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
+    """One rank: every mode, interleaved repetitions; rank 0 writes the results to ``out``."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -37,35 +51,42 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) ->
 
     import lightning_deepseek.parallel.expert as expert
     from lightning_deepseek.models import GPT, GPTConfig
+    from lightning_deepseek.moe.node_limited import limit_routing
+    from lightning_deepseek.parallel.topology import parse_topology
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    sent = [0]
+    topology = parse_topology(TOPOLOGY if world == 4 else "0,1")
+    sent = {"peers": 0, "nodes": 0}
     original = expert.all_to_all_single_autograd
 
     def counting(tensor, output_split_sizes, input_split_sizes, group):  # noqa: ANN001, ANN202
-        own = dist.get_group_rank(group, dist.get_rank())
-        rows = sum(size for peer, size in enumerate(input_split_sizes) if peer != own)
-        sent[0] += rows * tensor[0].numel() * tensor.element_size() if tensor.numel() else 0
+        ranks = dist.get_process_group_ranks(group)
+        row = tensor[0].numel() * tensor.element_size() if tensor.numel() else 0
+        for peer, size in zip(ranks, input_split_sizes):
+            if peer != rank:
+                sent["peers"] += size * row
+                sent["nodes"] += size * row if topology.island_of(peer) != topology.island_of(rank) else 0
         return original(tensor, output_split_sizes, input_split_sizes, group)
 
     expert.all_to_all_single_autograd = counting
     data = torch.randint(0, 256, (args.steps, MICRO, SEQ + 1), generator=torch.Generator().manual_seed(rank))
-    results: dict[str, dict] = {"ddp": {"times": []}, "ep": {"times": []}}
+    results: dict[str, dict] = {mode: {"times": []} for mode in modes(world)}
     for _ in range(args.repeats):
-        for mode in ("ddp", "ep"):
+        for mode in modes(world):
             torch.manual_seed(0)
             model = GPT(GPTConfig(**MODEL))
             mesh = None
-            if mode == "ep":
-                mesh = expert.build_expert_mesh("cpu", expert.ExpertParallelDims(world, world))
-                expert.apply_expert_parallel(model, mesh)
+            if mode != "ddp":
+                mesh = expert.build_expert_mesh("cpu", expert.ExpertParallelDims(world, 2 if mode == "ep2" else 4))
+                layers = expert.apply_expert_parallel(model, mesh)
+                if mode == "ep4_m1":
+                    limit_routing(layers, topology, mesh.mesh.tolist(), 1)
                 ignored = [n for n, p in model.named_parameters() if expert.is_expert_param(p)]
                 DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
             ddp = DistributedDataParallel(model)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-            sent[0] = 0
+            sent.update(peers=0, nodes=0)
             times = []
             for step in range(args.steps):
                 dist.barrier()
@@ -81,38 +102,86 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) ->
             local = [p.to_local() if expert.is_expert_param(p) else p for n, p in model.named_parameters()
                      if "experts." in n]
             results[mode]["expert_bytes"] = 2 * sum(p.numel() * p.element_size() for p in local)  # + momentum
-            results[mode]["a2a_bytes_per_step"] = 2 * sent[0] / args.steps  # forward counted, backward the same
+            # forward counted; the backward's reverse all-to-alls move the same bytes
+            results[mode]["a2a_bytes_per_step"] = 2 * sent["peers"] / args.steps
+            results[mode]["a2a_cross_node_bytes_per_step"] = 2 * sent["nodes"] / args.steps
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
 
 
-def main() -> None:
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    run(rank, world, args, out)
+
+
+def loopback(args: argparse.Namespace, out: Path) -> None:
     import torch.multiprocessing as mp
 
-    from lightning_deepseek.parallel.expert import all_to_all_bytes
     from tests.helpers import free_port
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--world", type=int, default=2)
+    mp.spawn(_spawned, args=(args.world, free_port(), args, str(out)), nprocs=args.world, join=True)
+
+
+def testbed(args: argparse.Namespace, out: Path) -> None:
+    """4 worker processes, 2 in each of 2 network namespaces joined by ``args.rate``."""
+    from benchmarks.testbed import Testbed
+
+    procs = []
+    with Testbed(num_hosts=2, rate=args.rate, prefix="ldse", subnet="10.213.41") as bed:
+        try:
+            for rank in range(4):
+                env = dict(MASTER_ADDR=bed.ip(0), MASTER_PORT="29641", RANK=str(rank), WORLD_SIZE="4",
+                           PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+                argv = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
+                        "--repeats", str(args.repeats)]
+                procs.append(subprocess.Popen(bed.command(rank // 2, argv, env), cwd=ROOT))
+            deadline = time.time() + args.timeout
+            for proc in procs:
+                proc.wait(timeout=max(1, deadline - time.time()))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"a worker failed: return codes {[p.returncode for p in procs]}")
+
+
+def report(res: dict, args: argparse.Namespace) -> None:
+    from lightning_deepseek.parallel.expert import all_to_all_bytes
+
+    where = f"testbed 2 nodes x 2 ranks, {args.rate}" if args.testbed else f"loopback, {args.world} ranks"
+    print(f"{where}; steps={args.steps} repeats={args.repeats} (gloo, 1 thread per rank); load: {os.getloadavg()}")
+    ddp = statistics.median(res["ddp"]["times"])
+    print("| mode | step time (median of repetition medians) | per repetition | / DDP | expert bytes per rank "
+          "| all-to-all B/step to other ranks (formula) | ... to the other node |")
+    print("|---|---|---|---|---|---|---|")
+    for mode, row in res.items():
+        median = statistics.median(row["times"])
+        ep = {"ddp": 1, "ep2": 2}.get(mode, 4)
+        formula = MODEL["n_layer"] * all_to_all_bytes(MICRO * SEQ, MODEL["moe_top_k"], MODEL["n_embd"], ep, 4)
+        print(f"| {mode} | {median * 1e3:.1f} ms | {' / '.join(f'{t * 1e3:.0f}' for t in row['times'])} ms "
+              f"| {median / ddp:.2f}x | {row['expert_bytes']:,} B | {row['a2a_bytes_per_step']:,.0f} ({formula:,}) "
+              f"| {row['a2a_cross_node_bytes_per_step']:,.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=4, choices=[2, 4])
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--testbed", action="store_true")
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--out", default="")
     args = parser.parse_args()
-    out = Path("/tmp") / f"bench_ep_{os.getpid()}.json"
-    mp.spawn(run, args=(args.world, free_port(), args, str(out)), nprocs=args.world, join=True)
-    res = json.loads(out.read_text())
-    ddp, ep = (statistics.median(res[m]["times"]) for m in ("ddp", "ep"))
-    layers = MODEL["n_layer"]
-    formula = layers * all_to_all_bytes(MICRO * SEQ, MODEL["moe_top_k"], MODEL["n_embd"], args.world, 4)
-    print(f"world={args.world} ep={args.world} steps={args.steps} repeats={args.repeats} (loopback, gloo, 1 thread)")
-    print(f"step time median: ddp {ddp * 1e3:.1f} ms, ep {ep * 1e3:.1f} ms, ep/ddp {ep / ddp:.2f}")
-    print(f"per-repeat medians ms: ddp {[round(t * 1e3, 1) for t in res['ddp']['times']]}, "
-          f"ep {[round(t * 1e3, 1) for t in res['ep']['times']]}")
-    print(f"expert param+momentum bytes per rank: ddp {res['ddp']['expert_bytes']}, ep {res['ep']['expert_bytes']} "
-          f"(ratio {res['ep']['expert_bytes'] / res['ddp']['expert_bytes']:.3f}, 1/ep = {1 / args.world:.3f})")
-    print(f"all-to-all bytes sent per rank and step: counted {res['ep']['a2a_bytes_per_step']:.0f}, "
-          f"uniform-routing formula {formula}")
-    out.unlink()
+    if args.worker:
+        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, args.out)
+        return
+    out = Path(tempfile.mkdtemp(prefix="ldse-")) / "results.json"
+    (testbed if args.testbed else loopback)(args, out)
+    report(json.loads(out.read_text()), args)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ Layout (DeepSeek-V2/V3): every token goes through ``n_shared_experts`` always-on
 picked by a linear router. Router scores are sigmoid (DeepSeek-V3) or softmax; the top-k weights are normalised to
 sum to one (then multiplied by ``moe_route_scale``). A per-expert bias (``Router.expert_bias``, a buffer) is added to
 the scores for the top-k choice only, never to the weights: the auxiliary-loss-free balancing of DeepSeek-V3,
-updated by :class:`lightning_deepseek.moe.ExpertLoadBalancing`. Optional sequence-wise auxiliary loss
+updated by :class:`lightning_deepseek.moe.ExpertLoadBalancing`. Node-limited routing (DeepSeek-V3's group-limited
+top-k, :meth:`Router.limit_groups`, set up by :mod:`lightning_deepseek.moe.node_limited`) restricts each token's
+experts to the best few groups of experts (the experts held by one node). Optional sequence-wise auxiliary loss
 (``moe_aux_loss_coef``), added to the gradient inside the forward (DeepSeek's ``AddAuxiliaryLoss``), so that no
 training loop has to know about it; its gradient is not multiplied by a loss scaler or by Lightning's
 ``1/accumulate_grad_batches`` (the effective coefficient is divided by both).
@@ -87,10 +89,25 @@ class GroupedExperts(nn.Module):
         return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))
 
 
+def group_limited_scores(scores: torch.Tensor, groups: torch.Tensor, group_sizes: tuple[int, ...],
+                         max_groups: int) -> torch.Tensor:
+    """``scores`` (T, E) with every expert outside each token's ``max_groups`` best groups set to ``-inf``.
+
+    DeepSeek-V3's group-limited (node-limited) routing: a group's score is the sum of its two highest expert
+    scores (its one score for a group of one expert); ``groups`` (E,) gives each expert's group id.
+    """
+    group_scores = torch.stack([scores.masked_fill(groups != g, float("-inf")).topk(min(2, size), dim=-1)
+                                .values.sum(dim=-1) for g, size in enumerate(group_sizes)], dim=-1)
+    chosen = group_scores.topk(max_groups, dim=-1).indices
+    keep = (groups[None, :, None] == chosen[:, None, :]).any(dim=-1)
+    return scores.masked_fill(~keep, float("-inf"))
+
+
 class Router(nn.Module):
     """Linear router: scores (T, E), top-k expert ids and normalised weights (T, k).
 
     ``expert_bias`` shifts the scores for the choice of experts only (aux-loss-free balancing).
+    :meth:`limit_groups` restricts every token's experts to a few groups of experts (node-limited routing).
     """
 
     def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str, route_scale: float) -> None:
@@ -101,11 +118,37 @@ class Router(nn.Module):
         self.route_scale = route_scale
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(num_experts))
+        # set up by the placement of the experts (a property of the run, not of the weights): not checkpointed
+        self.register_buffer("expert_groups", None, persistent=False)
+        self.group_sizes: tuple[int, ...] = ()
+        self.max_groups = 0
+
+    def limit_groups(self, groups: list[int], max_groups: int) -> None:
+        """Choose each token's experts inside at most ``max_groups`` groups (``groups[e]``: expert e's group id,
+        0 to G-1), picked by their two best scores (DeepSeek-V3's group-limited routing).
+
+        Args:
+            groups: the group id of every expert.
+            max_groups: groups a token may use, 1 to G.
+        """
+        sizes = tuple(groups.count(g) for g in range(max(groups) + 1))
+        if len(groups) != self.num_experts or 0 in sizes or not 1 <= max_groups <= len(sizes):
+            raise ValueError(f"Router.limit_groups: {len(groups)} group ids {groups} for {self.num_experts} experts "
+                             f"and max_groups={max_groups}: give every expert a group id 0..G-1 and 1 <= "
+                             "max_groups <= G.")
+        if sum(sorted(sizes)[:max_groups]) < self.top_k:
+            raise ValueError(f"max_groups={max_groups} groups of sizes {sizes} can hold fewer experts than "
+                             f"top_k={self.top_k}: allow more groups.")
+        self.expert_groups = torch.tensor(groups, device=self.gate.weight.device)
+        self.group_sizes, self.max_groups = sizes, max_groups
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = self.gate(x).float()
         scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
-        index = torch.topk(scores + self.expert_bias, self.top_k, dim=-1, sorted=False).indices
+        choice = scores + self.expert_bias
+        if self.expert_groups is not None:
+            choice = group_limited_scores(choice, self.expert_groups, self.group_sizes, self.max_groups)
+        index = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, index)
         weights = weights / weights.sum(dim=-1, keepdim=True) * self.route_scale
         return scores, index, weights

@@ -19,6 +19,11 @@ The *balancing bias* of a layer (aux-loss-free balancing, added to the routing s
 only) is a tensor named ``expert_bias`` (our router) or ``e_score_correction_bias`` (transformers' DeepSeek-V3)
 anywhere under the experts module's parent. A layer without one is still counted and logged by
 :class:`~lightning_deepseek.moe.ExpertLoadBalancing`, but cannot be balanced.
+
+The *router* of a layer, needed only by node-limited routing (:mod:`lightning_deepseek.moe.node_limited`), is the
+module under the experts module's parent that has a method ``limit_groups(groups, max_groups)`` (our
+:class:`~lightning_deepseek.models.moe.Router`) or the attributes ``num_group`` and ``topk_group`` (transformers'
+DeepSeek-V3 group-limited router, which takes equal contiguous groups).
 """
 
 from __future__ import annotations
@@ -42,12 +47,14 @@ class ExpertLayer:
         experts: the experts module.
         num_experts: routed experts of the layer (all ranks together).
         bias: the balancing bias (a buffer or parameter of shape ``(num_experts,)``), or None.
+        router: the router that can limit each token's experts to a few groups (see the module docstring), or None.
     """
 
     name: str
     experts: nn.Module
     num_experts: int
     bias: torch.Tensor | None
+    router: nn.Module | None = None
 
 
 def register_experts(module: nn.Module) -> nn.Module:
@@ -101,7 +108,8 @@ def find_expert_layers(root: nn.Module) -> list[ExpertLayer]:
         experts = found[name]
         _check_contract(experts, name)
         parent = modules[name.rpartition(".")[0]]
-        layers.append(ExpertLayer(name, experts, num_global_experts(experts), _find_bias(parent)))
+        layers.append(ExpertLayer(name, experts, num_global_experts(experts), _find_bias(parent),
+                                  _find_router(parent)))
     return layers
 
 
@@ -109,4 +117,12 @@ def _find_bias(parent: nn.Module) -> torch.Tensor | None:
     for name, tensor in [*parent.named_buffers(), *parent.named_parameters()]:
         if name.rpartition(".")[2] in BIAS_NAMES:
             return tensor
+    return None
+
+
+def _find_router(parent: nn.Module) -> nn.Module | None:
+    for module in parent.modules():
+        if callable(getattr(module, "limit_groups", None)) or (hasattr(module, "num_group")
+                                                               and hasattr(module, "topk_group")):
+            return module
     return None

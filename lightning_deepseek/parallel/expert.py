@@ -30,8 +30,10 @@ Costs per MoE layer and micro-batch: one all-to-all of ``E`` int64 counts, and t
 (backward) of ``T x k x d`` activation elements in total, of which the fraction ``(ep - 1) / ep`` leaves the rank
 under uniform routing (:func:`all_to_all_bytes`). Saved: the expert gradients' all-reduce shrinks to ``1 / ep`` of
 the bytes over ``world / ep`` ranks, and expert weights and optimizer states to ``1 / ep`` per rank.
-Not supported: node-limited routing, token dropping/capacity, expert tensor parallelism, ranks of one ``ep`` group
-calling the layer a different number of times (every rank must run the same forward passes, as under DDP).
+Node-limited routing is a routing restriction (:mod:`lightning_deepseek.moe.node_limited`); the dispatch sends one
+row per (token, expert) pair, not one per node. Not supported: token dropping/capacity, expert tensor parallelism,
+ranks of one ``ep`` group calling the layer a different number of times (every rank must run the same forward
+passes, as under DDP).
 """
 
 from __future__ import annotations

@@ -18,12 +18,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_deepseek.moe.node_limited import SETTING as MAX_ISLANDS
+from lightning_deepseek.moe.node_limited import limit_routing
 from lightning_deepseek.moe.protocol import BIAS_NAMES, EP_PLAN_STYLE, ExpertLayer, find_expert_layers
 from lightning_deepseek.parallel.expert import (
     ExpertParallelDims,
     apply_expert_parallel,
     build_expert_mesh,
 )
+from lightning_deepseek.parallel.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,8 @@ def resolve_ep_size(ep_size: int | Literal["auto"], world_size: int, local_size:
 
 
 def setup_expert_parallel(module: nn.Module, device_type: str, world_size: int,
-                          ep_size: int | Literal["auto"], local_size: int) -> ExpertParallelPlan:
+                          ep_size: int | Literal["auto"], local_size: int, topology: Topology | None = None,
+                          max_islands: int | None = None) -> ExpertParallelPlan:
     """Shard ``module``'s routed experts over ``ep_size`` ranks (collective); print the plan table.
 
     Args:
@@ -100,6 +104,8 @@ def setup_expert_parallel(module: nn.Module, device_type: str, world_size: int,
         world_size: all ranks.
         ep_size: ``expert_parallel_size`` (see :func:`resolve_ep_size` for ``"auto"``).
         local_size: processes per node.
+        topology: the strategy's islands (for node-limited routing).
+        max_islands: ``max_islands_per_token`` (:mod:`lightning_deepseek.moe.node_limited`); None: no limit.
     """
     layers: list[ExpertLayer] = find_expert_layers(module)
     dims = ExpertParallelDims(world_size, resolve_ep_size(ep_size, world_size, local_size, layers))
@@ -109,6 +115,10 @@ def setup_expert_parallel(module: nn.Module, device_type: str, world_size: int,
     expert_bytes = _param_bytes([p for p in params if id(p) in expert_ids])
     other_bytes = _param_bytes([p for p in params if id(p) not in expert_ids])
     named = tuple((layer.name, layer.num_experts) for layer in layers)
+    if max_islands is not None and (dims.ep_size == 1 or not layers):
+        rank_zero_warn(f"HybridParallelStrategy: {MAX_ISLANDS}={max_islands} has no effect without expert "
+                       f"parallelism (expert_parallel_size={dims.ep_size}, {len(layers)} MoE layers): every rank "
+                       f"holds every expert. Set expert_parallel_size > 1 on an MoE model, or remove {MAX_ISLANDS}.")
     if dims.ep_size == 1:
         return ExpertParallelPlan(dims, None, named, expert_bytes, other_bytes)
     if not layers:
@@ -120,6 +130,8 @@ def setup_expert_parallel(module: nn.Module, device_type: str, world_size: int,
     dims.check_experts(layers)
     mesh = build_expert_mesh(device_type, dims)
     apply_expert_parallel(module, mesh, layers)
+    if max_islands is not None and topology is not None:
+        limit_routing(layers, topology, mesh.mesh.tolist(), max_islands)
     plan = ExpertParallelPlan(dims, mesh, named, expert_bytes, other_bytes)
     rank_zero_info(f"HybridParallelStrategy expert plan (ep={dims.ep_size}, edp={dims.replicas}; balancing bias "
                    f"looked for as {BIAS_NAMES}):\n{plan.table()}")

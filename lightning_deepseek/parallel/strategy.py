@@ -65,6 +65,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_deepseek.moe.node_limited import check_max_islands
 from lightning_deepseek.parallel import checkpoint as _checkpoint_io
 from lightning_deepseek.parallel import clipping, zero
 from lightning_deepseek.parallel.arguments import check_ddp_kwargs
@@ -156,6 +157,8 @@ class HybridParallelStrategy(DDPStrategy):
             model (all-to-all of the routed tokens against the expert gradients' all-reduce it saves, inside or
             across islands; 1 without MoE layers). ``"per_node"``: the largest size inside a node that divides
             every layer's expert count (the former ``"auto"``).
+        max_islands_per_token: node-limited routing (DeepSeek-V3): each token's routed experts lie on at most this
+            many islands of ``topology`` (:mod:`lightning_deepseek.moe.node_limited`); None: no limit.
         save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
             optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
         shard_optimizer_states: ZeRO-1: each replica of a parameter keeps the optimizer state of only the
@@ -179,6 +182,7 @@ class HybridParallelStrategy(DDPStrategy):
         link_costs: dict[str, dict[str, float]] | None = None,
         micro_batch_tokens: int | None = None,
         expert_parallel_size: int | Literal["auto", "per_node"] = 1,
+        max_islands_per_token: int | None = None,
         save_distributed_checkpoint: bool = True,
         shard_optimizer_states: bool = False,
         process_group_backend: str | None = None,
@@ -201,6 +205,7 @@ class HybridParallelStrategy(DDPStrategy):
                                                           expert_parallel_size > 0):
             raise ValueError(f"expert_parallel_size={expert_parallel_size!r} must be a positive integer or 'auto' "
                              "(decided by the cost model), or 'per_node' (the largest size inside a node).")
+        check_max_islands(max_islands_per_token)
         if min_shard_params < 0:
             raise ValueError(f"min_shard_params={min_shard_params} must be >= 0.")
         self._tp_arg = tensor_parallel_size
@@ -212,6 +217,7 @@ class HybridParallelStrategy(DDPStrategy):
                        if link_costs is not None else None)
         self._micro_batch_tokens = micro_batch_tokens
         self._ep_size = expert_parallel_size
+        self._max_islands = max_islands_per_token
         self._expert_plan: ExpertParallelPlan | None = None
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._dims: ParallelDims | None = None
@@ -370,7 +376,7 @@ class HybridParallelStrategy(DDPStrategy):
         apply_tensor_parallel(module, self._plan.styles, self._mesh["tp"])
         self._log_plan(module)
         self._expert_plan = setup_expert_parallel(module, self.root_device.type, self.world_size, ep_size,
-                                                  self.num_processes)
+                                                  self.num_processes, self._topology, self._max_islands)
 
     def _decide(self, module: pl.LightningModule, trainer: pl.Trainer) -> Decision:
         """``tensor_parallel_size`` / ``expert_parallel_size`` (and ``GradientCompression(bits="auto")``) by the

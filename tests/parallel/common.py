@@ -3,6 +3,7 @@ the single-process reference on the global batch, and gathering full weights out
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -85,12 +86,17 @@ def full_state(module: torch.nn.Module) -> dict[str, np.ndarray]:
 
 
 def reference_run(steps: int, global_batch: int, dataset: TensorDataset, clip: float | None = None,
-                  accumulate: int = 1, lr: float = 0.05) -> tuple[list[float], dict[str, np.ndarray]]:
+                  accumulate: int = 1, lr: float = 0.05,
+                  after_step: Callable[[TinyLM], Callable[[], None]] | None = None,
+                  **config: Any) -> tuple[list[float], dict[str, np.ndarray]]:
     """One process on the global batch (``global_batch`` = world size x micro-batch, ``accumulate`` of them per
-    optimizer step): the loss of every global micro-batch and the final weights."""
+    optimizer step): the loss of every global micro-batch and the final weights. ``after_step(module)``, called
+    once before training, returns what runs after every optimizer step (e.g. a balancing bias update); ``config``
+    goes to the model."""
     pl.seed_everything(0, verbose=False)
-    module = TinyLM(lr=lr)
+    module = TinyLM(lr=lr, **config)
     optimizer = module.configure_optimizers()
+    step_done = after_step(module) if after_step is not None else lambda: None
     losses = []
     for step in range(steps):
         for k in range(accumulate):
@@ -102,6 +108,7 @@ def reference_run(steps: int, global_batch: int, dataset: TensorDataset, clip: f
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
+        step_done()
     return losses, full_state(module)
 
 
