@@ -103,7 +103,7 @@ CASES = [
     _case("plot=maybe", "plot='maybe' is not valid: it must be true or false"),
     _case("checkpoint.every_n_steps=0", "checkpoint.every_n_steps=0 is not valid"),
     _case("resume=/nonexistent/last.ckpt", "resume='/nonexistent/last.ckpt' does not exist"),
-    _case("resume=README.md", "resume='README.md': README.md is not a checkpoint torch can read"),
+    _case("resume=README.md", "resume='README.md': README.md is not a checkpoint (not a file that torch.save writes)"),
     _case("resume={files}/empty-run", "is a folder with no complete checkpoint"),
     _case("resume={files}/no-text", "is a folder with no complete checkpoint"),
     _case("resume={files}/small.ckpt", "holds a model of another shape: block_size 128 (this run: 64), n_layer 4 "
@@ -144,7 +144,7 @@ def test_run_folder_that_cannot_be_created(capsys: pytest.CaptureFixture[str]) -
 @pytest.mark.parametrize("args, needle", [
     ("ckpt=null", "ckpt is not set. Pass ckpt=PATH"),
     ("ckpt=/nonexistent.ckpt", "ckpt='/nonexistent.ckpt' does not exist"),
-    ("ckpt=README.md", "ckpt='README.md': README.md is not a checkpoint torch can read"),
+    ("ckpt=README.md", "ckpt='README.md': README.md is not a checkpoint (not a file that torch.save writes)"),
     ("ckpt={files}/empty-run", "is a folder with no complete checkpoint in it"),
     ("ckpt={files}/small.ckpt max_new_tokens=0", "max_new_tokens=0 must be a positive whole number"),
     ("ckpt={files}/small.ckpt temperature=0", "temperature=0 must be a positive number"),
