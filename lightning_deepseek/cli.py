@@ -26,8 +26,8 @@ from omegaconf import DictConfig
 from lightning_deepseek.checkpoint_files import checkpoints_in, is_complete, not_a_checkpoint
 from lightning_deepseek.config_checks import check_run_dir_override, expand_home_in_overrides
 from lightning_deepseek.errors import ConfigError, exit_on_user_error, user_errors, user_errors_exit
-from lightning_deepseek.run import CONFIG_DIR, RunFolder, check_config, is_launcher
-from lightning_deepseek.signals import OUTSIDE_TRAINING, LaunchInterrupted
+from lightning_deepseek.run import CONFIG_DIR, RunFolder, check_config
+from lightning_deepseek.signals import OUTSIDE_TRAINING
 
 __all__ = ["CONFIG_DIR", "resolve_sample_checkpoint", "run_sampling", "sample", "train"]
 
@@ -45,26 +45,15 @@ def __getattr__(name: str) -> Any:
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def _train_app(cfg: DictConfig) -> float | None:
     folder = RunFolder.from_config(cfg)
+    OUTSIDE_TRAINING.on_launch_stopped(folder.fail)  # a signal before training: nothing to keep
     try:
-        try:
-            plan = check_config(cfg, folder)
-        except user_errors() as exc:
-            folder.fail(exc)
-            exit_on_user_error(exc)
-        from lightning_deepseek.training import run_training  # torch and Lightning: only for a good configuration
+        plan = check_config(cfg, folder)
+    except user_errors() as exc:
+        folder.fail(exc)
+        exit_on_user_error(exc)
+    from lightning_deepseek.training import run_training  # torch and Lightning: only for a good configuration
 
-        report = run_training(cfg, folder, plan)
-    except LaunchInterrupted as stop:  # before training started: nothing to save, nothing to keep
-        folder.fail(stop)
-        _exit_launch_interrupted(stop)
-    return report.get("val_loss_final")  # the objective that a Hydra sweeper minimises
-
-
-def _exit_launch_interrupted(stop: LaunchInterrupted) -> None:
-    if not is_launcher():
-        sys.exit(0)  # a rank that Lightning started: a non-zero exit would make its launcher SIGKILL the job
-    print(f"\nlds-train: {stop}; nothing was saved.", file=sys.stderr, flush=True)
-    sys.exit(stop.exit_code)
+    return run_training(cfg, folder, plan).get("val_loss_final")  # the objective that a Hydra sweeper minimises
 
 
 SAMPLE_ERROR_PREFIX = "lds-sample: error: "
@@ -120,16 +109,13 @@ def _sample_app(cfg: DictConfig) -> None:
 
 def train() -> None:
     """Console entry point of ``lds-train``."""
-    OUTSIDE_TRAINING.install()  # first: a Ctrl-C while torch loads must not print a traceback
+    OUTSIDE_TRAINING.install()  # first: a Ctrl-C while torch loads ends the launch cleanly (signals.py)
+    sys.argv[1:] = expand_home_in_overrides(sys.argv[1:])
     try:
-        sys.argv[1:] = expand_home_in_overrides(sys.argv[1:])
-        try:
-            check_run_dir_override(sys.argv[1:])
-        except ConfigError as exc:
-            exit_on_user_error(exc)
-        _train_app()
-    except LaunchInterrupted as stop:  # during Hydra's start-up, before the run folder is known
-        _exit_launch_interrupted(stop)
+        check_run_dir_override(sys.argv[1:])
+    except ConfigError as exc:
+        exit_on_user_error(exc)
+    _train_app()
 
 
 def sample() -> None:

@@ -1,13 +1,16 @@
-"""Small process helpers shared by ``lds-train`` (run folders, stopping the ranks it started) and the Optuna
-sweeper (stale trials); standard library only."""
+"""Small process helpers shared by ``lds-train`` (run folders, stopping a launch) and the Optuna sweeper (stale
+trials); standard library only."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import time
-from collections.abc import Iterable
+from pathlib import Path
+
+
+def is_launcher() -> bool:
+    """Whether this is the process the user started (not a rank that Lightning or torchrun started)."""
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
 
 
 def pid_alive(pid: int) -> bool:
@@ -23,16 +26,23 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def stop_processes(procs: Iterable[subprocess.Popen], signum: int = signal.SIGTERM, grace_s: float = 5.0) -> None:
-    """Send ``signum`` to each process still running, wait up to ``grace_s`` for all, then SIGKILL the rest: none
-    is left behind (a rank blocked in a collective may not run its Python signal handler)."""
-    running = [p for p in procs if p.poll() is None]
-    for proc in running:
-        proc.send_signal(signum)
-    deadline = time.monotonic() + grace_s
-    for proc in running:
+def child_pids() -> list[int]:
+    """The processes this one started, from ``/proc`` (empty where there is none)."""
+    pids = []
+    for task in Path("/proc/self/task").glob("*"):
         try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            pids += [int(pid) for pid in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return pids
+
+
+def kill_children() -> None:
+    """SIGKILL every process this one started and reap it: none is left behind (a rank blocked in a collective
+    would not run a Python signal handler)."""
+    for pid in child_pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass  # already gone, or reaped by its Popen

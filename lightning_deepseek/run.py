@@ -29,16 +29,11 @@ from lightning_deepseek.config_checks import check_gpus, check_groups, check_mod
 from lightning_deepseek.data.corpus import VOCAB_SIZE, check_splits, read_corpus
 from lightning_deepseek.errors import ConfigError
 from lightning_deepseek.models.config import PRESETS, GPTConfig
-from lightning_deepseek.processes import pid_alive
+from lightning_deepseek.processes import is_launcher, pid_alive
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")  # packaged with the module; ./conf links here
 _RESOLVED_ENV = "LDS_RESUME_RESOLVED"
 _OWNER_FILE = ".lds-run.pid"
-
-
-def is_launcher() -> bool:
-    """The process the user started (not a rank that Lightning or torchrun started)."""
-    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
 
 
 @dataclass(frozen=True)
@@ -217,7 +212,7 @@ class RunFolder:
             (self.path / _OWNER_FILE).unlink(missing_ok=True)
             self._claimed = False
 
-    def fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException | str) -> None:
         """After a configuration error or a launch stopped by a signal: remove a Hydra-named folder holding no
         checkpoint and nothing but what the start-up wrote (Hydra's files, the token cache, empty loggers), else
         mark it ``FAILED`` (with the reason)."""

@@ -20,9 +20,8 @@ from lightning_deepseek.checkpointing import RunCheckpoint, RunInterrupted
 from lightning_deepseek.data import TextDataModule
 from lightning_deepseek.errors import USER_ERROR_EXIT, exit_on_user_error, user_errors
 from lightning_deepseek.models import LightningGPT
-from lightning_deepseek.processes import stop_processes
 from lightning_deepseek.run import RunFolder, RunPlan, check_config, check_with_torch
-from lightning_deepseek.signals import OUTSIDE_TRAINING, LaunchInterrupted, exit_code
+from lightning_deepseek.signals import OUTSIDE_TRAINING, exit_code
 from lightning_deepseek.summary import RunSummary
 from lightning_deepseek.watchdog import LostRankWatchdog, wait_for_watchdog
 
@@ -116,25 +115,18 @@ def run_training(cfg: DictConfig, folder: RunFolder | None = None, plan: RunPlan
     ``plan`` is ``check_config``'s (``cli.py`` checks before importing this module); without it the checks run
     here. A mistake ends in one paragraph and exit code 2 before any other process starts. A SIGTERM or SIGINT
     during training writes a checkpoint and exits 143 or 130; one after the last step exits 143 or 130 once the
-    final checkpoint is written; one before training starts (``LaunchInterrupted``) stops the ranks started so
-    far and propagates to ``cli.py``, which removes the run folder and exits 143 or 130.
+    final checkpoint is written; one before training starts ends the launch (``signals.py``).
     """
     folder = folder or RunFolder.from_config(cfg)
-    trainer: pl.Trainer | None = None
     try:
-        try:
-            plan, data, model, trainer = prepare_training(cfg, folder, plan)
-        except user_errors() as exc:
-            folder.fail(exc)
-            exit_on_user_error(exc)
-        return _fit(cfg, folder, plan, data, model, trainer)
-    except LaunchInterrupted:
-        if trainer is not None:
-            stop_processes(_started_ranks(trainer))
-        raise
+        plan, data, model, trainer = prepare_training(cfg, folder, plan)
+    except user_errors() as exc:
+        folder.fail(exc)
+        exit_on_user_error(exc)
+    return _fit(folder, plan, data, model, trainer)
 
 
-def _fit(cfg: DictConfig, folder: RunFolder, plan: RunPlan, data: TextDataModule, model: LightningGPT,
+def _fit(folder: RunFolder, plan: RunPlan, data: TextDataModule, model: LightningGPT,
          trainer: pl.Trainer) -> dict[str, Any]:
     if plan.note and folder.is_launcher:
         print(plan.note, flush=True)
@@ -178,17 +170,6 @@ def _fit(cfg: DictConfig, folder: RunFolder, plan: RunPlan, data: TextDataModule
             if isinstance(callback, OptunaPruning):
                 callback.check_pruned()  # raises optuna.TrialPruned; the sweeper marks the trial PRUNED
     return summary.report
-
-
-def _started_ranks(trainer: pl.Trainer) -> list[Any]:
-    """The rank processes this (launching) process started: Lightning's launcher's, or the watchdog's once it
-    took them over."""
-    launcher = trainer.strategy.launcher
-    procs = list(getattr(launcher, "procs", None) or [])
-    for callback in trainer.callbacks:
-        if isinstance(callback, LostRankWatchdog):
-            procs += callback.processes
-    return procs
 
 
 def _exit_if_rank_lost(trainer: pl.Trainer) -> None:

@@ -62,11 +62,6 @@ class LostRankWatchdog(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._done.set()
 
-    @property
-    def processes(self) -> list[subprocess.Popen]:
-        """The rank processes this (rank 0) watchdog took over from Lightning's launcher."""
-        return list(self._children.values())
-
     def report(self) -> str | None:
         """The paragraph for a lost rank, once (``None`` if no rank was lost or it was already printed)."""
         if self.lost is None or not self._reported.acquire(blocking=False):
