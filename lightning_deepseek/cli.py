@@ -45,7 +45,7 @@ def __getattr__(name: str) -> Any:
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def _train_app(cfg: DictConfig) -> float | None:
     folder = RunFolder.from_config(cfg)
-    OUTSIDE_TRAINING.on_launch_stopped(folder.fail)  # a signal before training: nothing to keep
+    OUTSIDE_TRAINING.begin_launch(folder.fail)  # a signal before training: nothing to keep
     try:
         plan = check_config(cfg, folder)
     except user_errors() as exc:

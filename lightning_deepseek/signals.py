@@ -60,9 +60,14 @@ class OutsideTraining:
         threading.Thread(target=self._watch, args=(read_fd,), name="lds-launch-signals", daemon=True).start()
         self._installed = True
 
-    def on_launch_stopped(self, cleanup: Callable[[str], None]) -> None:
-        """Call ``cleanup(reason)`` when a signal stops the launch (from the watcher thread, before exiting)."""
-        self._cleanups.append(cleanup)
+    def begin_launch(self, cleanup: Callable[[str], None]) -> None:
+        """A run starts launching (each job of a Hydra multirun too): a signal from now until its training starts
+        stops the process, after ``cleanup(reason)`` (called from the watcher thread). A signal noted since the
+        previous job's training (between two jobs of a sweep) stops it now."""
+        self._cleanups = [cleanup]
+        self.launching = True
+        if self.received:
+            self._stop_launch(self.received)
 
     def training_started(self) -> None:
         """From now on a signal is only noted (``RunCheckpoint`` calls this when it takes the signals over)."""
