@@ -49,8 +49,9 @@ class OutsideTraining:
         self._installed = False
 
     def install(self) -> None:
-        """Handle SIGTERM and SIGINT in this process from now on (call from the main thread)."""
-        if self._installed:
+        """Handle SIGTERM and SIGINT in this process from now on (signal handlers belong to the main thread: from
+        another thread this does nothing)."""
+        if self._installed or threading.current_thread() is not threading.main_thread():
             return
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)

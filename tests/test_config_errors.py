@@ -262,3 +262,13 @@ def test_an_error_found_by_the_running_ranks_is_printed_once(tmp_path: Path) -> 
                   "hydra.run.dir=run", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     _assert_one_paragraph(result.stderr, "lds-train: error: ", "until=50 step ends at optimizer step 50")
+
+
+def test_trainer_arguments_read_from_lightnings_source_equal_its_signature() -> None:
+    import inspect
+
+    import lightning.pytorch as pl
+
+    from lightning_deepseek.config_checks import trainer_arguments
+
+    assert trainer_arguments() == set(inspect.signature(pl.Trainer.__init__).parameters) - {"self"}
