@@ -109,7 +109,7 @@ def _sample_app(cfg: DictConfig) -> None:
 
 def train() -> None:
     """Console entry point of ``lds-train``."""
-    OUTSIDE_TRAINING.install()  # first: a Ctrl-C while torch loads ends the launch cleanly (signals.py)
+    OUTSIDE_TRAINING.install(sys.argv[1:])  # first: a Ctrl-C while torch loads ends the launch cleanly (signals.py)
     sys.argv[1:] = expand_home_in_overrides(sys.argv[1:])
     try:
         check_run_dir_override(sys.argv[1:])

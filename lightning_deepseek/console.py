@@ -4,12 +4,14 @@ exit code 130 and no traceback. (``cli.train`` installs it too, for callers that
 
 from __future__ import annotations
 
+import sys
+
 from lightning_deepseek.signals import OUTSIDE_TRAINING
 
 
 def train() -> None:
     """``lds-train``."""
-    OUTSIDE_TRAINING.install()
+    OUTSIDE_TRAINING.install(sys.argv[1:])
     from lightning_deepseek import cli
 
     cli.train()

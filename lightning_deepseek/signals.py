@@ -13,6 +13,9 @@ that it is in place before Hydra, torch and Lightning load), and ``RunCheckpoint
   takes a child's non-zero exit for a crash and SIGKILLs the whole job, the launcher included).
 - After the last step the final checkpoint is being written: the signal is only noted; the save and teardown
   finish, and ``lds-train`` then exits 143 or 130 rather than 0, so that a scheduler sees the run was stopped.
+
+A Hydra multirun (``lds-train -m``, a sweep) keeps Python's own handling: its sweeper's main thread stays
+responsive, and on Ctrl-C it marks the trials in flight failed.
 """
 
 from __future__ import annotations
@@ -48,10 +51,12 @@ class OutsideTraining:
         self._cleanups: list[Callable[[str], None]] = []
         self._installed = False
 
-    def install(self) -> None:
-        """Handle SIGTERM and SIGINT in this process from now on (signal handlers belong to the main thread: from
-        another thread this does nothing)."""
-        if self._installed or threading.current_thread() is not threading.main_thread():
+    def install(self, argv: list[str]) -> None:
+        """Handle SIGTERM and SIGINT in this process from now on, for the command line ``argv``. Not for a Hydra
+        multirun (``-m``: a sweep's main thread stays responsive, and its sweeper marks the trials in flight failed
+        on Ctrl-C), nor from a thread other than the main one (signal handlers belong to it)."""
+        multirun = any(arg in ("-m", "--multirun") or arg.replace(" ", "") == "hydra.mode=MULTIRUN" for arg in argv)
+        if self._installed or multirun or threading.current_thread() is not threading.main_thread():
             return
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
@@ -67,7 +72,7 @@ class OutsideTraining:
         previous job's training (between two jobs of a sweep) stops it now."""
         self._cleanups = [cleanup]
         self.launching = True
-        if self.received:
+        if self._installed and self.received:
             self._stop_launch(self.received)
 
     def training_started(self) -> None:
