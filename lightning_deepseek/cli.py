@@ -26,10 +26,10 @@ from omegaconf import DictConfig
 from lightning_deepseek.checkpoint_files import checkpoints_in, is_complete, not_a_checkpoint
 from lightning_deepseek.config_checks import check_run_dir_override, expand_home_in_overrides
 from lightning_deepseek.errors import ConfigError, exit_on_user_error, user_errors, user_errors_exit
-from lightning_deepseek.run import CONFIG_DIR, RunFolder, check_config
+from lightning_deepseek.run import CONFIG_DIR, RunFolder, RunPlan, check_config
 from lightning_deepseek.signals import OUTSIDE_TRAINING
 
-__all__ = ["CONFIG_DIR", "resolve_sample_checkpoint", "run_sampling", "sample", "train"]
+__all__ = ["CONFIG_DIR", "check_training_config", "resolve_sample_checkpoint", "run_sampling", "sample", "train"]
 
 # Names that moved to the modules importing torch (training.py, sampling.py), still importable from here.
 _MOVED = {"build_callbacks": "training", "build_trainer": "training", "prepare_training": "training",
@@ -46,14 +46,20 @@ def __getattr__(name: str) -> Any:
 def _train_app(cfg: DictConfig) -> float | None:
     folder = RunFolder.from_config(cfg)
     OUTSIDE_TRAINING.begin_launch(folder.fail)  # a signal before training: nothing to keep
-    try:
-        plan = check_config(cfg, folder)
-    except user_errors() as exc:
-        folder.fail(exc)
-        exit_on_user_error(exc)
+    plan = check_training_config(cfg, folder)
     from lightning_deepseek.training import run_training  # torch and Lightning: only for a good configuration
 
     return run_training(cfg, folder, plan).get("val_loss_final")  # the objective that a Hydra sweeper minimises
+
+
+def check_training_config(cfg: DictConfig, folder: RunFolder) -> RunPlan:
+    """``run.check_config``, without torch; a bad setting ends in one paragraph and exit code 2, its run folder
+    removed (Hydra named it) or marked ``FAILED``."""
+    try:
+        return check_config(cfg, folder)
+    except user_errors() as exc:
+        folder.fail(exc)
+        exit_on_user_error(exc)
 
 
 SAMPLE_ERROR_PREFIX = "lds-sample: error: "

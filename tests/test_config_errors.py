@@ -2,9 +2,10 @@
 no traceback, found before any training process starts, and (but for the few that need torch) before torch or
 Lightning is imported.
 
-The battery (``CASES``) runs ``lds-train``'s entry point, case after case, in ONE fresh Python process (Hydra's
-argument parsing, the checks, the run folder, the message, the exit code), which then reports whether torch or
-Lightning was imported: the checks take ~1 s, the imports ~9 s. The cases that need torch (``TORCH_CASES``) run
+The battery (``CASES``) runs in two fresh Python processes, which then report whether torch or Lightning was
+imported (the checks take ~1 s, the imports ~9 s): the issue's cases through ``lds-train``'s whole entry point
+(Hydra's argument parsing, the checks, the run folder, the message, the exit code), the others through its
+configuration check on Hydra's compose. The cases that need torch (``TORCH_CASES``) run
 in this process through ``prepare_training`` (what ``lds-train`` does before ``fit``); a few tests run the real
 console scripts, for what only they do (the console script, two devices, the prefix of ``lds-sample``).
 """
@@ -125,23 +126,44 @@ TORCH_CASES = [
 ]
 README = Path(__file__).resolve().parents[1] / "README.md"
 
-# Runs lds-train's entry point once per case in this (fresh) process; prints each exit code and stderr, and the
-# torch and Lightning modules imported by the end.
+# The issue's cases (and the ones only the command line shows: `~`, hydra.run.dir) run lds-train's whole entry
+# point; the others its configuration check (cli.check_training_config) on Hydra's compose, once each: the entry
+# point composes twice per run, which is most of a case's ~0.5 s.
+ENTRY_CASES = {"trainer.max_steps=0", "+trainer.precision=16", "+trainer.max_step=5", "data.batch_size=abc",
+               "trainer.devices=0", "data.path=/nonexistent/corpus.txt", "resume={readme}", "hydra.run.dir=/proc/x",
+               "data.path=~/no-books/"}
+
+# Runs the cases in this (fresh) process; prints each exit code and stderr, and the torch and Lightning modules
+# imported by the end.
 _BATTERY = """
 import contextlib, io, json, sys
-from lightning_deepseek import console
-results = []
-for argv in json.loads(sys.argv[1]):
-    sys.argv, err = ["lds-train", *argv], io.StringIO()
+from pathlib import Path
+from hydra import compose, initialize_config_dir
+from lightning_deepseek import cli, console
+from lightning_deepseek.run import CONFIG_DIR, RunFolder
+
+def run(job):
+    err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            console.train()
+            if job["entry"]:
+                sys.argv = ["lds-train", *job["argv"], *job["run_dir"]]
+                console.train()
+            else:
+                cfg = compose("train", overrides=job["argv"])
+                cli.check_training_config(cfg, RunFolder(Path(job["run_dir"][0].split("=", 1)[1]), False))
             code = 0
         except SystemExit as exc:
             code = exc.code
-    results.append((code, err.getvalue()))
+    return code, err.getvalue()
+
+jobs = json.loads(sys.argv[1])
+results = {}
+with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    results.update({i: run(job) for i, job in enumerate(jobs) if not job["entry"]})
+results.update({i: run(job) for i, job in enumerate(jobs) if job["entry"]})
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "lightning"))
-print(json.dumps({"results": results, "heavy": heavy}))
+print(json.dumps({"results": [results[i] for i in range(len(jobs))], "heavy": heavy}))
 """
 
 
@@ -151,21 +173,21 @@ def _fill(text: str, files: Path, home: Path) -> str:
 
 @pytest.fixture(scope="module")
 def battery(files: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Every case of ``CASES`` through ``lds-train``'s entry point, in one process that never imports torch."""
+    """Every case of ``CASES``, in processes that never import torch."""
     runs, home = tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("home")
-    argvs = []
+    jobs = []
     for i, case in enumerate(CASES):
         args = _fill(case.values[0], files, home).split()
         run_dir = [] if any(a.startswith("hydra.run.dir=") for a in args) else [f"hydra.run.dir={runs / str(i)}"]
-        argvs.append([*BASE, *args, *run_dir])
-    # Two processes at once, each taking every other case (CI has two cores; Hydra composes twice per case).
-    procs = [subprocess.Popen([sys.executable, "-c", _BATTERY, json.dumps(argvs[half::2])], stdout=subprocess.PIPE,
+        jobs.append({"entry": case.values[0] in ENTRY_CASES, "argv": [*BASE, *args], "run_dir": run_dir})
+    # Two processes at once, each taking every other case (CI has two cores).
+    procs = [subprocess.Popen([sys.executable, "-c", _BATTERY, json.dumps(jobs[half::2])], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=runs, env={**os.environ, "HOME": str(home)})
              for half in (0, 1)]
     outputs = [proc.communicate(timeout=300) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs
     halves = [json.loads(out.splitlines()[-1]) for out, _ in outputs]
-    report = {"results": [None] * len(argvs), "heavy": sorted({m for half in halves for m in half["heavy"]})}
+    report = {"results": [None] * len(jobs), "heavy": sorted({m for half in halves for m in half["heavy"]})}
     report["results"][0::2], report["results"][1::2] = halves[0]["results"], halves[1]["results"]
     report["ids"] = {case.id: (i, runs / str(i)) for i, case in enumerate(CASES)}
     report["home"] = home
