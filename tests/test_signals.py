@@ -181,7 +181,9 @@ def test_ctrl_c_while_the_ranks_start_exits_130_and_leaves_nothing(tmp_path: Pat
     # Rank 0 then waits in init_process_group (C++, where no Python signal handler runs) or imports torch.
     proc = start(None, cwd=tmp_path)  # Hydra names the folder: it must go
     deadline = time.monotonic() + 240
-    while not (ranks := children(proc.pid)):
+    # Once rank 1 runs lds-train's code (its signal watcher is its second thread): a Ctrl-C in the first tens of
+    # milliseconds of a Python process, before any of its code runs, gets Python's own KeyboardInterrupt.
+    while not (ranks := children(proc.pid)) or len(list(Path(f"/proc/{ranks[0]}/task").glob("*"))) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)
