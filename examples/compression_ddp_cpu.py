@@ -3,7 +3,7 @@
 Nothing else from lightning-deepseek is used: an ordinary LightningModule, an ordinary DataLoader, and one extra
 callback. Run it (2 CPU processes, about a minute)::
 
-    python examples/compression_ddp_cpu.py [--bits 4]
+    .venv/bin/python examples/compression_ddp_cpu.py [--bits 4]   # or `python ...` in the activated venv
 
 It trains the same small classifier twice, with fp32 DDP and with compressed DDP, and prints both final losses and
 the compression telemetry.

@@ -1,6 +1,6 @@
 """Train the example GPT as an elastic job: run it under ``torchrun --nnodes=MIN:MAX`` (or ``lds-elastic``).
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --nproc-per-node=1 --rdzv-backend=c10d \\
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 .venv/bin/torchrun --nnodes=1:2 --nproc-per-node=1 --rdzv-backend=c10d \\
         --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=demo --max-restarts=100 \\
         examples/elastic_train.py --run-dir runs/elastic-demo
 

@@ -4,8 +4,10 @@ Nothing here comes from lightning-deepseek except the plugin: a small LightningM
 ``DataLoader``, ``DDPStrategy``. The only change to an existing project is ``plugins=[StagedPrecision(...)]``
 (and dropping ``precision=``). A callback reads ``last_step_skipped`` the way any other callback could.
 
-    python examples/precision_ddp.py                  # 2 CPU processes, 120 steps
-    python examples/precision_ddp.py --accelerator cuda --devices 2
+    .venv/bin/python examples/precision_ddp.py        # 2 CPU processes, 120 steps
+    .venv/bin/python examples/precision_ddp.py --accelerator cuda --devices 2
+
+(or ``python ...`` in the activated venv).
 """
 
 from __future__ import annotations

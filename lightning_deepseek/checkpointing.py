@@ -16,6 +16,8 @@ After each optimizer step (and at the end of each validation) the ranks agree on
 the checkpoint is written, then ``RunInterrupted`` ends ``fit``; ``lds-train`` exits 143 (SIGTERM) or 130
 (SIGINT). A second Ctrl-C quits at once without a checkpoint. The SLURM requeue signal runs Lightning's own
 requeue handler (``hpc_ckpt_N.ckpt`` then ``scontrol requeue``) at that boundary instead of inside the handler.
+A signal after the last step's boundary (during the final save) stops nothing: the save completes, and
+``lds-train`` exits 143 or 130 afterwards (``pending_signal``); ``signals.py`` handles signals outside the loop.
 Cost: one ``all_reduce`` of one integer per optimizer step.
 """
 
@@ -37,9 +39,11 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}  # 128 + signal number, as a shell reports them
-LAST = "last.ckpt"
-META = "meta.pt"  # what HybridParallelStrategy writes last into a DCP folder
+from lightning_deepseek.checkpoint_files import LAST, META, checkpoints_in, is_complete
+from lightning_deepseek.signals import EXIT_CODES, OUTSIDE_TRAINING, exit_code
+
+__all__ = ["EXIT_CODES", "RunCheckpoint", "RunInterrupted", "checkpoint_model_config", "checkpoints_in",
+           "is_complete"]
 
 
 class RunInterrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, not an error of the program
@@ -53,22 +57,7 @@ class RunInterrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, not
 
     @property
     def exit_code(self) -> int:
-        return EXIT_CODES.get(signal.Signals(self.signum), 128 + self.signum)
-
-
-def is_complete(path: Path) -> bool:
-    """A checkpoint file, or a DCP folder whose ``meta.pt`` (written last) is there."""
-    return path.is_file() or (path.is_dir() and (path / META).is_file())
-
-
-def checkpoints_in(folder: Path) -> list[Path]:
-    """Complete checkpoints of a run folder (or of its ``checkpoints/``), oldest first."""
-    folder = Path(folder)
-    found = [p for p in (*folder.glob("checkpoints/step-*.ckpt"), *folder.glob("step-*.ckpt"),
-                         *folder.glob("hpc_ckpt_*.ckpt")) if is_complete(p)]
-    if not found:  # runs of older versions: only last.ckpt
-        found = [p for p in (folder / "checkpoints" / LAST, folder / LAST) if p.exists() and is_complete(p)]
-    return sorted(found, key=lambda p: ((p / META) if p.is_dir() else p).stat().st_mtime)
+        return exit_code(self.signum)
 
 
 class RunCheckpoint(Callback):
@@ -128,6 +117,11 @@ class RunCheckpoint(Callback):
         self._save_seconds.append(time.perf_counter() - started)
         return final
 
+    @property
+    def pending_signal(self) -> int:
+        """A signal this process received that did not stop the loop (it came after the last step); 0 if none."""
+        return self._pending
+
     def summary(self) -> dict[str, Any]:
         """Rows of the run summary: how many saves and what one cost (every rank waits for it)."""
         if not self._save_seconds:
@@ -140,6 +134,7 @@ class RunCheckpoint(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._step_seen = trainer.global_step
         self._last_saved_step = trainer.global_step if trainer.ckpt_path else -1
+        OUTSIDE_TRAINING.training_started()  # a signal after the loop (when teardown restores it) is only noted
         if threading.current_thread() is not threading.main_thread():
             return
         signals = [signal.SIGTERM, signal.SIGINT]

@@ -1,16 +1,25 @@
-"""The checks ``lds-train`` runs on its whole composed configuration in the launching process.
+"""The checks ``lds-train`` runs on its composed configuration in the launching process, before importing torch.
 
-Everything that can be known before a process group exists is checked here, once, in well under a second: a
-type or range mistake, a setting Lightning would ignore or overwrite, a missing corpus, a checkpoint of another
-model. Each failure is a ``ConfigError`` naming the setting, the value and the fix, which ``lds-train`` prints
-as one paragraph with exit code 2 (see ``errors.py``). What only a running job can tell (a tensor-parallel plan
-that does not fit, a precision schedule past the run's end) is still checked by the component at setup.
+Everything that can be known without torch is checked here, once, in well under a second: a type or range
+mistake, a setting Lightning would ignore or overwrite, a misspelt ``trainer.*`` key. Each failure is a
+``ConfigError`` naming the setting, the value and the fix, which ``lds-train`` prints as one paragraph with exit
+code 2 (see ``errors.py``). ``run.py`` adds the model shape, the corpus and the ``resume`` path, also without
+torch. This module must not import torch or Lightning (``tests/test_config_errors.py`` fails if the checks do):
+importing them takes ~9 s, the checks ~1 s. The exceptions, checked after torch is imported and still before any
+process starts, are in ``run.check_with_torch``: a GPU count, the model shape inside a ``resume`` checkpoint, and
+whatever instantiating a ``_target_`` node reveals. What only a running job can tell (a tensor-parallel plan that
+does not fit, a precision schedule past the run's end) is checked by the component at setup.
+
+A config group joins by adding its check, ``check_<group>(cfg: DictConfig) -> None`` (light: no torch at import or
+call), to ``GROUP_CHECKS``.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
-import inspect
+import functools
+import importlib.util
 import math
 import os
 import re
@@ -18,8 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_deepseek.errors import ConfigError
@@ -48,8 +55,9 @@ def positive_int(setting: str, value: Any, example: str) -> None:
     _check(setting, value, _is_int(value) and value >= 1, "a positive whole number", example)
 
 
-def check_trainer(trainer_cfg: DictConfig, allow_oversubscribe: bool) -> None:
+def check_trainer(cfg: DictConfig) -> None:
     """Keys and values of the ``trainer`` group."""
+    trainer_cfg = cfg.trainer
     kwargs = OmegaConf.to_container(trainer_cfg, resolve=True)
     for key in kwargs:
         if key in _FROM_GROUPS:
@@ -88,12 +96,32 @@ def check_trainer(trainer_cfg: DictConfig, allow_oversubscribe: bool) -> None:
         if kwargs.get(key) is not None:
             _check(f"trainer.{key}", kwargs[key], isinstance(kwargs[key], bool), "true or false",
                    f"trainer.{key}=false")
-    check_devices(trainer_cfg, allow_oversubscribe)
+    check_devices(trainer_cfg, cfg.allow_oversubscribe)
+
+
+@functools.cache
+def trainer_arguments() -> frozenset[str]:
+    """The argument names of ``lightning.pytorch.Trainer``, read from its source without importing Lightning
+    (importing it takes ~6 s); ``inspect.signature`` on the class if the source cannot be read."""
+    spec = importlib.util.find_spec("lightning")
+    source = Path(spec.origin).parent / "pytorch" / "trainer" / "trainer.py" if spec and spec.origin else None
+    try:
+        tree = ast.parse(source.read_bytes())  # type: ignore[union-attr]
+        init = next(node for cls in tree.body if isinstance(cls, ast.ClassDef) and cls.name == "Trainer"
+                    for node in cls.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    except (AttributeError, OSError, SyntaxError, StopIteration):
+        import inspect
+
+        import lightning.pytorch as pl
+
+        return frozenset(inspect.signature(pl.Trainer.__init__).parameters) - {"self"}
+    args = init.args
+    return frozenset(a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)) - {"self"}
 
 
 def check_trainer_keys(trainer_kwargs: dict[str, Any]) -> None:
     """Name a misspelt ``trainer.*`` key (added with ``+``, as Hydra suggests) before ``Trainer`` rejects it."""
-    known = set(inspect.signature(pl.Trainer.__init__).parameters) - {"self", *_FROM_GROUPS}
+    known = set(trainer_arguments()) - set(_FROM_GROUPS)
     for key in trainer_kwargs:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
@@ -103,7 +131,8 @@ def check_trainer_keys(trainer_kwargs: dict[str, Any]) -> None:
 
 
 def check_devices(trainer_cfg: DictConfig, allow_oversubscribe: bool) -> None:
-    """Fail early when ``trainer.devices`` is malformed or asks for more devices than this machine has."""
+    """Fail early when ``trainer.devices`` is malformed or asks for more CPU devices than this machine has (GPUs
+    are counted by ``check_gpus``, which needs torch)."""
     devices, accelerator = trainer_cfg.get("devices", 1), str(trainer_cfg.get("accelerator", "cpu"))
     if isinstance(devices, str) and devices != "auto":
         if not re.fullmatch(r"\s*-?\d+\s*|(\s*\d+\s*,)+(\s*\d+\s*)?", devices):
@@ -120,27 +149,36 @@ def check_devices(trainer_cfg: DictConfig, allow_oversubscribe: bool) -> None:
     if devices == 0 or devices < -1:
         raise ConfigError(f"trainer.devices={devices} asks for no device: use a positive count "
                           "(trainer.devices=2), -1 or 'auto' for all of them.")
-    if accelerator in ("gpu", "cuda"):
-        available, unit = torch.cuda.device_count(), "GPU(s)"
-        if available == 0:
-            raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no GPU that torch can use "
-                              f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'}). Train on "
-                              "CPU with trainer=cpu, or install a CUDA build of torch.")
-    elif accelerator == "cpu":
-        available, unit = (os.cpu_count() or 1), "CPU core(s); each CPU device is one process"
-        if allow_oversubscribe:
-            return
-    else:
+    available = os.cpu_count() or 1
+    if accelerator == "cpu" and not allow_oversubscribe and devices > available:
+        raise ConfigError(f"trainer.devices={devices} but this machine has {available} CPU core(s); each CPU device "
+                          f"is one process. Set trainer.devices to at most {available} or pass "
+                          "allow_oversubscribe=true.")
+
+
+def check_gpus(trainer_cfg: DictConfig) -> None:
+    """``trainer.accelerator=gpu``: torch sees a GPU, and as many as ``trainer.devices`` asks for. Imports torch:
+    ``run.check_with_torch`` calls it after the light checks."""
+    devices, accelerator = trainer_cfg.get("devices", 1), str(trainer_cfg.get("accelerator", "cpu"))
+    if accelerator not in ("gpu", "cuda"):
         return
-    if devices > available:
-        hint = " or pass allow_oversubscribe=true" if accelerator == "cpu" else ""
-        raise ConfigError(f"trainer.devices={devices} but this machine has {available} {unit}. "
-                          f"Set trainer.devices to at most {available}{hint}.")
+    import torch
+
+    available = torch.cuda.device_count()
+    if available == 0:
+        raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no GPU that torch can use "
+                          f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'}). Train on "
+                          "CPU with trainer=cpu, or install a CUDA build of torch.")
+    if isinstance(devices, str) and re.fullmatch(r"\s*\d+\s*", devices):
+        devices = int(devices)
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices > available:
+        raise ConfigError(f"trainer.devices={devices} but this machine has {available} GPU(s). "
+                          f"Set trainer.devices to at most {available}.")
 
 
-def check_data(data_cfg: DictConfig) -> None:
-    """Types and ranges of the ``data`` group (the corpus itself is read by ``TextDataModule.validate``)."""
-    data = OmegaConf.to_container(data_cfg, resolve=True)
+def check_data(cfg: DictConfig) -> None:
+    """Types and ranges of the ``data`` group (``run.check_config`` reads the corpus itself)."""
+    data = OmegaConf.to_container(cfg.data, resolve=True)
     positive_int("data.batch_size", data.get("batch_size"), "data.batch_size=16")
     if data.get("block_size") is not None:
         positive_int("data.block_size", data["block_size"], "data.block_size=64 (or null: the model's)")
@@ -154,9 +192,9 @@ def check_data(data_cfg: DictConfig) -> None:
            "corpus)", "data.path=$HOME/books")
 
 
-def check_optim(optim_cfg: DictConfig) -> None:
+def check_optim(cfg: DictConfig) -> None:
     """Types and ranges of the ``optim`` settings."""
-    optim = OmegaConf.to_container(optim_cfg, resolve=True)
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)
     checks: dict[str, tuple[Callable[[Any], bool], str, str]] = {
         "learning_rate": (lambda v: _is_number(v) and v > 0, "a positive number", "1.0e-3"),
         "weight_decay": (lambda v: _is_number(v) and v >= 0, "a number >= 0", "0.1"),
@@ -198,6 +236,21 @@ def check_top_level(cfg: DictConfig) -> None:
     resume = cfg.get("resume")
     _check("resume", resume, resume is None or isinstance(resume, str), "auto, a run folder or a checkpoint path",
            "resume=auto")
+
+
+# The checks of each part of the configuration, in order; each takes the whole composed config.
+GROUP_CHECKS: tuple[Callable[[DictConfig], None], ...] = (
+    check_top_level,
+    check_trainer,
+    check_optim,
+    check_data,
+)
+
+
+def check_groups(cfg: DictConfig) -> None:
+    """Run every check of ``GROUP_CHECKS``; raises the ``ConfigError`` of the first bad setting."""
+    for check in GROUP_CHECKS:
+        check(cfg)
 
 
 def describe_model_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str:

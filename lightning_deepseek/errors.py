@@ -13,11 +13,27 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from hydra.errors import InstantiationException
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 USER_ERROR_EXIT = 2  # the exit code of a bad setting (the sweeper tells these from crashes)
 USER_ERROR_PREFIX = "lds-train: error: "  # starts lds-train's one-paragraph message on stderr
-USER_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, MisconfigurationException, InstantiationException)
+_PLAIN_USER_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, InstantiationException)
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """The exception types that mean a bad setting: ``ValueError``, ``TypeError``, ``KeyError``,
+    ``FileNotFoundError``, Hydra's ``InstantiationException`` and, once Lightning is loaded, its
+    ``MisconfigurationException`` (this module stays free of Lightning: ``lds-train`` checks its configuration
+    before importing it, and nothing raises Lightning's exception before then)."""
+    lightning_errors = sys.modules.get("lightning.fabric.utilities.exceptions")
+    if lightning_errors is None:
+        return _PLAIN_USER_ERRORS
+    return (*_PLAIN_USER_ERRORS, lightning_errors.MisconfigurationException)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "USER_ERRORS":  # the former constant: the tuple as of now
+        return user_errors()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ConfigError(ValueError):
@@ -53,7 +69,7 @@ def user_errors_exit(prefix: str = USER_ERROR_PREFIX) -> Callable[[Callable[...,
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(*args, **kwargs)
-            except USER_ERRORS as exc:
+            except user_errors() as exc:
                 exit_on_user_error(exc, prefix)
 
         wrapped.__name__ = fn.__name__

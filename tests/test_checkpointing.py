@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 
+from lightning_deepseek.checkpoint_files import not_a_checkpoint
 from lightning_deepseek.checkpointing import RunCheckpoint, checkpoints_in
 from lightning_deepseek.data import TextDataModule
 from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
@@ -103,3 +105,14 @@ def test_two_runs_started_together_get_their_own_folders(tmp_path: Path) -> None
     assert len(folders) == 2
     assert all((folder / "summary.json").exists() and (folder / "checkpoints" / "last.ckpt").exists()
                for folder in folders)
+
+
+def test_checkpoint_files_are_told_from_other_files_without_torch(tmp_path: Path) -> None:
+    torch.save({"step": 1}, tmp_path / "zip.ckpt")
+    torch.save({"step": 1}, tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)
+    (tmp_path / "dcp").mkdir()
+    torch.save({"step": 1}, tmp_path / "dcp" / "meta.pt")
+    (tmp_path / "notes.ckpt").write_text("not a checkpoint")
+    for name in ("zip.ckpt", "legacy.ckpt", "dcp"):
+        assert not_a_checkpoint(tmp_path / name) is None, name
+    assert "is not a checkpoint (not a file that torch.save writes)" in not_a_checkpoint(tmp_path / "notes.ckpt")

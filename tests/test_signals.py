@@ -2,8 +2,10 @@
 
 One chain of runs in one folder covers the battery at the cost of five launches: SIGTERM to rank 0 (exit
 143), ``resume=auto``; SIGKILL of rank 1 (rank 0 names it and exits 1), ``resume=auto``; SIGINT to the whole
-process group, as Ctrl-C sends it (exit 130), ``resume=auto`` to the end. The losses of every step then equal
-those of one uninterrupted run: each resume continued the data order and the optimizer exactly.
+process group, as Ctrl-C sends it (exit 130), ``resume=auto`` to the end, with a SIGTERM during the final save
+(exit 143, the final checkpoint complete). The losses of every step then equal those of one uninterrupted run
+(which gets a SIGINT after its teardown: exit 130): each resume continued the data order and the optimizer
+exactly. One more launch gets a Ctrl-C while its ranks start (exit 130, nothing left behind).
 """
 
 from __future__ import annotations
@@ -17,9 +19,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[1]
 MAX_STEPS = 16
 ARGS = ["model=tiny", "strategy=ddp", "compression=none", "data.batch_size=4", "trainer.devices=2",
         f"trainer.max_steps={MAX_STEPS}", "trainer.val_check_interval=4", "trainer.limit_val_batches=1",
@@ -30,9 +37,42 @@ ARGS = ["model=tiny", "strategy=ddp", "compression=none", "data.batch_size=4", "
 _STARTED: list[subprocess.Popen] = []
 
 
-def start(run_dir: Path, *extra: str) -> subprocess.Popen:
-    proc = subprocess.Popen([str(BIN / "lds-train"), *ARGS, f"hydra.run.dir={run_dir}", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+class SendSignal(Callback):
+    """Sends the signal ``name`` to its own process (rank 0) at ``hook``: after the last step, as a scheduler's
+    stop can.
+
+    Args:
+        name: ``SIGTERM`` or ``SIGINT``.
+        hook: ``on_train_end`` (before the final save) or ``on_fit_end`` (after the trainer's teardown).
+    """
+
+    def __init__(self, name: str, hook: str) -> None:
+        self.signum = getattr(signal, name)
+        self.hook = hook
+
+    def _send(self, trainer: pl.Trainer, hook: str) -> None:
+        if hook == self.hook and trainer.global_rank == 0:
+            os.kill(os.getpid(), self.signum)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._send(trainer, "on_train_end")
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._send(trainer, "on_fit_end")
+
+
+def send_signal_at(name: str, hook: str) -> list[str]:
+    return [f"+callbacks.late._target_={__name__}.SendSignal", f"+callbacks.late.name={name}",
+            f"+callbacks.late.hook={hook}"]
+
+
+def start(run_dir: Path | None, *extra: str, cwd: Path | None = None) -> subprocess.Popen:
+    run_dir_arg = [f"hydra.run.dir={run_dir}"] if run_dir else []
+    proc = subprocess.Popen([str(BIN / "lds-train"), *ARGS, *run_dir_arg, *extra], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})  # tests.test_signals.SendSignal
     _STARTED.append(proc)
     return proc
 
@@ -120,11 +160,36 @@ def test_sigint_to_process_group_checkpoints_and_exits_130(run_dir: Path) -> Non
 
 
 def test_resumed_run_equals_an_uninterrupted_one(run_dir: Path, tmp_path: Path) -> None:
-    code, out, err = finish(start(run_dir, "resume=auto"), timeout=240)
-    assert code == 0, err[-3000:]
-    assert "not resumable" not in err  # the data module's loader is resumable
-    code, _, err = finish(start(tmp_path / "reference"), timeout=240)
-    assert code == 0, err[-3000:]
+    # The last part gets a SIGTERM during its final save: the save completes, then the run exits 143, not 0.
+    code, out, err = finish(start(run_dir, "resume=auto", *send_signal_at("SIGTERM", "on_train_end")), timeout=240)
+    assert code == 143, err[-3000:]
+    assert "not resumable" not in err and "Traceback" not in err  # the data module's loader is resumable
+    assert f"stopped by SIGTERM after the last step ({MAX_STEPS}); the final checkpoint" in out
+    assert saved_step(run_dir) == MAX_STEPS
+    final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert final["global_step"] == MAX_STEPS
+    # The reference gets a SIGINT after the trainer's teardown: exit 130 all the same, its summary written.
+    code, out, err = finish(start(tmp_path / "reference", *send_signal_at("SIGINT", "on_fit_end")), timeout=240)
+    assert code == 130, err[-3000:]
+    assert "stopped by SIGINT after the last step" in out and "Traceback" not in err
     resumed, reference = train_curve(run_dir), train_curve(tmp_path / "reference")
     assert [s for s, _ in resumed] == [s for s, _ in reference] == list(range(1, MAX_STEPS + 1))
     assert resumed == reference  # bitwise: same data order, same optimizer and scheduler state
+
+
+def test_ctrl_c_while_the_ranks_start_exits_130_and_leaves_nothing(tmp_path: Path) -> None:
+    # Rank 0 then waits in init_process_group (C++, where no Python signal handler runs) or imports torch.
+    proc = start(None, cwd=tmp_path)  # Hydra names the folder: it must go
+    deadline = time.monotonic() + 240
+    # Once rank 1 runs lds-train's code (its signal watcher is its second thread): a Ctrl-C in the first tens of
+    # milliseconds of a Python process, before any of its code runs, gets Python's own KeyboardInterrupt.
+    while not (ranks := children(proc.pid)) or len(list(Path(f"/proc/{ranks[0]}/task").glob("*"))) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, out, err = finish(proc, timeout=60)
+    assert code == 130, err[-3000:]
+    assert "lds-train: stopped by SIGINT before training started; nothing was saved." in err
+    assert "Traceback" not in err
+    assert not list(tmp_path.glob("outputs/*/*"))  # no empty run folder
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()]  # no orphan rank

@@ -19,60 +19,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from typing_extensions import override
 
+from lightning_deepseek.data.corpus import VOCAB_SIZE, DataError, check_splits, default_corpus, read_corpus
 from lightning_deepseek.data.loader import LoaderPosition, ResumableDataLoader
 
-VOCAB_SIZE = 256
-_TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".yaml", ".yml", ".csv", ".tex", ".html", ".xml", ""}
-
-
-class DataError(ValueError):
-    """Bad data input (missing, empty or binary file); the message names ``data.path`` and the fix."""
-
-
-def default_corpus() -> str:
-    """The text of CPython's ``pydoc_data.topics``, topics in sorted order."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[key] for key in sorted(topics))
-
-
-def _read_text_file(path: Path) -> bytes:
-    raw = path.read_bytes()
-    if b"\x00" in raw[:65536]:
-        raise DataError(f"data.path: {path} looks like a binary file (it contains NUL bytes). "
-                        "Point data.path at UTF-8 text, or at a folder of .txt files.")
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"data.path: {path} is not UTF-8 text ({exc.reason} at byte {exc.start}). "
-                        "Convert it to UTF-8, or point data.path at another file.") from None
-    return raw
-
-
-def text_files(path: str | Path) -> list[Path]:
-    """The files ``path`` names (itself, or the text files under a folder in sorted order); checks they exist."""
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise DataError(f"data.path={str(path)!r} does not exist. Pass an existing text file or folder, "
-                        "or drop data.path to train on the built-in corpus.")
-    if not root.is_dir():
-        return [root]
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in _TEXT_SUFFIXES)
-    if not files:
-        raise DataError(f"data.path={str(path)!r} is a folder with no text files (.txt, .md, ...). "
-                        "Add text files to it or point data.path at a file.")
-    return files
-
-
-def read_corpus(path: str | Path | None) -> bytes:
-    """UTF-8 bytes of ``path`` (a file, or every text file under a folder in sorted order), or the default."""
-    if path is None or str(path) == "":
-        return default_corpus().encode("utf-8")
-    data = b"\n\n".join(_read_text_file(p) for p in text_files(path))
-    if not data.strip():
-        raise DataError(f"data.path={str(path)!r} is empty. Point data.path at a file with text in it.")
-    return data
-
+__all__ = ["VOCAB_SIZE", "DataError", "TextDataModule", "TokenWindows", "default_corpus", "read_corpus"]
 
 class TokenWindows(Dataset):
     """Non-overlapping ``(input, target)`` windows of a memory-mapped byte array."""
@@ -139,15 +89,7 @@ class TextDataModule(pl.LightningDataModule):
         self._check_splits(len(read_corpus(self.path)))
 
     def _check_splits(self, num_tokens: int) -> int:
-        split = int(num_tokens * (1 - self.val_fraction))
-        for name, size in (("training", split), ("validation", num_tokens - split)):
-            if size <= self.block_size + 1:
-                raise DataError(
-                    f"data.path: the {name} split has {size} bytes, fewer than one sequence of "
-                    f"block_size={self.block_size}. Use more text, a smaller data.block_size, or change "
-                    f"data.val_fraction={self.val_fraction}."
-                )
-        return split
+        return check_splits(num_tokens, self.block_size, self.val_fraction)
 
     @property
     def cache_file(self) -> Path:

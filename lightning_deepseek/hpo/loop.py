@@ -35,6 +35,7 @@ from optuna.trial import TrialState
 
 from lightning_deepseek.hpo.report import count_states
 from lightning_deepseek.hpo.space import suggest
+from lightning_deepseek.processes import pid_alive
 
 OWNER_ATTR = "lds_owner"
 LOST_ATTR = "lds_lost"  # FAIL because its sweeper died or was interrupted, not because the job failed
@@ -105,16 +106,6 @@ def _log(message: str) -> None:
     print(f"[hpo] {message}", file=sys.stderr, flush=True)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _fail_lost(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial, reason: str) -> None:
     # Private names: Optuna has no public way to set attributes of a trial this process did not ask for.
     trial_id = trial._trial_id
@@ -133,7 +124,7 @@ def fail_stale_trials(study: optuna.Study) -> list[int]:
         # A live sweeper records itself milliseconds after ask(); no owner a minute later means it died in between.
         orphan = owner is None and (now - trial.datetime_start).total_seconds() > ORPHAN_AFTER_S
         dead = (owner is not None and owner.get("host") == host and owner.get("pid") != os.getpid()
-                and not _pid_alive(owner.get("pid", 0)))
+                and not pid_alive(owner.get("pid", 0)))
         if orphan or dead:
             _fail_lost(study, trial, "its sweeper process died")
             stale.append(trial.number)

@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-SCORE_FUNCS = ("sigmoid", "softmax")
+from lightning_deepseek.models.config import SCORE_FUNCS  # noqa: F401 - the router's names, checked by GPTConfig
+
 _GROUPED_MM_BROKEN: set[tuple[str, torch.dtype]] = set()
 # The CPU kernel (forward and backward) is verified on torch 2.13; older CPU builds take the per-expert loop.
 _CPU_GROUPED_MM = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)

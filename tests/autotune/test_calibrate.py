@@ -17,8 +17,8 @@ TUNE = ["tune=quick", "tune.steps=2", "tune.warmup_steps=1", "tune.first_warmup_
 def _train(overrides: list[str], run_dir: Path) -> None:
     from hydra import compose, initialize_config_dir
 
-    from lightning_deepseek.cli import run_training
     from lightning_deepseek.run import CONFIG_DIR
+    from lightning_deepseek.training import run_training
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[*BASE, *overrides, f"run_dir={run_dir}"])

@@ -346,7 +346,8 @@ def test_elastic_training_resumes_an_expert_parallel_job_bitwise(result: dict[st
 def test_lds_sample_reads_an_expert_parallel_checkpoint(result: dict[str, Any]) -> None:
     from omegaconf import OmegaConf
 
-    from lightning_deepseek.cli import load_model, run_sampling
+    from lightning_deepseek.cli import run_sampling
+    from lightning_deepseek.sampling import load_model
 
     ckpt = Path(result["sample"]["ckpt"])
     weights = {name: p.detach().numpy() for name, p in load_model(ckpt).named_parameters()}
