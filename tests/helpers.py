@@ -23,8 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# Imported once by the forkserver, then shared by every rank it forks. Names that fail to import are skipped.
-PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_deepseek", "tests.helpers"]
+# Imported once by the forkserver, then shared by every rank it forks (the package's own ``__init__`` is lazy, so
+# its components are named). A name that fails to import is skipped; its ranks import it themselves.
+COMPONENTS = ("compression", "data", "elastic", "hpo", "models", "parallel", "precision")
+PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "tests.helpers",
+           *(f"lightning_deepseek.{name}" for name in COMPONENTS)]
 
 
 def context() -> Any:
