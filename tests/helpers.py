@@ -17,6 +17,7 @@ import os
 import socket
 import traceback
 from collections.abc import Callable
+from multiprocessing import forkserver
 from typing import Any
 
 import torch
@@ -35,6 +36,12 @@ def context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def start_forkserver() -> None:
+    """Start the server now, without waiting for its imports (they run on another core while pytest collects)."""
+    context()
+    forkserver.ensure_running()
 
 
 def free_port() -> int:
