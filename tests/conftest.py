@@ -10,9 +10,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A folder or the whole suite runs: start ``run_distributed``'s forkserver while the tests are collected."""
+    if any(Path(arg.split("::")[0]).is_dir() for arg in session.config.args):
+        from tests.helpers import start_forkserver
+
+        start_forkserver()
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,50 @@
+"""``run_distributed`` itself: ranks forked from the preloaded forkserver start as clean as spawned ones."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import run_distributed
+
+
+def _inspect(rank: int, world_size: int) -> dict:
+    server = os.getppid()  # the forkserver (run_distributed's ranks are its children)
+    total = torch.tensor([rank + 1])
+    dist.all_reduce(total)
+    return {
+        "server_threads": len(os.listdir(f"/proc/{server}/task")),
+        "torch_threads": torch.get_num_threads(),
+        "preloaded": "lightning.pytorch" in sys.modules,
+        "marker": os.environ.get("LDS_TEST_MARKER"),
+        "rank_env": os.environ["RANK"],
+        "sum": int(total),
+    }
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread counts from /proc")
+def test_forkserver_is_clean(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LDS_TEST_MARKER", "set-after-the-server-started")  # the server may predate this test
+    results = run_distributed(_inspect, 2)
+    for rank, res in enumerate(results):
+        assert res["server_threads"] == 1  # forking a multi-threaded process could deadlock the child
+        assert res["torch_threads"] == 1
+        assert res["preloaded"]
+        assert res["marker"] == "set-after-the-server-started"  # the caller's environment, not the server's
+        assert res["rank_env"] == str(rank)
+        assert res["sum"] == 3  # a real collective over both ranks
+
+
+def _fail_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one fails")
+    return rank
+
+
+def test_a_failing_rank_fails_the_test_with_its_traceback() -> None:
+    with pytest.raises(AssertionError, match="rank 1:(.|\n)*ValueError: rank one fails"):
+        run_distributed(_fail_on_rank_one, 2, timeout=60)
