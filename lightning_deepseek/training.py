@@ -7,6 +7,7 @@ and Lightning (~9 s); ``cli.py`` does it only once the configuration is known go
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -24,6 +25,15 @@ from lightning_deepseek.run import RunFolder, RunPlan, check_config, check_with_
 from lightning_deepseek.signals import OUTSIDE_TRAINING, exit_code
 from lightning_deepseek.summary import RunSummary
 from lightning_deepseek.watchdog import LostRankWatchdog, wait_for_watchdog
+
+# Lightning prints its messages through its own handler only when it is imported before logging is configured; here
+# Hydra has configured the root logger first, so each message would print twice (Lightning's "INFO: ..." handler and
+# Hydra's). Keep Lightning's plain one-line messages, as when Lightning is imported first.
+for _name in ("lightning.pytorch", "lightning.fabric"):
+    _log = logging.getLogger(_name)
+    if not _log.handlers:
+        _log.addHandler(logging.StreamHandler())
+    _log.propagate = False
 
 
 def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
