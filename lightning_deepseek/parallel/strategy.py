@@ -401,7 +401,7 @@ class HybridParallelStrategy(DDPStrategy):
             module, trainer, topology=self._topology, local_size=self.num_processes, links=self._links,
             plan_for=lambda tp: decide_plan(module, self._plan_arg, dims.world_size, tp, False, self._min_shard_params),
             tp_sizes=tp_sizes, ep_sizes=ep_sizes, bits=bits, tokens=self._micro_batch_tokens,
-            placement=self._placement_arg, bucket_bytes=int(self._ddp_kwargs.get("bucket_cap_mb", 25) * 2**20),
+            placement=self._placement_arg, bucket_bytes=int((self._ddp_kwargs.get("bucket_cap_mb") or 25) * 2**20),
             setting=", ".join(settings))
         self.autotune_decides_bits = compression
         return self.autotune_decision
