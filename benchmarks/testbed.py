@@ -9,14 +9,35 @@ namespaces this module creates (addresses come from a private /24 that exists on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
 def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def workers(timeout: float) -> Iterator[list[subprocess.Popen]]:
+    """Collect the worker processes the block starts; on leaving it, wait for them all (``timeout`` seconds in all),
+    kill any still running (also when the block or a wait fails), and fail if one exited non-zero."""
+    procs: list[subprocess.Popen] = []
+    try:
+        yield procs
+        deadline = time.time() + timeout
+        for proc in procs:
+            proc.wait(timeout=max(1, deadline - time.time()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"a worker failed: return codes {[p.returncode for p in procs]}")
 
 
 def available() -> tuple[bool, str]:

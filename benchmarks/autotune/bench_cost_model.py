@@ -171,40 +171,26 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
 
 def launch(args: argparse.Namespace, out: Path) -> str:
     """Start the workers (on loopback, or in the testbed's namespaces); return where they ran."""
-    procs = []
+    from benchmarks.testbed import Testbed, workers
+
     common = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
               "--repeats", str(args.repeats)]
-
-    def wait() -> None:
-        deadline = time.time() + args.timeout
-        try:
-            for proc in procs:
-                proc.wait(timeout=max(1, deadline - time.time()))
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-        if any(p.returncode for p in procs):
-            raise SystemExit(f"a worker failed: return codes {[p.returncode for p in procs]}")
-
     if not args.testbed:
-        for rank in range(2):
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29661", "RANK": str(rank),
-                   "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "NODE_RANK": "0", "PYTHONPATH": str(ROOT),
-                   "OMP_NUM_THREADS": "1"}
-            procs.append(subprocess.Popen(common, env=env, cwd=ROOT))
-        wait()
+        with workers(args.timeout) as procs:
+            for rank in range(2):
+                env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29661", "RANK": str(rank),
+                       "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "NODE_RANK": "0", "PYTHONPATH": str(ROOT),
+                       "OMP_NUM_THREADS": "1"}
+                procs.append(subprocess.Popen(common, env=env, cwd=ROOT))
         return "loopback, 2 processes, 1 thread each"
-    from benchmarks.testbed import Testbed
-
-    with Testbed(num_hosts=2, rate=args.rate, prefix="ldsa", subnet="10.213.61") as bed:
+    with Testbed(num_hosts=2, rate=args.rate, prefix="ldsa", subnet="10.213.61") as bed, \
+            workers(args.timeout) as procs:
         for rank in range(4):
             node, local = divmod(rank, 2)
             env = dict(MASTER_ADDR=bed.ip(0), MASTER_PORT="29662", RANK=str(rank), WORLD_SIZE="4",
                        LOCAL_RANK=str(local), NODE_RANK=str(node), NUM_NODES="2", LDS_TOPOLOGY="0,1;2,3",
                        PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
             procs.append(subprocess.Popen(bed.command(node, common, env), cwd=ROOT))
-        wait()
     return f"testbed, 2 emulated nodes x 2 ranks, {args.rate} link"
 
 

@@ -111,12 +111,11 @@ def report(results: list[dict], argv: list[str], rate: str) -> str:
 
 
 def main(args: argparse.Namespace) -> None:
-    from benchmarks.testbed import Testbed
+    from benchmarks.testbed import Testbed, workers
 
     out = Path(tempfile.mkdtemp(prefix="ldh-")) / "results.json"
-    procs = []
     with Testbed(num_hosts=2, rate=args.rate, prefix="ldh", subnet="10.213.1") as bed:
-        try:
+        with workers(args.timeout) as procs:
             for rank in range(4):
                 node, local = divmod(rank, 2)
                 env = dict(MASTER_ADDR=bed.ip(0), MASTER_PORT="29613", RANK=str(rank), WORLD_SIZE="4",
@@ -125,15 +124,6 @@ def main(args: argparse.Namespace) -> None:
                 argv = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
                         "--repeats", str(args.repeats)]
                 procs.append(subprocess.Popen(bed.command(node, argv, env), cwd=ROOT))
-            deadline = time.time() + args.timeout
-            for proc in procs:
-                proc.wait(timeout=max(1, deadline - time.time()))
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"a worker failed: return codes {[p.returncode for p in procs]}")
     print(report(json.loads(out.read_text()), [Path(sys.argv[0]).as_posix(), *sys.argv[1:]], args.rate))
 
 

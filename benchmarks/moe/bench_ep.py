@@ -125,26 +125,16 @@ def loopback(args: argparse.Namespace, out: Path) -> None:
 
 def testbed(args: argparse.Namespace, out: Path) -> None:
     """4 worker processes, 2 in each of 2 network namespaces joined by ``args.rate``."""
-    from benchmarks.testbed import Testbed
+    from benchmarks.testbed import Testbed, workers
 
-    procs = []
     with Testbed(num_hosts=2, rate=args.rate, prefix="ldse", subnet="10.213.41") as bed:
-        try:
+        with workers(args.timeout) as procs:
             for rank in range(4):
                 env = dict(MASTER_ADDR=bed.ip(0), MASTER_PORT="29641", RANK=str(rank), WORLD_SIZE="4",
                            PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
                 argv = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
                         "--repeats", str(args.repeats)]
                 procs.append(subprocess.Popen(bed.command(rank // 2, argv, env), cwd=ROOT))
-            deadline = time.time() + args.timeout
-            for proc in procs:
-                proc.wait(timeout=max(1, deadline - time.time()))
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"a worker failed: return codes {[p.returncode for p in procs]}")
 
 
 def report(res: dict, args: argparse.Namespace) -> None:

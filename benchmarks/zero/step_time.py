@@ -111,12 +111,11 @@ def launch(args: argparse.Namespace, out: Path) -> None:
     """4 worker processes, 2 per (emulated) node, on loopback or inside the testbed's namespaces."""
     from contextlib import nullcontext
 
-    from benchmarks.testbed import Testbed
+    from benchmarks.testbed import Testbed, workers
 
     bed = Testbed(num_hosts=2, rate=args.rate, prefix="ldsz", subnet="10.213.31") if args.network == "testbed" else None
-    procs = []
     with bed if bed is not None else nullcontext():
-        try:
+        with workers(args.timeout) as procs:
             for rank in range(4):
                 node, local = divmod(rank, 2)
                 env = dict(MASTER_ADDR=bed.ip(0) if bed else "127.0.0.1", MASTER_PORT="29631", RANK=str(rank),
@@ -128,15 +127,6 @@ def launch(args: argparse.Namespace, out: Path) -> None:
                     procs.append(subprocess.Popen(bed.command(node, argv, env), cwd=ROOT))
                 else:
                     procs.append(subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env}))
-            deadline = time.time() + args.timeout
-            for proc in procs:
-                proc.wait(timeout=max(1, deadline - time.time()))
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"a worker failed: return codes {[p.returncode for p in procs]}")
 
 
 def main(args: argparse.Namespace) -> None:
