@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,41 +49,23 @@ def worker(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
 
+    from benchmarks.timed_gpt import TimedGPT
     from lightning_deepseek import HybridParallelStrategy
     from lightning_deepseek.compression import GradientCompression
-    from lightning_deepseek.models import GPT, GPTConfig
+    from lightning_deepseek.models import GPTConfig
     from lightning_deepseek.models.gpt import PRESETS
 
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
     nodes = int(os.environ.get("NUM_NODES", "1"))
 
-    class Bench(pl.LightningModule):
-        def __init__(self, config: dict) -> None:
-            super().__init__()
-            preset = PRESETS.get(config.get("preset", ""), {})
-            self.model = GPT(GPTConfig(**{**preset, **{k: v for k, v in config.items() if k != "preset"}}))
-            self.step_times: list[float] = []
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
-
-        def on_train_batch_start(self, batch, batch_idx):
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(self, outputs, batch, batch_idx):
-            self.step_times.append(time.perf_counter() - self._start)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
     def fit(config: dict, batch: int, seq: int, strategy, callbacks) -> tuple[float, object]:
         pl.seed_everything(0, verbose=False)
-        module = Bench(config)
+        preset = PRESETS.get(config.get("preset", ""), {})
+        model_config = GPTConfig(**{**preset, **{k: v for k, v in config.items() if k != "preset"}})
+        module = TimedGPT(model_config, torch.optim.AdamW, lr=1e-4)
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 256, (args.steps * batch * world, seq + 1), generator=generator)
         data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch)

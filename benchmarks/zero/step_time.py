@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,32 +38,13 @@ TOKENS = 16  # one sequence per rank and step
 def worker(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     import torch
-    import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
 
+    from benchmarks.timed_gpt import TimedGPT
     from lightning_deepseek import HybridParallelStrategy
-    from lightning_deepseek.models import GPT, GPTConfig
+    from lightning_deepseek.models import GPTConfig
 
     torch.set_num_threads(1)
-
-    class Bench(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = GPT(GPTConfig(**MODEL))
-            self.step_times: list[float] = []
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
-
-        def on_train_batch_start(self, batch, batch_idx):
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(self, outputs, batch, batch_idx):
-            self.step_times.append(time.perf_counter() - self._start)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     tokens = torch.randint(0, 256, (args.steps * 4, TOKENS + 1), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=1)
@@ -74,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
         for name in names[repeat % len(names):] + names[:repeat % len(names)]:  # the order rotates
             kind, tp, zero = CONFIGS[name]
             pl.seed_everything(0, verbose=False)
-            module = Bench()
+            module = TimedGPT(GPTConfig(**MODEL), torch.optim.AdamW, lr=1e-3)
             strategy = "ddp" if kind == "ddp" else HybridParallelStrategy(
                 tensor_parallel_size=tp, min_shard_params=0, shard_optimizer_states=zero,
                 placement="tp_intra_node")  # tp inside a node; no link probe
