@@ -7,9 +7,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_deepseek.parallel.arguments import UnknownArgumentError
 from lightning_deepseek.parallel.clipping import clip_grad_norm_, clip_grad_value_, total_grad_norm
 from lightning_deepseek.parallel.dims import ParallelDims
+from lightning_deepseek.parallel.optimizers import MixedParamGroupError
 from lightning_deepseek.parallel.placement import LinkCost
 from lightning_deepseek.parallel.plan import Plan, PlanEntry, find_feed_forward_blocks
-from lightning_deepseek.parallel.strategy import HybridParallelStrategy, MixedParamGroupError
+from lightning_deepseek.parallel.strategy import HybridParallelStrategy
 from lightning_deepseek.parallel.topology import Topology
 
 HybridParallelStrategy.register_strategies(StrategyRegistry)

@@ -12,10 +12,12 @@ Every rank must call these functions with the same parameters (they are collecti
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
 
 def _shard_group(grad: DTensor) -> dist.ProcessGroup | None:
@@ -86,3 +88,21 @@ def clip_grad_value_(parameters: Iterable[torch.Tensor], clip_value: float) -> N
         if p.grad is not None:
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             grad.clamp_(-clip_value, clip_value)
+
+
+def route_clipping(plugin: Any) -> None:
+    """Make a Lightning precision plugin clip with the functions above (collective when DTensors are present).
+
+    Lightning clips through the precision plugin with torch's ``clip_grad_norm_``, which fails on a mix of DTensor
+    and plain gradients; the plugin is the user's (any ``Precision`` subclass), so its two clipping methods are
+    redirected on this instance rather than by subclassing every plugin.
+    """
+
+    def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+        clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+
+    def clip_grad_by_value(optimizer: Optimizer, clip_val: float) -> None:
+        clip_grad_value_(plugin.main_params(optimizer), clip_val)
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm
+    plugin.clip_grad_by_value = clip_grad_by_value

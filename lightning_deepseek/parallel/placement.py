@@ -28,10 +28,12 @@ synchronizes the GPU around each exchange.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_deepseek.parallel.detection import linear_shape
@@ -39,6 +41,7 @@ from lightning_deepseek.parallel.plan import Plan
 from lightning_deepseek.parallel.topology import Topology
 
 POLICIES = ("auto", "tp_intra_node", "dp_intra_node")
+DEFAULT_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -258,3 +261,49 @@ def describe_placement(requested: str, chosen: str, grid: list[list[int]], topol
     link_text = ", ".join(f"{k} {c.bandwidth * 8 / 1e9:.2f} Gbit/s {c.latency * 1e6:.0f} us" for k, c in links.items())
     how = "the lowest estimate" if requested == "auto" else f"placement={requested!r} as set"
     return f"{head}: {how}; estimated communication per step: {figures}; links {link_source}: {link_text}."
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The placement decided at setup: the policy, the ``(dp, tp)`` rank grid, the estimate of every candidate
+    (empty when nothing was estimated) and the link figures used (None when none were)."""
+
+    policy: str
+    grid: list[list[int]]
+    estimates: dict[str, float]
+    links: dict[str, LinkCost] | None
+
+
+def place(requested: str, topology: Topology, dp_size: int, tp_size: int, links: dict[str, LinkCost] | None,
+          volume: Callable[[], CommVolume]) -> Placement:
+    """Choose the rank grid (collective when it probes the links) and log why, once.
+
+    Args:
+        requested: the ``placement`` setting.
+        links: configured link figures (``link_costs``), or None to probe them where there is something to rank.
+        volume: what one step communicates (called only when the candidates are estimated).
+    """
+    link_source = ""
+    if len(topology.islands) > 1 and (links is not None or requested == "auto"):
+        link_source = "configured" if links is not None else "probed"
+        links = links if links is not None else probe_links(topology)
+        policy, grid, estimates = choose_placement(requested, topology, dp_size, tp_size, volume(), links)
+    else:  # one island (every rank order uses the same links) or a fixed policy with no link figures to rank
+        policy = "tp_intra_node" if requested == "auto" else requested
+        grid, estimates, links = candidate_mesh(policy, topology, dp_size, tp_size), {}, None
+    rank_zero_info(describe_placement(requested, policy, grid, topology, estimates, links, link_source))
+    return Placement(policy, grid, estimates, links)
+
+
+def tokens_per_micro_batch(module: nn.Module, configured: int | None, warn_on_default: bool) -> int:
+    """Rows entering a feed-forward layer per rank and micro-batch: ``micro_batch_tokens`` if set, else from the
+    module's ``example_input_array``, else 2048 (warned when ``warn_on_default``: an estimate depends on it)."""
+    if configured is not None:
+        return configured
+    example = getattr(module, "example_input_array", None)
+    if isinstance(example, torch.Tensor):
+        return example.numel() if not example.is_floating_point() else example[..., 0].numel()
+    if warn_on_default:
+        rank_zero_warn(f"HybridParallelStrategy: placement='auto' assumes {DEFAULT_TOKENS} tokens per "
+                       "micro-batch; set micro_batch_tokens (or example_input_array) for a better estimate.")
+    return DEFAULT_TOKENS

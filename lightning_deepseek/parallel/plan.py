@@ -13,8 +13,7 @@ Where it comes from (each entry records its source, printed in the plan table):
 
 Layers are ``nn.Linear`` or transformers' ``Conv1D``; how they are sharded is :mod:`lightning_deepseek.parallel.styles`.
 
-Printed at setup: the plan table, and once the optimizers exist, the memory per rank (parameters, gradients,
-optimizer states) of plain DDP, of this layout and of this layout with ZeRO-1 (``memory_per_rank``).
+Printed at setup: the plan table (the memory per rank follows once the optimizers exist: :mod:`.memory`).
 """
 
 from __future__ import annotations
@@ -24,18 +23,14 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.distributed.tensor import DTensor
-from torch.optim import Optimizer
 
 from lightning_deepseek.parallel.declared import declared_blocks, declaring_modules
 from lightning_deepseek.parallel.detection import FeedForwardBlock, find_feed_forward_blocks, linear_shape
-from lightning_deepseek.parallel.zero import Partition, estimated_state_bytes
 
 STYLES = ("colwise", "rowwise")
 
-__all__ = ["STYLES", "FeedForwardBlock", "MemoryPerRank", "Plan", "PlanEntry", "auto_plan", "decide_plan",
-           "explicit_plan", "find_feed_forward_blocks", "format_memory_table", "format_plan_table", "memory_per_rank",
-           "plan_blocks", "why_auto_plan_is_empty"]
+__all__ = ["STYLES", "FeedForwardBlock", "Plan", "PlanEntry", "auto_plan", "decide_plan", "explicit_plan",
+           "find_feed_forward_blocks", "format_plan_table", "plan_blocks", "why_auto_plan_is_empty"]
 
 
 @dataclass(frozen=True)
@@ -236,62 +231,3 @@ def _local_bytes(linear: nn.Module, style: str, tp_size: int) -> int:
         sharded = not (style == "rowwise" and name == "bias")
         total += param.numel() * param.element_size() // (tp_size if sharded else 1)
     return total
-
-
-@dataclass(frozen=True)
-class MemoryPerRank:
-    """Bytes one rank holds for the parameters, their gradients and the optimizer states."""
-
-    params: int
-    grads: int
-    states: int
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.states
-
-
-def memory_per_rank(optimizers: list[Optimizer], partitions: list[Partition],
-                    world_size: int) -> dict[str, MemoryPerRank]:
-    """Memory per rank of plain DDP, of this layout, and of this layout with ZeRO-1 (``partitions``: one per
-    optimizer, the owners ZeRO-1 deals or would deal; the ZeRO figure is the most loaded rank's).
-
-    Optimizer states are estimated from each optimizer's kind before its first step creates them
-    (:func:`lightning_deepseek.parallel.zero.estimated_state_bytes`); gradients are one per trainable element.
-    """
-    full = local = states_full = states_local = 0
-    states_owned = [0] * world_size
-    seen: set[int] = set()
-    for optimizer, owners in zip(optimizers, partitions):
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if id(param) in seen or not param.requires_grad:
-                    continue
-                seen.add(id(param))
-                state = estimated_state_bytes(optimizer, param, group)
-                shard = param.to_local() if isinstance(param, DTensor) else param
-                fraction = shard.numel() / max(param.numel(), 1)
-                full += param.numel() * param.element_size()
-                local += shard.numel() * param.element_size()
-                states_full, states_local = states_full + round(state / fraction), states_local + state
-                states_owned[owners.owner.get(id(param), 0)] += state
-    return {"DDP": MemoryPerRank(full, full, states_full), "this layout": MemoryPerRank(local, local, states_local),
-            "this layout + ZeRO-1": MemoryPerRank(local, local, max(states_owned, default=0))}
-
-
-def format_memory_table(memory: dict[str, MemoryPerRank], zero: bool) -> str:
-    """Markdown table of ``memory_per_rank``: MiB per rank of each layout, and each against DDP."""
-    ddp = memory["DDP"]
-    names = list(memory)
-    used = "this layout + ZeRO-1" if zero else "this layout"
-    header = " | ".join(f"{name} (this run)" if name == used else name for name in names)
-    rows = [f"| memory per rank (MiB) | {header} |", "|---" * (len(names) + 1) + "|"]
-    for label, field in (("parameters", "params"), ("gradients", "grads"), ("optimizer states", "states"),
-                         ("total", "total")):
-        cells = []
-        for name in names:
-            value, base = getattr(memory[name], field), getattr(ddp, field)
-            ratio = f" ({value / base:.0%})" if name != "DDP" and base else ""
-            cells.append(f"{value / 2**20:.2f}{ratio}")
-        rows.append(f"| {label} | {' | '.join(cells)} |")
-    return "\n".join(rows)

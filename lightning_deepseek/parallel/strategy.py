@@ -16,8 +16,11 @@ The result is the training of the same model on the global batch (tested to 1e-5
 against DDP on HF Llama, GPT-2, BERT, ViT, Mixtral and DeepSeek-V3).
 
 The strategy is a thin coordinator over values decided once: ``ParallelDims`` (:mod:`.dims`, sizes and mesh), the
-``Plan`` (:mod:`.plan`: declared by the model or found by structure), the placement (:mod:`.placement`); sharding
-is :mod:`.styles`, checkpoint I/O :mod:`.checkpoint`. ``_parallelize`` is the flat list of steps of a first setup.
+``Plan`` (:mod:`.plan`: declared by the model or found by structure), the ``Placement`` (:mod:`.placement`) and the
+``ExpertParallelPlan`` (:mod:`.expert_plan`); sharding is :mod:`.styles`, the shards' gradient reduction
+:mod:`.gradients`, the memory table and ZeRO-1's set-up :mod:`.memory`, mixed param groups :mod:`.optimizers`,
+clipping :mod:`.clipping`, checkpoint I/O :mod:`.checkpoint`. ``_parallelize`` is the flat list of steps of a first
+setup.
 Reused from Lightning: ``DDPStrategy`` (launch, process group, DDP wrapping, ``no_sync`` under gradient
 accumulation, ``reduce`` for ``sync_dist``) and the DCP checkpoint layout of ``ModelParallelStrategy`` (a folder
 of shards plus ``meta.pt``). Lightning's ``ModelParallelStrategy`` itself shards over ``dp`` with FSDP2 and
@@ -32,10 +35,8 @@ reaching ``min_shard_params``) it trains as plain DDP, and warns why and which s
 
 Costs: per micro-batch and sharded block, two all-gathers and two reduce-scatters of one rank's activations
 over ``tp``; per step, one all-reduce of the replicated gradients (world) and one of the shards (``dp``).
-Optimizers: torch's multi-tensor steps (``foreach``, the default on CUDA, and ``fused``) refuse a param group that
-mixes DTensor shards and plain tensors, so such groups are stepped with the for-loop implementation
-(``foreach=False``) unless they ask for ``foreach``/``fused`` explicitly, which is an error. Groups split by
-``isinstance(p, DTensor)`` keep the multi-tensor step.
+Optimizers: a param group mixing DTensor shards and plain tensors is stepped with ``foreach=False``
+(:mod:`.optimizers`).
 Not supported: sharding anything but ``nn.Linear`` and ``Conv1D`` (routed experts are expert parallelism's);
 ranks of a ``tp`` group feeding micro-batches of different shapes (the last batch of an epoch must be full or
 dropped).
@@ -49,7 +50,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -70,19 +70,23 @@ from lightning_deepseek.parallel import checkpoint as _checkpoint_io
 from lightning_deepseek.parallel import clipping, zero
 from lightning_deepseek.parallel.arguments import check_ddp_kwargs
 from lightning_deepseek.parallel.dims import ParallelDims
-from lightning_deepseek.parallel.expert import REPLICA_DIM, is_expert_param, reduce_expert_gradients
+from lightning_deepseek.parallel.expert import is_expert_param, reduce_expert_gradients
 from lightning_deepseek.parallel.expert_plan import ExpertParallelPlan, setup_expert_parallel
+from lightning_deepseek.parallel.gradients import reduce_shard_gradients
+from lightning_deepseek.parallel.memory import setup_optimizer_states
+from lightning_deepseek.parallel.optimizers import (
+    disable_foreach_on_mixed_groups,
+    settle_mixed_param_groups,
+)
 from lightning_deepseek.parallel.placement import (
     POLICIES,
     CommVolume,
     LinkCost,
-    candidate_mesh,
-    choose_placement,
     comm_volume,
-    describe_placement,
-    probe_links,
+    place,
+    tokens_per_micro_batch,
 )
-from lightning_deepseek.parallel.plan import Plan, decide_plan, format_memory_table, format_plan_table, memory_per_rank
+from lightning_deepseek.parallel.plan import Plan, decide_plan, format_plan_table
 from lightning_deepseek.parallel.styles import apply_tensor_parallel
 from lightning_deepseek.parallel.topology import Topology, discover_topology, parse_topology
 from lightning_deepseek.parallel.zero import ShardedOptimizerStates
@@ -91,43 +95,7 @@ if TYPE_CHECKING:
     from lightning_deepseek.autotune.cost_model import Decision
 
 log = logging.getLogger(__name__)
-_DEFAULT_TOKENS = 2048
 _AUTO = ("auto", "per_node")
-
-
-class MixedParamGroupError(ValueError):
-    """A param group mixes DTensor and plain parameters and asks for a multi-tensor (``foreach``/``fused``) step."""
-
-
-def _disable_foreach_on_mixed_groups(optimizers: list[Optimizer]) -> list[str]:
-    """Set ``foreach=False`` on every param group that mixes DTensor and plain parameters and leaves ``foreach``
-    unset (torch would pick its multi-tensor kernels on CUDA, which fail on the mix); raise where such a group
-    sets ``foreach`` or ``fused`` itself. Homogeneous groups are left as they are.
-
-    Returns:
-        The groups it changed, as ``"optimizer i (Name) param group j"``.
-    """
-    changed = []
-    for i, optimizer in enumerate(optimizers):
-        for j, group in enumerate(optimizer.param_groups):
-            if len({isinstance(p, DTensor) for p in group["params"]}) < 2:
-                continue
-            for setting in ("fused", "foreach"):
-                if group.get(setting):
-                    raise MixedParamGroupError(
-                        f"{type(optimizer).__name__} (optimizer {i}) param group {j} has {setting}={group[setting]!r} "
-                        "but mixes tensor-parallel DTensor and plain parameters, which torch's multi-tensor kernels "
-                        f"refuse. Leave {setting} unset (HybridParallelStrategy then steps this group parameter by "
-                        "parameter), or split the group by `isinstance(p, torch.distributed.tensor.DTensor)`.")
-            if group.get("foreach", False) is None:
-                group["foreach"] = False
-                changed.append(f"optimizer {i} ({type(optimizer).__name__}) param group {j}")
-    return changed
-
-
-def _replica_group(mesh: DeviceMesh, dim: str) -> zero.ReplicaGroup:
-    group = mesh.get_group(dim)
-    return zero.ReplicaGroup(tuple(dist.get_process_group_ranks(group)), group)
 
 
 class HybridParallelStrategy(DDPStrategy):
@@ -339,10 +307,10 @@ class HybridParallelStrategy(DDPStrategy):
                 self.model = self._layer_sync.apply(self.model)
             self.configure_ddp()
             self.setup_optimizers(trainer)
-            self._settle_mixed_param_groups()
+            settle_mixed_param_groups(self.optimizers)
             self._shard_states()
         self.setup_precision_plugin()
-        self._route_clipping()
+        clipping.route_clipping(self.precision_plugin)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -418,76 +386,21 @@ class HybridParallelStrategy(DDPStrategy):
         """ZeRO-1 on every optimizer (``shard_optimizer_states=True``); prints the memory per rank."""
         for handle in self._zero:
             handle.remove()
-        self._zero = []
-        if self.world_size == 1:
-            if self._shard_optimizer_states:
-                rank_zero_warn("HybridParallelStrategy: shard_optimizer_states=True on one process: every parameter "
-                               "has one replica, so there is nothing to shard. Run on 2 or more devices to shard the "
-                               "optimizer states.")
-            return
-        world = zero.ReplicaGroup(tuple(range(self.world_size)), None)
-        dp = _replica_group(self._mesh, "dp") if self._mesh is not None else world
         expert_mesh = self._expert_plan.mesh if self._expert_plan is not None else None
-        edp = _replica_group(expert_mesh, REPLICA_DIM) if expert_mesh is not None else world
-
-        def replica_group_of(param: torch.Tensor) -> zero.ReplicaGroup:
-            if is_expert_param(param):
-                return edp  # expert slices: replicated over the expert-data-parallel group
-            return dp if isinstance(param, DTensor) else world
-        inners = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        owners = [zero.partition([p for g in o.param_groups for p in g["params"]], replica_group_of) for o in inners]
-        memory = memory_per_rank(inners, owners, self.world_size)  # with the partition ZeRO-1 deals or would deal
-        rank_zero_info(f"HybridParallelStrategy memory per rank:\n"
-                       f"{format_memory_table(memory, self._shard_optimizer_states)}")
-        if not self._shard_optimizer_states:
-            return
-        for i, (inner, owned) in enumerate(zip(inners, owners)):
-            zero.check_shardable(inner, i)
-            self._zero.append(zero.ShardedOptimizerStates(inner, owned, self.global_rank))
-
-    def _settle_mixed_param_groups(self) -> None:
-        changed = _disable_foreach_on_mixed_groups(self.optimizers)
-        if changed:
-            rank_zero_info(f"HybridParallelStrategy: foreach=False on {', '.join(changed)}: they mix tensor-parallel "
-                           "DTensor and plain parameters, which torch's multi-tensor optimizer kernels (the default "
-                           "on CUDA) refuse. To keep the multi-tensor step, put sharded and replicated parameters in "
-                           "separate param groups (`isinstance(p, torch.distributed.tensor.DTensor)` tells them "
-                           "apart).")
+        self._zero = setup_optimizer_states(self.optimizers, self.global_rank, self.world_size, self._mesh,
+                                            expert_mesh, self._shard_optimizer_states)
 
     def _build_mesh(self, module: nn.Module, trainer: pl.Trainer) -> DeviceMesh:
         assert self._topology is not None
-        dims = self.parallel_dims
-        dp_size, tp_size = dims.dp, dims.tp
-        topology = self._topology
-        links, link_source = None, ""
-        if len(topology.islands) > 1 and (self._links is not None or self._placement_arg == "auto"):
-            links = self._links if self._links is not None else probe_links(topology)
-            link_source = "configured" if self._links is not None else "probed"
-            volume = self._comm_volume(module, trainer.accumulate_grad_batches)
-            self.placement, grid, self.placement_estimates = choose_placement(
-                self._placement_arg, topology, dp_size, tp_size, volume, links)
-        else:  # one island (every rank order uses the same links) or a fixed policy with no link figures to rank
-            self.placement = "tp_intra_node" if self._placement_arg == "auto" else self._placement_arg
-            grid = candidate_mesh(self.placement, topology, dp_size, tp_size)
-            self.placement_estimates = {}
-        rank_zero_info(describe_placement(self._placement_arg, self.placement, grid, topology,
-                                          self.placement_estimates, links, link_source))
-        return dims.build_mesh(self.root_device.type, grid)
+        dims, topology = self.parallel_dims, self._topology
 
-    def _comm_volume(self, module: nn.Module, micro_batches: int) -> CommVolume:
-        return comm_volume(module, self._plan, self.tensor_parallel_size, self._tokens_per_micro_batch(module),
-                           micro_batches)
-
-    def _tokens_per_micro_batch(self, module: nn.Module) -> int:
-        if self._micro_batch_tokens is not None:
-            return self._micro_batch_tokens
-        example = getattr(module, "example_input_array", None)
-        if isinstance(example, torch.Tensor):
-            return example.numel() if not example.is_floating_point() else example[..., 0].numel()
-        if self._plan and self._placement_arg == "auto" and len(self._topology.islands) > 1:
-            rank_zero_warn(f"HybridParallelStrategy: placement='auto' assumes {_DEFAULT_TOKENS} tokens per "
-                           "micro-batch; set micro_batch_tokens (or example_input_array) for a better estimate.")
-        return _DEFAULT_TOKENS
+        def volume() -> CommVolume:
+            tokens = tokens_per_micro_batch(module, self._micro_batch_tokens,
+                                            warn_on_default=bool(self._plan) and self._placement_arg == "auto")
+            return comm_volume(module, self._plan, dims.tp, tokens, trainer.accumulate_grad_batches)
+        placed = place(self._placement_arg, topology, dims.dp, dims.tp, self._links, volume)
+        self.placement, self.placement_estimates = placed.policy, placed.estimates
+        return dims.build_mesh(self.root_device.type, placed.grid)
 
     @override
     def configure_ddp(self) -> None:
@@ -522,34 +435,12 @@ class HybridParallelStrategy(DDPStrategy):
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
         return super()._setup_model(model)
 
-    def _route_clipping(self) -> None:
-        # Lightning clips through the precision plugin with torch's clip_grad_norm_, which fails on a mix of
-        # DTensor and plain gradients; the plugin is the user's (any Precision subclass), so its two clipping
-        # methods are redirected on this instance rather than by subclassing every plugin.
-        plugin = self.precision_plugin
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-            clipping.clip_grad_norm_(plugin.main_params(optimizer), clip_val)
-
-        def clip_grad_by_value(optimizer: Optimizer, clip_val: float) -> None:
-            clipping.clip_grad_value_(plugin.main_params(optimizer), clip_val)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm
-        plugin.clip_grad_by_value = clip_grad_by_value
-
-    @torch.no_grad()
     def reduce_tensor_parallel_gradients(self, optimizer: Optimizer) -> None:
         """Sum the tensor-parallel gradients of ``optimizer``'s parameters over ``dp``, divide by the world size."""
         grads = [p.grad.to_local() for group in optimizer.param_groups for p in group["params"]
                  if isinstance(p, DTensor) and not is_expert_param(p) and p.grad is not None]
-        if not grads:
-            return
-        flat = torch._utils._flatten_dense_tensors(grads)  # no public flatten with an unflatten pair
-        if self.world_size // self.tensor_parallel_size > 1:
-            dist.all_reduce(flat, group=self.device_mesh.get_group("dp"))
-        flat.div_(self.world_size)
-        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            grad.copy_(reduced)
+        dp_group = self.device_mesh.get_group("dp") if grads and self.parallel_dims.dp > 1 else None
+        reduce_shard_gradients(grads, dp_group, self.world_size)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -616,5 +507,5 @@ class HybridParallelStrategy(DDPStrategy):
             raise ValueError(f"ckpt_path={str(path)!r} is neither a checkpoint file nor a complete "
                              "torch.distributed.checkpoint folder (with meta.pt, written last). Pass a checkpoint "
                              "written by Lightning.")
-        _disable_foreach_on_mixed_groups(self.optimizers)  # loaded groups carry the saved run's foreach
+        disable_foreach_on_mixed_groups(self.optimizers)  # loaded groups carry the saved run's foreach
         return loaded

@@ -249,7 +249,7 @@ def test_one_process_warns_that_there_is_nothing_to_shard() -> None:
 
 def test_memory_table_shows_states_per_rank_with_and_without_zero() -> None:
     from lightning_deepseek.optim import AdamW
-    from lightning_deepseek.parallel.plan import format_memory_table, memory_per_rank
+    from lightning_deepseek.parallel.memory import format_memory_table, memory_per_rank
     from lightning_deepseek.parallel.zero import ReplicaGroup
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (1024, 1024, 512, 512)]  # 3072 FP32 elements

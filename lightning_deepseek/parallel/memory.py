@@ -1,0 +1,134 @@
+"""What one rank holds for training (parameters, gradients, optimizer states), and ZeRO-1's set-up.
+
+Printed once at setup, after the optimizers exist: a table of the memory per rank of plain DDP, of this layout
+(tensor- and expert-parallel shards) and of this layout with ZeRO-1, whichever the run uses marked. Optimizer
+states are estimated from each optimizer's kind before its first step creates them
+(:func:`lightning_deepseek.parallel.zero.estimated_state_bytes`).
+
+ZeRO-1 (``shard_optimizer_states=True``, :mod:`lightning_deepseek.parallel.zero`) deals each parameter to an owner
+inside its *replica group*: the world for replicated parameters, ``dp`` for tensor-parallel shards, ``edp`` for
+expert slices. :func:`setup_optimizer_states` builds that partition (also without ZeRO-1, for the table's figure)
+and, when asked, shards the states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_deepseek.parallel import zero
+from lightning_deepseek.parallel.expert import REPLICA_DIM, is_expert_param
+from lightning_deepseek.parallel.zero import Partition, ShardedOptimizerStates, estimated_state_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPerRank:
+    """Bytes one rank holds for the parameters, their gradients and the optimizer states."""
+
+    params: int
+    grads: int
+    states: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.states
+
+
+def memory_per_rank(optimizers: list[Optimizer], partitions: list[Partition],
+                    world_size: int) -> dict[str, MemoryPerRank]:
+    """Memory per rank of plain DDP, of this layout, and of this layout with ZeRO-1 (``partitions``: one per
+    optimizer, the owners ZeRO-1 deals or would deal; the ZeRO figure is the most loaded rank's).
+
+    Optimizer states are estimated from each optimizer's kind before its first step creates them
+    (:func:`lightning_deepseek.parallel.zero.estimated_state_bytes`); gradients are one per trainable element.
+    """
+    full = local = states_full = states_local = 0
+    states_owned = [0] * world_size
+    seen: set[int] = set()
+    for optimizer, owners in zip(optimizers, partitions):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in seen or not param.requires_grad:
+                    continue
+                seen.add(id(param))
+                state = estimated_state_bytes(optimizer, param, group)
+                shard = param.to_local() if isinstance(param, DTensor) else param
+                fraction = shard.numel() / max(param.numel(), 1)
+                full += param.numel() * param.element_size()
+                local += shard.numel() * param.element_size()
+                states_full, states_local = states_full + round(state / fraction), states_local + state
+                states_owned[owners.owner.get(id(param), 0)] += state
+    return {"DDP": MemoryPerRank(full, full, states_full), "this layout": MemoryPerRank(local, local, states_local),
+            "this layout + ZeRO-1": MemoryPerRank(local, local, max(states_owned, default=0))}
+
+
+def format_memory_table(memory: dict[str, MemoryPerRank], zero: bool) -> str:
+    """Markdown table of ``memory_per_rank``: MiB per rank of each layout, and each against DDP."""
+    ddp = memory["DDP"]
+    names = list(memory)
+    used = "this layout + ZeRO-1" if zero else "this layout"
+    header = " | ".join(f"{name} (this run)" if name == used else name for name in names)
+    rows = [f"| memory per rank (MiB) | {header} |", "|---" * (len(names) + 1) + "|"]
+    for label, field in (("parameters", "params"), ("gradients", "grads"), ("optimizer states", "states"),
+                         ("total", "total")):
+        cells = []
+        for name in names:
+            value, base = getattr(memory[name], field), getattr(ddp, field)
+            ratio = f" ({value / base:.0%})" if name != "DDP" and base else ""
+            cells.append(f"{value / 2**20:.2f}{ratio}")
+        rows.append(f"| {label} | {' | '.join(cells)} |")
+    return "\n".join(rows)
+
+
+def _replica_group(mesh: DeviceMesh, dim: str) -> zero.ReplicaGroup:
+    group = mesh.get_group(dim)
+    return zero.ReplicaGroup(tuple(dist.get_process_group_ranks(group)), group)
+
+
+def setup_optimizer_states(optimizers: list[Optimizer], rank: int, world_size: int, mesh: DeviceMesh | None,
+                           expert_mesh: DeviceMesh | None, shard: bool) -> list[ShardedOptimizerStates]:
+    """Print the memory per rank and, with ``shard``, shard the optimizer states (ZeRO-1) over the replica groups.
+
+    Args:
+        optimizers: the strategy's optimizers (Lightning's wrappers or torch's).
+        rank: this rank.
+        world_size: all ranks.
+        mesh: the ``(dp, tp)`` mesh (None: every parameter replicated over the world).
+        expert_mesh: the ``(edp, ep)`` mesh of expert parallelism, if the experts are sharded.
+        shard: ``shard_optimizer_states``.
+
+    Returns:
+        One ZeRO-1 handle per optimizer when sharding, else none.
+    """
+    if world_size == 1:
+        if shard:
+            rank_zero_warn("HybridParallelStrategy: shard_optimizer_states=True on one process: every parameter "
+                           "has one replica, so there is nothing to shard. Run on 2 or more devices to shard the "
+                           "optimizer states.")
+        return []
+    world = zero.ReplicaGroup(tuple(range(world_size)), None)
+    dp = _replica_group(mesh, "dp") if mesh is not None else world
+    edp = _replica_group(expert_mesh, REPLICA_DIM) if expert_mesh is not None else world
+
+    def replica_group_of(param: torch.Tensor) -> zero.ReplicaGroup:
+        if is_expert_param(param):
+            return edp  # expert slices: replicated over the expert-data-parallel group
+        return dp if isinstance(param, DTensor) else world
+    inners = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
+    owners = [zero.partition([p for g in o.param_groups for p in g["params"]], replica_group_of) for o in inners]
+    memory = memory_per_rank(inners, owners, world_size)  # with the partition ZeRO-1 deals or would deal
+    rank_zero_info(f"HybridParallelStrategy memory per rank:\n{format_memory_table(memory, shard)}")
+    if not shard:
+        return []
+    handles = []
+    for i, (inner, owned) in enumerate(zip(inners, owners)):
+        zero.check_shardable(inner, i)
+        handles.append(ShardedOptimizerStates(inner, owned, rank))
+    return handles
