@@ -9,12 +9,19 @@ Forking it is safe: the server never runs a torch op or a collective, so it hold
 pool and no thread but its own (``test_forkserver_is_clean`` checks it), and each rank still starts its own
 process group. What the server cannot inherit from the caller at fork time, the caller's current environment
 variables, travels with each rank and is applied before anything else runs.
+
+Each rank writes its stdout and stderr to a file of its own (the forkserver's terminal is not pytest's captured
+output, so ranks' warnings would flood the CI log); when a run fails, the tail of every rank's output is added to
+the failure message.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from multiprocessing import forkserver
@@ -50,8 +57,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _redirect_output(path: str) -> None:
+    """Send this process's stdout and stderr (file descriptors 1 and 2: C++ and Python alike) to ``path``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _output_tails(log_dir: str, world_size: int, chars: int = 3000) -> str:
+    tails = []
+    for rank in range(world_size):
+        try:
+            text = open(os.path.join(log_dir, f"rank{rank}.log"), errors="replace").read()
+        except OSError:
+            continue
+        if text.strip():
+            tails.append(f"--- rank {rank} output (last {chars} characters) ---\n{text[-chars:]}")
+    return "\n".join(tails)
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any,
-            environ: dict[str, str]) -> None:
+            environ: dict[str, str], log_dir: str) -> None:
+    _redirect_output(os.path.join(log_dir, f"rank{rank}.log"))
     os.environ.clear()  # the caller's environment now, not the one the forkserver started with
     os.environ.update(environ)
     os.environ.update(
@@ -94,7 +124,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     queue = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, environ))
+    log_dir = tempfile.mkdtemp(prefix="lds-ranks-")
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, environ, log_dir))
              for r in range(world_size)]
     for proc in procs:
         proc.start()
@@ -118,6 +149,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+    tails = _output_tails(log_dir, world_size) if errors else ""
+    shutil.rmtree(log_dir, ignore_errors=True)
     if errors:
-        raise AssertionError("\n".join(errors))
+        raise AssertionError("\n".join(errors + ([tails] if tails else [])))
     return [results[r] for r in range(world_size)]

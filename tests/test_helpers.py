@@ -40,11 +40,25 @@ def test_forkserver_is_clean(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _fail_on_rank_one(rank: int, world_size: int) -> int:
+    print(f"rank {rank} was here", flush=True)
     if rank == 1:
         raise ValueError("rank one fails")
     return rank
 
 
-def test_a_failing_rank_fails_the_test_with_its_traceback() -> None:
-    with pytest.raises(AssertionError, match="rank 1:(.|\n)*ValueError: rank one fails"):
+def test_a_failing_rank_fails_the_test_with_its_traceback_and_output() -> None:
+    with pytest.raises(AssertionError, match="rank 1:(.|\n)*ValueError: rank one fails") as failure:
         run_distributed(_fail_on_rank_one, 2, timeout=60)
+    assert "--- rank 1 output" in str(failure.value) and "rank 1 was here" in str(failure.value)
+
+
+def _talk(rank: int, world_size: int) -> int:
+    print(f"noise from rank {rank}", flush=True)
+    print(f"warning from rank {rank}", file=sys.stderr, flush=True)
+    return rank
+
+
+def test_ranks_output_stays_out_of_the_terminal(capfd: pytest.CaptureFixture[str]) -> None:
+    assert run_distributed(_talk, 2) == [0, 1]
+    out, err = capfd.readouterr()
+    assert "noise from rank" not in out + err
