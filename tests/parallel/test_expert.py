@@ -3,7 +3,8 @@
 A plain DDP loop (no Lightning): the MoE GPT on one process on the global batch, against the same model with its
 routed experts sharded ``ep=2`` (2 ranks), ``ep=2 x edp=2`` and ``ep=4`` (4 ranks), SGD with momentum, 20 steps,
 the sequence-wise aux loss on and the aux-loss-free balancing bias updated after every step from the token counts
-(summed over ranks under EP); losses and final weights within 1e-5 relative. In the same 2-rank spawn: transformers'
+(summed over ranks under EP); losses, final weights and the first step's router gradients within 1e-5 relative. The
+loop also runs the per-island dispatch (``test_expert_dispatch.py``). In the same 2-rank spawn: transformers'
 Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 from tiny configs, found through their declared
 ``base_model_ep_plan`` (no adapter), ``ep=2`` against one process within 1e-4 over 10 SGD steps. The 4-rank runs
 of this loop (``ep=2 x edp=2``, ``ep=4``) join the one 4-process spawn of ``test_expert_strategy.py``.
@@ -53,18 +54,21 @@ def _router_grads(model: torch.nn.Module) -> dict[str, list]:
     return {name: p.grad.tolist() for name, p in model.named_parameters() if "router" in name}
 
 
-def reference(world_size: int, max_islands: int | None = None) -> tuple[list[float], dict[str, Any], dict]:
+def reference(world_size: int, max_islands: int | None = None, groups: list[int] | None = None,
+              steps: int = STEPS) -> tuple[list[float], dict[str, Any], dict]:
     """One process on the global batch (world size x micro-batch): losses, final weights, first router gradients.
-    ``max_islands``: route as node-limited over two islands holding half of the experts each."""
-    data = token_data(STEPS * world_size * MICRO)
+    ``max_islands``: route as node-limited over the island of every expert, ``groups`` (default: two islands
+    holding half of the experts each)."""
+    data = token_data(steps * world_size * MICRO)
     model = _model()
     optimizer = _optimizer(model)
     counter = LoadCounter(find_expert_layers(model))
     if max_islands is not None:
         for layer in counter.layers:
-            layer.router.limit_groups([e * 2 // layer.num_experts for e in range(layer.num_experts)], max_islands)
+            islands = groups or [e * 2 // layer.num_experts for e in range(layer.num_experts)]
+            layer.router.limit_groups(islands, max_islands)
     losses, router_grads = [], {}
-    for step in range(STEPS):
+    for step in range(steps):
         batch = slice(step * world_size * MICRO, (step + 1) * world_size * MICRO)
         loss = lm_loss(model, data[batch])
         loss.backward()
@@ -77,10 +81,10 @@ def reference(world_size: int, max_islands: int | None = None) -> tuple[list[flo
 
 
 def expert_parallel_run(rank: int, world_size: int, ep_size: int, topology: Topology | None = None,
-                        max_islands: int | None = None) -> dict[str, Any]:
+                        max_islands: int | None = None, steps: int = STEPS) -> dict[str, Any]:
     """The model with experts sharded over ``ep_size`` under DDP: global losses, full weights, bytes per rank.
     With ``topology``: the per-island dispatch over its islands, and node-limited routing to ``max_islands``."""
-    data = token_data(STEPS * world_size * MICRO)
+    data = token_data(steps * world_size * MICRO)
     model = _model()
     mesh = build_expert_mesh("cpu", ExpertParallelDims(world_size, ep_size))
     layers = apply_expert_parallel(model, mesh)
@@ -95,7 +99,7 @@ def expert_parallel_run(rank: int, world_size: int, ep_size: int, topology: Topo
     ddp = DistributedDataParallel(model)
     optimizer = _optimizer(model)
     losses, router_grads = [], {}
-    for step in range(STEPS):
+    for step in range(steps):
         start = (step * world_size + rank) * MICRO
         loss = lm_loss(ddp, data[start:start + MICRO])
         loss.backward()
@@ -136,8 +140,9 @@ def two_rank_result(two_rank_spawn: dict[str, Any]) -> dict[str, Any]:
     return two_rank_spawn["gpt"]
 
 
-def _check(result: dict[str, Any], world_size: int, max_islands: int | None = None) -> None:
-    ref_losses, ref_state, ref_router_grads = reference(world_size, max_islands)
+def _check(result: dict[str, Any], world_size: int, max_islands: int | None = None,
+           groups: list[int] | None = None) -> None:
+    ref_losses, ref_state, ref_router_grads = reference(world_size, max_islands, groups, len(result["losses"]))
     for step, (ours, ref) in enumerate(zip(result["losses"], ref_losses)):
         assert abs(ours - ref) <= TOL * abs(ref), f"step {step}: {ours} vs {ref}"
     assert relative_error(result["state"], ref_state) < TOL
