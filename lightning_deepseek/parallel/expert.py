@@ -30,8 +30,11 @@ Costs per MoE layer and micro-batch: one all-to-all of ``E`` int64 counts, and t
 (backward) of ``T x k x d`` activation elements in total, of which the fraction ``(ep - 1) / ep`` leaves the rank
 under uniform routing (:func:`all_to_all_bytes`). Saved: the expert gradients' all-reduce shrinks to ``1 / ep`` of
 the bytes over ``world / ep`` ranks, and expert weights and optimizer states to ``1 / ep`` per rank.
-Node-limited routing is a routing restriction (:mod:`lightning_deepseek.moe.node_limited`); the dispatch sends one
-row per (token, expert) pair, not one per node. Not supported: token dropping/capacity, expert tensor parallelism,
+This flat dispatch sends one row per (token, expert) pair. When an ``ep`` group spans islands of the topology, the
+strategy (``expert_dispatch="auto"``) puts the per-island dispatch of :mod:`lightning_deepseek.parallel.expert_dispatch`
+in front of it: a token crosses to each island it uses once and is fanned out there by :func:`exchange_pairs` over
+the island's ranks, which is what makes node-limited routing (:mod:`lightning_deepseek.moe.node_limited`) save
+slow-link bytes. Not supported: token dropping/capacity, expert tensor parallelism,
 ranks of one ``ep`` group calling the layer a different number of times (every rank must run the same forward
 passes, as under DDP).
 """

@@ -202,7 +202,18 @@ def apply_island_dispatch(layers: list[ExpertLayer], dispatch: IslandDispatch) -
 
 def cross_island_rows(num_experts: int, top_k: int, num_islands: int, dispatch: str, max_islands: int | None = None
                       ) -> float:
-    """Expected rows per token and MoE layer that leave for another island (forward dispatch), uniform routing."""
+    """Expected rows per token and MoE layer that leave for another island (forward dispatch), uniform routing.
+
+    Args:
+        num_experts: routed experts of the layer, ``E / num_islands`` on each island.
+        top_k: experts per token.
+        num_islands: islands an ``ep`` group spans.
+        dispatch: ``"flat"`` or ``"per_island"``.
+        max_islands: None (no limit) or 1 (node-limited routing to one island; then a token's ``k`` rows go
+            together, flat or not).
+    """
+    if max_islands not in (None, 1):
+        raise ValueError(f"max_islands={max_islands!r}: the expected rows are given for None or 1 only.")
     if dispatch == "flat":
         return top_k * (num_islands - 1) / num_islands
     if max_islands == 1:
@@ -210,3 +221,16 @@ def cross_island_rows(num_experts: int, top_k: int, num_islands: int, dispatch: 
     per_island = num_experts // num_islands
     missed = math.comb(num_experts - per_island, top_k) / math.comb(num_experts, top_k)
     return (num_islands - 1) * (1 - missed)
+
+
+def cross_island_bytes(num_tokens: int, top_k: int, dim: int, num_experts: int, num_islands: int, dispatch: str,
+                       max_islands: int | None = None, itemsize: int = 4) -> float:
+    """Expected bytes one rank sends to other islands per MoE layer, forward and backward, under uniform routing.
+
+    Flat: ``4 d`` values per crossing row (dispatch and return, forward and backward). Per island: ``d + k`` values
+    and ``k`` int32 ids out, ``d`` back, and in backward ``d`` out and ``d + k`` back: ``4 d + 2 k`` values and ``k``
+    ids per crossing (token, island).
+    """
+    rows = num_tokens * cross_island_rows(num_experts, top_k, num_islands, dispatch, max_islands)
+    per_row = 4 * dim * itemsize if dispatch == "flat" else (4 * dim + 2 * top_k) * itemsize + 4 * top_k
+    return rows * per_row
