@@ -140,23 +140,27 @@ class IslandDispatch:
             raise RuntimeError("expert dispatch: torch ordered a subgroup's ranks other than sorted")
         self.island_group, self.peer_group = island_group, peer_group
         self.num_islands, self.per_island = layout.num_islands, len(layout.island_ranks(self.island))
-        self._position_island = torch.tensor(layout.islands)
-        self._position_within = torch.tensor([layout.within(p) for p in range(len(layout.ranks))])
-        # the peer-group rank that receives a token for island i
-        self._island_peer = torch.tensor([peers.index(layout.island_ranks(i)[index])
-                                          for i in range(self.num_islands)])
+        # per ep position: its island and its rank in the island group; per island: the peer rank receiving for it
+        self._tables = {torch.device("cpu"): (
+            torch.tensor(layout.islands), torch.tensor([layout.within(p) for p in range(len(layout.ranks))]),
+            torch.tensor([peers.index(layout.island_ranks(i)[index]) for i in range(self.num_islands)]))}
+
+    def _tables_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if device not in self._tables:  # copied once per device, not per forward
+            self._tables[device] = tuple(t.to(device) for t in self._tables[torch.device("cpu")])
+        return self._tables[device]
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_local: int,
                 compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The routed experts' combined output per token (see the module docstring for the three stages)."""
         device = top_k_index.device
-        position_island = self._position_island.to(device)
-        num_tokens, top_k = top_k_index.shape
+        position_island, position_within, island_peer = self._tables_on(device)
+        num_tokens = top_k_index.size(0)
         # stage 1: one row per (token, island used), ordered by the receiving peer
         used = torch.zeros(num_tokens, self.num_islands, dtype=torch.bool, device=device)
         used.scatter_(1, position_island[top_k_index // num_local], True)
         by_peer = torch.empty_like(used)
-        by_peer[:, self._island_peer.to(device)] = used
+        by_peer[:, island_peer] = used
         peer, token = by_peer.t().nonzero(as_tuple=True)
         send_counts = torch.bincount(peer, minlength=self.num_islands)
         recv_counts = torch.empty_like(send_counts)
@@ -169,7 +173,7 @@ class IslandDispatch:
         # stage 2: this island's (row, expert) pairs over the island group, experts numbered by island rank
         row, slot = (position_island[ids // num_local] == self.island).nonzero(as_tuple=True)
         expert = ids[row, slot]
-        island_expert = self._position_within.to(device)[expert // num_local] * num_local + expert % num_local
+        island_expert = position_within[expert // num_local] * num_local + expert % num_local
         order = torch.argsort(island_expert, stable=True)
         counts = torch.bincount(island_expert, minlength=self.per_island * num_local)
         out = exchange_pairs(rows[row[order]], counts, num_local, self.island_group, compute)
