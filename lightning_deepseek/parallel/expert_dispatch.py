@@ -118,10 +118,10 @@ def resolve_dispatch(dispatch: Dispatch, topology: Topology | None, grid: list[l
     if dispatch == "auto":
         return "per_island" if fits else "flat"
     if not fits:
-        where = (f"the expert-parallel groups {grid} on the islands {topology.islands}" if topology is not None
-                 else "no topology")
+        where = (f"the expert-parallel groups {grid} lie on the islands {topology.islands}" if topology is not None
+                 else "no topology is known")
         raise ValueError(f"{SETTING}='per_island' needs expert-parallel groups that span islands of equal size, "
-                         f"but there is {where}. Declare the islands (topology='0,1;2,3' or $LDS_TOPOLOGY), raise "
+                         f"but {where}. Declare the islands (topology='0,1;2,3' or $LDS_TOPOLOGY), raise "
                          f"expert_parallel_size across them, or use {SETTING}='auto' or 'flat'.")
     return "per_island"
 
