@@ -2,12 +2,14 @@
 expected rows per token; and, on real gloo processes, exactness and rows crossing islands.
 
 The process runs (:func:`island_scenarios`) join the one 4-process spawn of ``test_expert_strategy.py``
-(``four_ranks``), where the plain expert-parallel loop of ``test_expert.py`` at ep=4 over two declared islands of 2
-ranks runs 8 SGD steps with the balancing bias, against one process (losses, final weights and the first step's
-router gradients within 1e-5 relative):
-- per island, unrestricted routing, islands ``0,1;2,3``;
-- per island with node-limited routing ``max_islands_per_token=1``, islands ``0,2;1,3`` (interleaved: an island group
-  of ranks 0 and 2, peer groups 0,1 and 2,3);
+(``four_ranks``), where the plain expert-parallel loop of ``test_expert.py`` over two declared islands of 2 ranks
+runs 8 SGD steps with the balancing bias, against one process (losses, final weights and the first step's router
+gradients within 1e-5 relative):
+- per island at ep=4, unrestricted routing, islands ``0,1;2,3``;
+- per island at ep=4 with node-limited routing ``max_islands_per_token=1``, islands ``0,2;1,3`` (interleaved: island
+  groups 0,2 and 1,3, peer groups 0,1 and 2,3);
+- per island at ep=2 x edp=2 across the nodes ``0,2;1,3`` (one rank per island in each group: island groups of
+  one rank, two expert-parallel groups);
 and the rows that crossed to another island (the expert ids of stage 1, counted at the collective) are exactly one
 per (token, remote island used), fewer than the flat dispatch's one per (token, remote expert).
 """
@@ -126,7 +128,8 @@ def _counted_run(rank: int, world_size: int, topology: Any, max_islands: int | N
 def island_scenarios(rank: int, world_size: int) -> dict[str, Any]:
     """The per-island runs of the 4-process spawn (see the module docstring)."""
     return {"unrestricted": _counted_run(rank, world_size, TWO_NODES, None),
-            "limited": _counted_run(rank, world_size, INTERLEAVED, 1)}
+            "limited": _counted_run(rank, world_size, INTERLEAVED, 1),
+            "replicas": expert_parallel_run(rank, world_size, 2, INTERLEAVED, steps=STEPS)}
 
 
 def check_island_runs(runs: dict[str, Any]) -> None:
@@ -135,7 +138,8 @@ def check_island_runs(runs: dict[str, Any]) -> None:
 
     _check(runs["unrestricted"], 4)
     _check(runs["limited"], 4, max_islands=1, groups=[0, 0, 1, 1, 0, 0, 1, 1])
-    for run in runs.values():
+    _check(runs["replicas"], 4)
+    for run in (runs["unrestricted"], runs["limited"]):
         counted, per_island, flat = run["rows"]
         assert counted == per_island > 0  # one row per (token, remote island), nothing else crossed
         assert per_island < flat
