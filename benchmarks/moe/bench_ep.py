@@ -2,20 +2,27 @@
 and node-limited routing's bytes over the slow link.
 
 Run (loopback, gloo): ``.venv/bin/python benchmarks/moe/bench_ep.py [--world 4] [--steps 15] [--repeats 3]``;
-on the network testbed (needs root; 2 emulated nodes x 2 ranks joined by ``--rate``, default 1 Gbit):
-``.venv/bin/python benchmarks/moe/bench_ep.py --testbed [--rate 1gbit]``. The islands are declared ``0,1;2,3`` (2
-ranks per node) in both. In one run, interleaved repetitions of the same MoE GPT (16 routed experts of hidden width
-256 per layer, top-2, d=128, few tokens per micro-batch, so that the expert gradients dominate DDP's traffic)
-trained with SGD by:
+on the network testbed (needs root; 2 emulated nodes x 2 ranks joined by ``--rate``, default 1 Gbit; namespaces
+``--prefix``, addresses ``--subnet``, unique per concurrent user):
+``.venv/bin/python benchmarks/moe/bench_ep.py --testbed [--rate 1gbit] [--prefix ldse --subnet 10.213.41]``. The
+islands are declared ``0,1;2,3`` (2 ranks per node) in both. In one run, interleaved repetitions of the same MoE
+GPT (16 routed experts of hidden width 256 per layer, top-2, d=128; by default few tokens per micro-batch
+(``--micro``), so that the expert gradients dominate DDP's traffic) trained with SGD by:
 - ``ddp``: plain torch DDP, experts replicated and all-reduced with everything else;
 - ``ep2``: experts sharded over the 2 ranks of a node (``ep=2 x edp=2``: the all-to-all stays inside the node, the
   expert gradients are all-reduced across the nodes over their 2 replicas);
-- ``ep4``: experts sharded over all 4 ranks (the all-to-all crosses nodes; no expert all-reduce);
-- ``ep4_m1``: ``ep4`` with node-limited routing, each token's experts on one node (``max_islands_per_token=1``).
+- ``ep4``: experts sharded over all 4 ranks (the all-to-all crosses nodes; no expert all-reduce), flat dispatch (one
+  row per (token, expert) pair);
+- ``ep4_m1``: ``ep4`` with node-limited routing, each token's experts on one node (``max_islands_per_token=1``);
+- ``ep4_island``: ``ep4`` with the per-island dispatch (:mod:`lightning_deepseek.parallel.expert_dispatch`: one row
+  per (token, node used), fanned out inside the node), what ``expert_dispatch="auto"`` picks for ep=4 here;
+- ``ep4_island_m1``: ``ep4_island`` with ``max_islands_per_token=1``.
 (With ``--world 2``: ``ddp`` and ``ep2`` only.) Reports the median step time (after 3 warm-up steps) of each, the
-ratio to DDP, expert parameter (+ SGD momentum) bytes per rank, and per rank and step the all-to-all bytes sent to
-other ranks and to other nodes, counted at the collective (forward; the backward's reverse all-to-alls move the
-same bytes by construction), against the uniform-routing formula.
+ratio to DDP, expert parameter (+ SGD momentum) bytes per rank, and per rank (mean over the ranks) and step the
+all-to-all bytes sent to other ranks and to the other node, counted at the collective (forward sends, and in
+backward what the forward received through the differentiable all-to-alls: the reverse exchange), against the
+uniform-routing formula (``all_to_all_bytes``, ``cross_island_bytes``; the expected rows crossing per token from
+``cross_island_rows``). The exchanges of the split counts (``E`` int64 per layer) are not counted.
 """
 
 from __future__ import annotations
@@ -35,11 +42,15 @@ sys.path.insert(0, str(ROOT))
 
 MODEL = dict(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=128, n_routed_experts=16, moe_top_k=2,
              n_shared_experts=1, moe_hidden=256)
-MICRO, SEQ, TOPOLOGY = 2, 16, "0,1;2,3"
+SEQ, TOPOLOGY = 16, "0,1;2,3"
 
 
 def modes(world: int) -> list[str]:
-    return ["ddp", "ep2", "ep4", "ep4_m1"] if world == 4 else ["ddp", "ep2"]
+    return ["ddp", "ep2", "ep4", "ep4_m1", "ep4_island", "ep4_island_m1"] if world == 4 else ["ddp", "ep2"]
+
+
+def _limit(mode: str) -> int | None:
+    return 1 if mode.endswith("_m1") else None
 
 
 def run(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
@@ -50,6 +61,7 @@ def run(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     import lightning_deepseek.parallel.expert as expert
+    import lightning_deepseek.parallel.expert_dispatch as expert_dispatch
     from lightning_deepseek.models import GPT, GPTConfig
     from lightning_deepseek.moe.node_limited import limit_routing
     from lightning_deepseek.parallel.topology import parse_topology
@@ -60,17 +72,22 @@ def run(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     sent = {"peers": 0, "nodes": 0}
     original = expert.all_to_all_single_autograd
 
-    def counting(tensor, output_split_sizes, input_split_sizes, group):  # noqa: ANN001, ANN202
-        ranks = dist.get_process_group_ranks(group)
-        row = tensor[0].numel() * tensor.element_size() if tensor.numel() else 0
-        for peer, size in zip(ranks, input_split_sizes):
+    def count(ranks: list[int], splits: list[int], row: int) -> None:
+        for peer, size in zip(ranks, splits):
             if peer != rank:
                 sent["peers"] += size * row
                 sent["nodes"] += size * row if topology.island_of(peer) != topology.island_of(rank) else 0
+
+    def counting(tensor, output_split_sizes, input_split_sizes, group):  # noqa: ANN001, ANN202
+        ranks = dist.get_process_group_ranks(group)
+        row = tensor[0].numel() * tensor.element_size() if tensor.numel() else 0
+        count(ranks, input_split_sizes, row)
+        if tensor.requires_grad:  # backward sends back the gradients of what each peer sent
+            count(ranks, output_split_sizes, row)
         return original(tensor, output_split_sizes, input_split_sizes, group)
 
-    expert.all_to_all_single_autograd = counting
-    data = torch.randint(0, 256, (args.steps, MICRO, SEQ + 1), generator=torch.Generator().manual_seed(rank))
+    expert.all_to_all_single_autograd = expert_dispatch.all_to_all_single_autograd = counting
+    data = torch.randint(0, 256, (args.steps, args.micro, SEQ + 1), generator=torch.Generator().manual_seed(rank))
     results: dict[str, dict] = {mode: {"times": []} for mode in modes(world)}
     for _ in range(args.repeats):
         for mode in modes(world):
@@ -80,8 +97,11 @@ def run(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
             if mode != "ddp":
                 mesh = expert.build_expert_mesh("cpu", expert.ExpertParallelDims(world, 2 if mode == "ep2" else 4))
                 layers = expert.apply_expert_parallel(model, mesh)
-                if mode == "ep4_m1":
+                if _limit(mode):
                     limit_routing(layers, topology, mesh.mesh.tolist(), 1)
+                if "island" in mode:
+                    dispatch = expert_dispatch.build_island_dispatch(topology, mesh.mesh.tolist())
+                    expert_dispatch.apply_island_dispatch(layers, dispatch)
                 ignored = [n for n, p in model.named_parameters() if expert.is_expert_param(p)]
                 DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
             ddp = DistributedDataParallel(model)
@@ -102,9 +122,10 @@ def run(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
             local = [p.to_local() if expert.is_expert_param(p) else p for n, p in model.named_parameters()
                      if "experts." in n]
             results[mode]["expert_bytes"] = 2 * sum(p.numel() * p.element_size() for p in local)  # + momentum
-            # forward counted; the backward's reverse all-to-alls move the same bytes
-            results[mode]["a2a_bytes_per_step"] = 2 * sent["peers"] / args.steps
-            results[mode]["a2a_cross_node_bytes_per_step"] = 2 * sent["nodes"] / args.steps
+            counted = torch.tensor([sent["peers"], sent["nodes"]], dtype=torch.float64)
+            dist.all_reduce(counted)  # the mean over the ranks
+            results[mode]["a2a_bytes_per_step"] = counted[0].item() / world / args.steps
+            results[mode]["a2a_cross_node_bytes_per_step"] = counted[1].item() / world / args.steps
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -127,32 +148,43 @@ def testbed(args: argparse.Namespace, out: Path) -> None:
     """4 worker processes, 2 in each of 2 network namespaces joined by ``args.rate``."""
     from benchmarks.testbed import Testbed, workers
 
-    with Testbed(num_hosts=2, rate=args.rate, prefix="ldse", subnet="10.213.41") as bed:
+    with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
         with workers(args.timeout) as procs:
             for rank in range(4):
                 env = dict(MASTER_ADDR=bed.ip(0), MASTER_PORT="29641", RANK=str(rank), WORLD_SIZE="4",
                            PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
                 argv = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
-                        "--repeats", str(args.repeats)]
+                        "--repeats", str(args.repeats), "--micro", str(args.micro)]
                 procs.append(subprocess.Popen(bed.command(rank // 2, argv, env), cwd=ROOT))
 
 
 def report(res: dict, args: argparse.Namespace) -> None:
     from lightning_deepseek.parallel.expert import all_to_all_bytes
+    from lightning_deepseek.parallel.expert_dispatch import cross_island_bytes, cross_island_rows
 
     where = f"testbed 2 nodes x 2 ranks, {args.rate}" if args.testbed else f"loopback, {args.world} ranks"
-    print(f"{where}; steps={args.steps} repeats={args.repeats} (gloo, 1 thread per rank); load: {os.getloadavg()}")
+    print(f"{where}; steps={args.steps} repeats={args.repeats} micro-batch={args.micro}x{SEQ} tokens per rank "
+          f"(gloo, 1 thread per rank); load: {os.getloadavg()}")
     ddp = statistics.median(res["ddp"]["times"])
     print("| mode | step time (median of repetition medians) | per repetition | / DDP | expert bytes per rank "
-          "| all-to-all B/step to other ranks (formula) | ... to the other node |")
-    print("|---|---|---|---|---|---|---|")
+          "| all-to-all B/step to other ranks (flat formula) | ... to the other node (formula) "
+          "| rows crossing per token and layer (formula) |")
+    print("|---|---|---|---|---|---|---|---|")
+    tokens, top_k, dim, experts = args.micro * SEQ, MODEL["moe_top_k"], MODEL["n_embd"], MODEL["n_routed_experts"]
     for mode, row in res.items():
         median = statistics.median(row["times"])
         ep = {"ddp": 1, "ep2": 2}.get(mode, 4)
-        formula = MODEL["n_layer"] * all_to_all_bytes(MICRO * SEQ, MODEL["moe_top_k"], MODEL["n_embd"], ep, 4)
+        flat = MODEL["n_layer"] * all_to_all_bytes(tokens, top_k, dim, ep, 4) if "island" not in mode else None
+        cross, rows = "0", "0"
+        if ep == 4:  # ep4*: the group spans both nodes
+            dispatch = "per_island" if "island" in mode else "flat"
+            per_layer = cross_island_bytes(tokens, top_k, dim, experts, 2, dispatch, _limit(mode))
+            cross = f"{MODEL['n_layer'] * per_layer:,.0f}"
+            rows = f"{cross_island_rows(experts, top_k, 2, dispatch, _limit(mode)):.3f}"
         print(f"| {mode} | {median * 1e3:.1f} ms | {' / '.join(f'{t * 1e3:.0f}' for t in row['times'])} ms "
-              f"| {median / ddp:.2f}x | {row['expert_bytes']:,} B | {row['a2a_bytes_per_step']:,.0f} ({formula:,}) "
-              f"| {row['a2a_cross_node_bytes_per_step']:,.0f} |")
+              f"| {median / ddp:.2f}x | {row['expert_bytes']:,} B | {row['a2a_bytes_per_step']:,.0f} "
+              f"({'-' if flat is None else f'{flat:,}'}) | {row['a2a_cross_node_bytes_per_step']:,.0f} ({cross}) "
+              f"| {rows} |")
 
 
 def main() -> None:
@@ -160,8 +192,11 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4, choices=[2, 4])
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--micro", type=int, default=2, help="sequences per rank and step (of 16 tokens)")
     parser.add_argument("--testbed", action="store_true")
     parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--prefix", default="ldse", help="testbed namespace prefix (unique per concurrent user)")
+    parser.add_argument("--subnet", default="10.213.41", help="testbed /24 (unique per concurrent user)")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", default="")

@@ -2,8 +2,10 @@
 
 Under expert parallelism the routed experts of a layer are spread over the ``ep`` ranks of a group (``E / ep``
 contiguous experts each), and those ranks over the islands of the topology (nodes or NVLink domains,
-:mod:`lightning_deepseek.parallel.topology`). A token whose ``k`` experts lie on ``k`` islands crosses the slow links
-``k`` times; DeepSeek-V3 bounds that (4 of 8 nodes) by group-limited top-k: the experts held by one island form a
+:mod:`lightning_deepseek.parallel.topology`). Under the per-island dispatch
+(:mod:`lightning_deepseek.parallel.expert_dispatch`, what ``expert_dispatch="auto"`` uses when an ``ep`` group spans
+islands) a token crosses once to each island holding one of its experts, so the islands it uses are the slow-link
+rows it costs; DeepSeek-V3 bounds them (4 of 8 nodes) by group-limited top-k: the experts held by one island form a
 group, a group's score is the sum of its two highest bias-shifted scores, each token keeps its ``M`` best groups and
 picks its top-k among their experts. The routing function then depends on where the experts are: the groups are
 derived from the topology at every setup and never checkpointed (a resume at another EP size or topology gets the
@@ -11,7 +13,9 @@ groups of its own layout), and the one-process reference of the tests applies th
 
 Needs a router of the MoE protocol that can limit groups (:mod:`lightning_deepseek.moe.protocol`): ours, or
 transformers' DeepSeek-V3 router (``num_group``/``topk_group``; it takes equal contiguous groups, which islands of
-equal size give). Costs per token: ``G`` masked top-2 over ``E`` scores for ``G`` islands (negligible next to the
+equal size give). With the flat dispatch (``expert_dispatch="flat"``), which sends one row per (token, expert) pair,
+the limit does not reduce the bytes over the slow links (a token limited to one island sends its ``k`` rows there
+all the same). Costs per token: ``G`` masked top-2 over ``E`` scores for ``G`` islands (negligible next to the
 experts). Not supported: limiting the islands of a model run without expert parallelism (every expert is on every
 rank: nothing to limit), groups that differ between the replicas of an expert slice.
 """

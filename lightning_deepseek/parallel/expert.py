@@ -30,15 +30,18 @@ Costs per MoE layer and micro-batch: one all-to-all of ``E`` int64 counts, and t
 (backward) of ``T x k x d`` activation elements in total, of which the fraction ``(ep - 1) / ep`` leaves the rank
 under uniform routing (:func:`all_to_all_bytes`). Saved: the expert gradients' all-reduce shrinks to ``1 / ep`` of
 the bytes over ``world / ep`` ranks, and expert weights and optimizer states to ``1 / ep`` per rank.
-Node-limited routing is a routing restriction (:mod:`lightning_deepseek.moe.node_limited`); the dispatch sends one
-row per (token, expert) pair, not one per node. Not supported: token dropping/capacity, expert tensor parallelism,
+This flat dispatch sends one row per (token, expert) pair. When an ``ep`` group spans islands of the topology, the
+strategy (``expert_dispatch="auto"``) puts the per-island dispatch of :mod:`lightning_deepseek.parallel.expert_dispatch`
+in front of it: a token crosses to each island it uses once and is fanned out there by :func:`exchange_pairs` over
+the island's ranks, which is what makes node-limited routing (:mod:`lightning_deepseek.moe.node_limited`) save
+slow-link bytes. Not supported: token dropping/capacity, expert tensor parallelism,
 ranks of one ``ep`` group calling the layer a different number of times (every rank must run the same forward
 passes, as under DDP).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -104,28 +107,50 @@ class ExpertParallel:
 
     num_global_experts: int
     _ep_group: dist.ProcessGroup
+    _island_dispatch: Any = None  # an expert_dispatch.IslandDispatch when the ep group spans islands
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 *args: Any, **kwargs: Any) -> torch.Tensor:
-        ep, num_local = dist.get_world_size(self._ep_group), self.num_experts
+        num_local = self.num_experts
+
+        def compute(rows: torch.Tensor, local_index: torch.Tensor) -> torch.Tensor:
+            ones = torch.ones(local_index.numel(), 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
+            with _local_parameters(self):
+                return super(ExpertParallel, self).forward(rows, local_index[:, None], ones, *args, **kwargs)
+
+        if self._island_dispatch is not None:
+            return self._island_dispatch.forward(hidden_states, top_k_index, top_k_weights, num_local, compute)
         num_tokens, top_k = top_k_index.shape
         flat_index = top_k_index.reshape(-1)
         order = torch.argsort(flat_index, stable=True)
-        counts = torch.bincount(flat_index, minlength=ep * num_local)
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self._ep_group)
-        received = received.view(ep, num_local)
-        send_splits = counts.view(ep, num_local).sum(1).tolist()
-        recv_splits = received.sum(1).tolist()
-        rows = all_to_all_single_autograd(hidden_states[order // top_k], recv_splits, send_splits, self._ep_group)
-        local_index = torch.repeat_interleave(torch.arange(num_local, device=counts.device).repeat(ep),
-                                              received.flatten())
-        ones = torch.ones(local_index.numel(), 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
-        with _local_parameters(self):
-            out = super().forward(rows, local_index[:, None], ones, *args, **kwargs)
-        out = all_to_all_single_autograd(out, send_splits, recv_splits, self._ep_group)
+        counts = torch.bincount(flat_index, minlength=dist.get_world_size(self._ep_group) * num_local)
+        out = exchange_pairs(hidden_states[order // top_k], counts, num_local, self._ep_group, compute)
         out = out[torch.argsort(order)].view(num_tokens, top_k, -1)
         return (out * top_k_weights[..., None].to(out.dtype)).sum(dim=1).to(hidden_states.dtype)
+
+
+def exchange_pairs(rows: torch.Tensor, counts: torch.Tensor, num_local: int, group: dist.ProcessGroup,
+                   compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Send ``rows`` (one per (token, expert) pair, sorted by expert) to the ranks of ``group`` holding their
+    experts, ``compute(received_rows, local_expert_index)`` there, and return the outputs in the order of ``rows``.
+
+    Args:
+        rows: the pairs' token rows, sorted by expert (numbered ``group rank * num_local + local expert``).
+        counts: pairs per expert (``group size * num_local``).
+        num_local: experts per rank.
+        group: the ranks exchanging (the ``ep`` group, or an island of it).
+        compute: the local experts' forward on the received rows.
+    """
+    size = dist.get_world_size(group)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    received = received.view(size, num_local)
+    send_splits = counts.view(size, num_local).sum(1).tolist()
+    recv_splits = received.sum(1).tolist()
+    rows = all_to_all_single_autograd(rows, recv_splits, send_splits, group)
+    local_index = torch.repeat_interleave(torch.arange(num_local, device=counts.device).repeat(size),
+                                          received.flatten())
+    return all_to_all_single_autograd(compute(rows, local_index), send_splits, recv_splits, group)
 
 
 @contextmanager

@@ -26,6 +26,12 @@ from lightning_deepseek.parallel.expert import (
     apply_expert_parallel,
     build_expert_mesh,
 )
+from lightning_deepseek.parallel.expert_dispatch import (
+    Dispatch,
+    apply_island_dispatch,
+    build_island_dispatch,
+    resolve_dispatch,
+)
 from lightning_deepseek.parallel.topology import Topology
 
 
@@ -39,6 +45,8 @@ class ExpertParallelPlan:
         layers: the sharded experts modules' names and global expert counts.
         expert_bytes: bytes of all routed-expert parameters (what every rank holds under DDP).
         other_bytes: bytes of every other parameter.
+        dispatch: how tokens reach their experts, ``"flat"`` or ``"per_island"``
+            (:mod:`lightning_deepseek.parallel.expert_dispatch`).
     """
 
     dims: ExpertParallelDims
@@ -46,6 +54,7 @@ class ExpertParallelPlan:
     layers: tuple[tuple[str, int], ...]
     expert_bytes: int
     other_bytes: int
+    dispatch: str = "flat"
 
     @property
     def local_expert_bytes(self) -> int:
@@ -65,7 +74,7 @@ class ExpertParallelPlan:
         lines += [f"{name:<40} {num:>8} {num // ep:>9}" for name, num in self.layers]
         lines.append(f"expert parameters per rank: {self.local_expert_bytes / 2**20:.2f} MiB of "
                      f"{self.expert_bytes / 2**20:.2f} MiB under DDP; all parameters per rank: "
-                     f"{self.param_bytes_vs_ddp:.3f} x DDP")
+                     f"{self.param_bytes_vs_ddp:.3f} x DDP; dispatch: {self.dispatch}")
         return "\n".join(lines)
 
     def summary(self) -> dict[str, object]:
@@ -74,7 +83,7 @@ class ExpertParallelPlan:
             return {}
         return {"expert_parallel": f"ep={self.dims.ep_size} x edp={self.dims.replicas}, "
                                    f"{len(self.layers)} MoE layers",
-                "expert_param_bytes_vs_ddp": round(self.param_bytes_vs_ddp, 3)}
+                "expert_param_bytes_vs_ddp": round(self.param_bytes_vs_ddp, 3), "expert_dispatch": self.dispatch}
 
 
 def _param_bytes(params: list[torch.Tensor]) -> int:
@@ -95,7 +104,7 @@ def resolve_ep_size(ep_size: int | Literal["auto"], world_size: int, local_size:
 
 def setup_expert_parallel(module: nn.Module, device_type: str, world_size: int,
                           ep_size: int | Literal["auto"], local_size: int, topology: Topology | None = None,
-                          max_islands: int | None = None) -> ExpertParallelPlan:
+                          max_islands: int | None = None, dispatch: Dispatch = "auto") -> ExpertParallelPlan:
     """Shard ``module``'s routed experts over ``ep_size`` ranks (collective); print the plan table.
 
     Args:
@@ -106,6 +115,7 @@ def setup_expert_parallel(module: nn.Module, device_type: str, world_size: int,
         local_size: processes per node.
         topology: the strategy's islands (for node-limited routing).
         max_islands: ``max_islands_per_token`` (:mod:`lightning_deepseek.moe.node_limited`); None: no limit.
+        dispatch: ``expert_dispatch`` (:func:`~lightning_deepseek.parallel.expert_dispatch.resolve_dispatch`).
     """
     layers: list[ExpertLayer] = find_expert_layers(module)
     dims = ExpertParallelDims(world_size, resolve_ep_size(ep_size, world_size, local_size, layers))
@@ -130,9 +140,14 @@ def setup_expert_parallel(module: nn.Module, device_type: str, world_size: int,
     dims.check_experts(layers)
     mesh = build_expert_mesh(device_type, dims)
     apply_expert_parallel(module, mesh, layers)
+    grid = mesh.mesh.tolist()
     if max_islands is not None and topology is not None:
-        limit_routing(layers, topology, mesh.mesh.tolist(), max_islands)
-    plan = ExpertParallelPlan(dims, mesh, named, expert_bytes, other_bytes)
+        limit_routing(layers, topology, grid, max_islands)
+    dispatch = resolve_dispatch(dispatch, topology, grid)
+    if dispatch == "per_island":
+        assert topology is not None  # resolve_dispatch chose it from the topology
+        apply_island_dispatch(layers, build_island_dispatch(topology, grid))
+    plan = ExpertParallelPlan(dims, mesh, named, expert_bytes, other_bytes, dispatch)
     rank_zero_info(f"HybridParallelStrategy expert plan (ep={dims.ep_size}, edp={dims.replicas}; balancing bias "
                    f"looked for as {BIAS_NAMES}):\n{plan.table()}")
     return plan

@@ -71,6 +71,7 @@ from lightning_deepseek.parallel import clipping, zero
 from lightning_deepseek.parallel.arguments import check_ddp_kwargs
 from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.expert import is_expert_param, reduce_expert_gradients
+from lightning_deepseek.parallel.expert_dispatch import check_expert_dispatch
 from lightning_deepseek.parallel.expert_plan import ExpertParallelPlan, setup_expert_parallel
 from lightning_deepseek.parallel.gradients import reduce_shard_gradients
 from lightning_deepseek.parallel.memory import setup_optimizer_states
@@ -127,6 +128,8 @@ class HybridParallelStrategy(DDPStrategy):
             every layer's expert count (the former ``"auto"``).
         max_islands_per_token: node-limited routing (DeepSeek-V3): each token's routed experts lie on at most this
             many islands of ``topology`` (:mod:`lightning_deepseek.moe.node_limited`); None: no limit.
+        expert_dispatch: ``"auto"`` (per island when an expert-parallel group spans islands, else flat), ``"flat"``
+            or ``"per_island"`` (:mod:`lightning_deepseek.parallel.expert_dispatch`).
         save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
             optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
         shard_optimizer_states: ZeRO-1: each replica of a parameter keeps the optimizer state of only the
@@ -151,6 +154,7 @@ class HybridParallelStrategy(DDPStrategy):
         micro_batch_tokens: int | None = None,
         expert_parallel_size: int | Literal["auto", "per_node"] = 1,
         max_islands_per_token: int | None = None,
+        expert_dispatch: Literal["auto", "flat", "per_island"] = "auto",
         save_distributed_checkpoint: bool = True,
         shard_optimizer_states: bool = False,
         process_group_backend: str | None = None,
@@ -174,6 +178,7 @@ class HybridParallelStrategy(DDPStrategy):
             raise ValueError(f"expert_parallel_size={expert_parallel_size!r} must be a positive integer or 'auto' "
                              "(decided by the cost model), or 'per_node' (the largest size inside a node).")
         check_max_islands(max_islands_per_token)
+        check_expert_dispatch(expert_dispatch)
         if min_shard_params < 0:
             raise ValueError(f"min_shard_params={min_shard_params} must be >= 0.")
         self._tp_arg = tensor_parallel_size
@@ -186,6 +191,7 @@ class HybridParallelStrategy(DDPStrategy):
         self._micro_batch_tokens = micro_batch_tokens
         self._ep_size = expert_parallel_size
         self._max_islands = max_islands_per_token
+        self._expert_dispatch = expert_dispatch
         self._expert_plan: ExpertParallelPlan | None = None
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._dims: ParallelDims | None = None
@@ -344,7 +350,8 @@ class HybridParallelStrategy(DDPStrategy):
         apply_tensor_parallel(module, self._plan.styles, self._mesh["tp"])
         self._log_plan(module)
         self._expert_plan = setup_expert_parallel(module, self.root_device.type, self.world_size, ep_size,
-                                                  self.num_processes, self._topology, self._max_islands)
+                                                  self.num_processes, self._topology, self._max_islands,
+                                                  self._expert_dispatch)
 
     def _decide(self, module: pl.LightningModule, trainer: pl.Trainer) -> Decision:
         """``tensor_parallel_size`` / ``expert_parallel_size`` (and ``GradientCompression(bits="auto")``) by the

@@ -3,7 +3,8 @@
 A plain DDP loop (no Lightning): the MoE GPT on one process on the global batch, against the same model with its
 routed experts sharded ``ep=2`` (2 ranks), ``ep=2 x edp=2`` and ``ep=4`` (4 ranks), SGD with momentum, 20 steps,
 the sequence-wise aux loss on and the aux-loss-free balancing bias updated after every step from the token counts
-(summed over ranks under EP); losses and final weights within 1e-5 relative. In the same 2-rank spawn: transformers'
+(summed over ranks under EP); losses, final weights and the first step's router gradients within 1e-5 relative. The
+loop also runs the per-island dispatch (``test_expert_dispatch.py``). In the same 2-rank spawn: transformers'
 Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 from tiny configs, found through their declared
 ``base_model_ep_plan`` (no adapter), ``ep=2`` against one process within 1e-4 over 10 SGD steps. The 4-rank runs
 of this loop (``ep=2 x edp=2``, ``ep=4``) join the one 4-process spawn of ``test_expert_strategy.py``.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_deepseek.models import GPT, GPTConfig
 from lightning_deepseek.moe.balancing import LoadCounter, update_biases
+from lightning_deepseek.moe.node_limited import limit_routing
 from lightning_deepseek.moe.protocol import find_expert_layers
 from lightning_deepseek.parallel.expert import (
     ExpertParallelDims,
@@ -29,6 +32,8 @@ from lightning_deepseek.parallel.expert import (
     is_expert_param,
     reduce_expert_gradients,
 )
+from lightning_deepseek.parallel.expert_dispatch import apply_island_dispatch, build_island_dispatch
+from lightning_deepseek.parallel.topology import Topology
 from tests.helpers import run_distributed
 from tests.parallel.common import CONFIG, full_state, lm_loss, relative_error, token_data
 
@@ -45,40 +50,60 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-def reference(world_size: int) -> tuple[list[float], dict[str, Any]]:
-    """One process on the global batch (world size x micro-batch)."""
-    data = token_data(STEPS * world_size * MICRO)
+def _router_grads(model: torch.nn.Module) -> dict[str, list]:
+    return {name: p.grad.tolist() for name, p in model.named_parameters() if "router" in name}
+
+
+def reference(world_size: int, max_islands: int | None = None, groups: list[int] | None = None,
+              steps: int = STEPS) -> tuple[list[float], dict[str, Any], dict]:
+    """One process on the global batch (world size x micro-batch): losses, final weights, first router gradients.
+    ``max_islands``: route as node-limited over the island of every expert, ``groups`` (default: two islands
+    holding half of the experts each)."""
+    data = token_data(steps * world_size * MICRO)
     model = _model()
     optimizer = _optimizer(model)
     counter = LoadCounter(find_expert_layers(model))
-    losses = []
-    for step in range(STEPS):
+    if max_islands is not None:
+        for layer in counter.layers:
+            islands = groups or [e * 2 // layer.num_experts for e in range(layer.num_experts)]
+            layer.router.limit_groups(islands, max_islands)
+    losses, router_grads = [], {}
+    for step in range(steps):
         batch = slice(step * world_size * MICRO, (step + 1) * world_size * MICRO)
         loss = lm_loss(model, data[batch])
         loss.backward()
+        router_grads = router_grads or _router_grads(model)
         optimizer.step()
         optimizer.zero_grad()
         update_biases(counter.layers, counter.take(), RATE)
         losses.append(loss.item())
-    return losses, full_state(model)
+    return losses, full_state(model), router_grads
 
 
-def expert_parallel_run(rank: int, world_size: int, ep_size: int) -> dict[str, Any]:
-    """The model with experts sharded over ``ep_size`` under DDP: global losses, full weights, bytes per rank."""
-    data = token_data(STEPS * world_size * MICRO)
+def expert_parallel_run(rank: int, world_size: int, ep_size: int, topology: Topology | None = None,
+                        max_islands: int | None = None, steps: int = STEPS) -> dict[str, Any]:
+    """The model with experts sharded over ``ep_size`` under DDP: global losses, full weights, bytes per rank.
+    With ``topology``: the per-island dispatch over its islands, and node-limited routing to ``max_islands``."""
+    data = token_data(steps * world_size * MICRO)
     model = _model()
     mesh = build_expert_mesh("cpu", ExpertParallelDims(world_size, ep_size))
     layers = apply_expert_parallel(model, mesh)
+    if topology is not None:
+        grid = mesh.mesh.tolist()
+        if max_islands is not None:
+            limit_routing(layers, topology, grid, max_islands)
+        apply_island_dispatch(layers, build_island_dispatch(topology, grid))
     counter = LoadCounter(find_expert_layers(model))
     ignored = [name for name, p in model.named_parameters() if is_expert_param(p)]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(model)
     optimizer = _optimizer(model)
-    losses = []
-    for step in range(STEPS):
+    losses, router_grads = [], {}
+    for step in range(steps):
         start = (step * world_size + rank) * MICRO
         loss = lm_loss(ddp, data[start:start + MICRO])
         loss.backward()
+        router_grads = router_grads or _router_grads(model)  # DDP's mean over the ranks
         reduce_expert_gradients(model.parameters(), mesh)
         optimizer.step()
         optimizer.zero_grad()
@@ -92,7 +117,7 @@ def expert_parallel_run(rank: int, world_size: int, ep_size: int) -> dict[str, A
     return {"losses": losses, "state": full_state(model), "layers": [layer.name for layer in layers],
             "ignored": ignored, "local_expert_params": local,
             "local_experts": [layer.experts.num_experts for layer in layers],
-            "bias": [layer.bias.tolist() for layer in counter.layers]}
+            "bias": [layer.bias.tolist() for layer in counter.layers], "router_grads": router_grads}
 
 
 def two_rank_scenarios(rank: int, world_size: int) -> dict[str, Any]:
@@ -115,11 +140,15 @@ def two_rank_result(two_rank_spawn: dict[str, Any]) -> dict[str, Any]:
     return two_rank_spawn["gpt"]
 
 
-def _check(result: dict[str, Any], world_size: int) -> None:
-    ref_losses, ref_state = reference(world_size)
+def _check(result: dict[str, Any], world_size: int, max_islands: int | None = None,
+           groups: list[int] | None = None) -> None:
+    ref_losses, ref_state, ref_router_grads = reference(world_size, max_islands, groups, len(result["losses"]))
     for step, (ours, ref) in enumerate(zip(result["losses"], ref_losses)):
         assert abs(ours - ref) <= TOL * abs(ref), f"step {step}: {ours} vs {ref}"
     assert relative_error(result["state"], ref_state) < TOL
+    assert result["router_grads"].keys() == ref_router_grads.keys() and ref_router_grads
+    grads = {name: np.array(grad) for name, grad in result["router_grads"].items()}
+    assert relative_error(grads, {name: np.array(grad) for name, grad in ref_router_grads.items()}) < TOL
     assert any(abs(b) > 0 for bias in result["bias"] for b in bias)  # the balancing bias took part
 
 

@@ -25,8 +25,10 @@ and one 4-process spawn, each running several scenarios (process start dominates
   as saved and its 10 steps match the one-process continuation on the batches the resumed run trained on (Lightning
   picks them: resumed on an epoch's last batch, 2.6 trains one batch of the next epoch, then goes on to the one
   after);
-- node-limited routing: ``max_islands_per_token=1`` on the declared topology ``"0,1;2,3"`` at ep=4: no token's
-  experts span two islands, and losses and weights match one process routing with the same expert groups.
+- node-limited routing: ``max_islands_per_token=1`` on the declared topology ``"0,1;2,3"`` at ep=4 (which makes
+  ``expert_dispatch="auto"`` dispatch per island): no token's experts span two islands, and losses and weights match
+  one process routing with the same expert groups;
+- the per-island dispatch in the plain loop, unrestricted and node-limited (``test_expert_dispatch.py``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from tests.parallel.common import (
 )
 from tests.parallel.test_expert import _check as check_plain_loop
 from tests.parallel.test_expert import expert_parallel_run
+from tests.parallel.test_expert_dispatch import check_island_runs, island_scenarios
 
 STEPS, MICRO, TOL, RATE = 20, 2, 1e-5, 1e-2
 RESUMED, LIMITED_STEPS, STAGED_STEPS, TOPOLOGY = 30, 10, 10, "0,1;2,3"
@@ -245,7 +248,8 @@ def four_rank_scenarios(rank: int, world_size: int, folder: str, ckpt: str) -> d
     islands = _RecordIslands()
     limited = fit(world_size, LIMITED_STEPS, tp=1, folder=folder, ep=4, micro=1, callbacks=(islands,),
                   topology=TOPOLOGY, max_islands_per_token=1)
-    return {"plain": plain, "resumed": resumed, "limited": limited, "most_islands": islands.most}
+    return {"plain": plain, "resumed": resumed, "limited": limited, "most_islands": islands.most,
+            "per_island": island_scenarios(rank, world_size)}
 
 
 def _balancing(module: TinyLM) -> Any:
@@ -392,6 +396,10 @@ def test_four_ranks_ep_x_replicas_match_one_process(ep_size: int, four_ranks: di
     check_plain_loop(four_ranks["plain"][ep_size], 4)
 
 
+def test_per_island_dispatch_matches_one_process_and_crosses_once_per_island(four_ranks: dict[str, Any]) -> None:
+    check_island_runs(four_ranks["per_island"])
+
+
 def test_resume_at_ep4_loads_exactly_and_continues_as_one_process(result: dict[str, Any],
                                                                     four_ranks: dict[str, Any]) -> None:
     saved, resumed = {**result["ep"]["state"], **result["ep"]["end"]}, four_ranks["resumed"]
@@ -405,6 +413,7 @@ def test_resume_at_ep4_loads_exactly_and_continues_as_one_process(result: dict[s
 
 def test_node_limited_routing_keeps_each_token_on_one_island(four_ranks: dict[str, Any]) -> None:
     assert four_ranks["most_islands"] == 1
+    assert four_ranks["limited"]["summary"]["expert_dispatch"] == "per_island"  # auto: ep=4 spans both islands
     expected = reference_run(LIMITED_STEPS, 4, token_data(LIMITED_STEPS * 4), after_step=_node_limited_balancing,
                              **MOE)
     _check(four_ranks["limited"], LIMITED_STEPS, reference_result=expected)
