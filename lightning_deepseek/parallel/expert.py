@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_deepseek.moe.protocol import ExpertLayer, find_expert_layers
 from lightning_deepseek.parallel.dims import ParallelDims
+from lightning_deepseek.parallel.gradients import reduce_shard_gradients
 
 EP_DIM, REPLICA_DIM = "ep", "edp"
 
@@ -217,14 +218,8 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, layers: list[Exper
 def reduce_expert_gradients(params: Iterable[torch.Tensor], mesh: DeviceMesh) -> None:
     """Sum the expert gradients among ``params`` over their replicas (``edp``) and divide by the world size."""
     grads = [p.grad.to_local() for p in params if is_expert_param(p) and p.grad is not None]
-    if not grads:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)  # no public flatten with an unflatten pair (as DDP uses)
-    if mesh[REPLICA_DIM].size() > 1:
-        dist.all_reduce(flat, group=mesh.get_group(REPLICA_DIM))
-    flat.div_(mesh.size())
-    for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        grad.copy_(reduced)
+    replicas = mesh.get_group(REPLICA_DIM) if grads and mesh[REPLICA_DIM].size() > 1 else None
+    reduce_shard_gradients(grads, replicas, mesh.size())
 
 
 def all_to_all_bytes(num_tokens: int, top_k: int, dim: int, ep_size: int, itemsize: int) -> int:

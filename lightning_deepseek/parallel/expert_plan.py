@@ -143,7 +143,7 @@ def setup_expert_parallel(module: nn.Module, device_type: str, world_size: int,
     grid = mesh.mesh.tolist()
     if max_islands is not None and topology is not None:
         limit_routing(layers, topology, grid, max_islands)
-    dispatch = resolve_dispatch(dispatch, topology, grid)
+    dispatch = resolve_dispatch(dispatch, topology, grid, node_limited=max_islands is not None)
     if dispatch == "per_island":
         assert topology is not None  # resolve_dispatch chose it from the topology
         apply_island_dispatch(layers, build_island_dispatch(topology, grid))

@@ -128,8 +128,9 @@ class HybridParallelStrategy(DDPStrategy):
             every layer's expert count (the former ``"auto"``).
         max_islands_per_token: node-limited routing (DeepSeek-V3): each token's routed experts lie on at most this
             many islands of ``topology`` (:mod:`lightning_deepseek.moe.node_limited`); None: no limit.
-        expert_dispatch: ``"auto"`` (per island when an expert-parallel group spans islands, else flat), ``"flat"``
-            or ``"per_island"`` (:mod:`lightning_deepseek.parallel.expert_dispatch`).
+        expert_dispatch: ``"auto"`` (per island under node-limited routing when an expert-parallel group spans
+            islands, else flat), ``"flat"`` or ``"per_island"`` (each token crosses to an island once;
+            :mod:`lightning_deepseek.parallel.expert_dispatch`).
         save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
             optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
         shard_optimizer_states: ZeRO-1: each replica of a parameter keeps the optimizer state of only the

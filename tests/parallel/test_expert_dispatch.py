@@ -32,9 +32,11 @@ TWO_NODES, INTERLEAVED = parse_topology("0,1;2,3"), parse_topology("0,2;1,3")
 STEPS = 8
 
 
-def test_auto_is_per_island_only_where_an_ep_group_spans_equal_islands() -> None:
-    assert resolve_dispatch("auto", TWO_NODES, [[0, 1, 2, 3]]) == "per_island"
-    assert resolve_dispatch("auto", INTERLEAVED, [[0, 1], [2, 3]]) == "per_island"  # ep=2 x edp=2 across nodes
+def test_auto_is_per_island_only_under_node_limited_routing_where_an_ep_group_spans_equal_islands() -> None:
+    assert resolve_dispatch("auto", TWO_NODES, [[0, 1, 2, 3]], node_limited=True) == "per_island"
+    assert resolve_dispatch("auto", INTERLEAVED, [[0, 1], [2, 3]], node_limited=True) == "per_island"  # ep=2 x edp=2
+    assert resolve_dispatch("auto", TWO_NODES, [[0, 1, 2, 3]]) == "flat"  # unrestricted: its latency costs more
+    assert resolve_dispatch("per_island", TWO_NODES, [[0, 1, 2, 3]]) == "per_island"
     assert resolve_dispatch("auto", TWO_NODES, [[0, 1], [2, 3]]) == "flat"  # ep inside the nodes
     assert resolve_dispatch("auto", parse_topology("0;1,2,3"), [[0, 1, 2, 3]]) == "flat"  # unequal islands
     assert resolve_dispatch("auto", None, [[0, 1, 2, 3]]) == "flat"
