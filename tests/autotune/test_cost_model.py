@@ -135,6 +135,39 @@ def test_expert_parallelism_weighs_all_to_all_against_the_expert_all_reduce_insi
     assert decide(options, model, many_tokens, machine(GBIT, topology=TWO_NODES)).chosen.ep == 1
 
 
+def test_measured_sharding_overhead_replaces_the_activation_formula() -> None:
+    # The feed-forward-heavy GPT on the 1 Gbit testbed (RESULTS, "Decisions by a cost model"): counting the
+    # activation collectives' bytes and latencies, tp=2 looks ~40% faster than DDP and was chosen, but measured
+    # slower; a sharded copy timed at setup shows what the formula missed (dispatch, many small collectives, cores).
+    links = {"intra": LinkCost(0.8e9, 300e-6), "inter": LinkCost(1e9 / 8, 400e-6)}
+    model, options = facts(17, 0.9, 0.03, layers=2), candidates(4, [1, 2], [1], [None])
+    formula = ComputeProfile(0.05, 0.10)
+    assert decide(options, model, formula, machine(links, topology=TWO_NODES)).chosen == Candidate(2, 1, None)
+    measured = ComputeProfile(0.05, 0.10, optimizer_seconds=0.02, sharded={("tp", 2): (0.18, 0.015)})
+    decision = decide(options, model, measured, machine(links, topology=TWO_NODES))
+    assert decision.chosen == Candidate()
+    tp2 = decision.prediction(Candidate(2, 1, None))
+    assert tp2.parts["tp"] == pytest.approx(0.18) and tp2.parts["optimizer"] == pytest.approx(0.035)
+    assert decision.prediction(Candidate()).parts["optimizer"] == pytest.approx(0.02)
+    assert decision.compute is measured
+    # A sharding that measures cheap keeps the formula's verdict: the replicated gradients still dominate.
+    cheap = ComputeProfile(0.05, 0.10, sharded={("tp", 2): (0.005, -0.002)})
+    assert decide(options, model, cheap, machine(links, topology=TWO_NODES)).chosen == Candidate(2, 1, None)
+
+
+def test_expert_all_to_all_formula_counts_the_count_exchange_and_a_measurement_replaces_it() -> None:
+    volume = CommVolume(0, 0, 0, 0, 40 * MB, 2)
+    model = ModelFacts(param_bytes=40 * MB, volumes={1: volume}, expert_bytes=30 * MB, num_moe_layers=3)
+    link = LinkCost(1e9, 1e-3)
+    compute = ComputeProfile(0.05, 0.1, routed_bytes=MB)
+    ep2 = predict(Candidate(1, 2), model, compute, Machine(ONE_NODE, {"intra": link, "inter": link}, 2**36))
+    # 2 micro-batches x 3 layers x (4 exchanges of the routed rows + 1 of the per-expert counts)
+    assert ep2.parts["ep"] == pytest.approx(2 * 3 * (4 * (MB / 2 / 1e9 + 1e-3) + 1e-3))
+    measured = ComputeProfile(0.05, 0.1, routed_bytes=MB, sharded={("ep", 2): (0.04, 0.001)})
+    ep2 = predict(Candidate(1, 2), model, measured, Machine(ONE_NODE, {"intra": link, "inter": link}, 2**36))
+    assert ep2.parts["ep"] == pytest.approx(2 * 0.04) and ep2.parts["optimizer"] == pytest.approx(0.001)
+
+
 def test_placement_terms_add_up_to_the_placement_estimate() -> None:
     volume = CommVolume(MB, 2, 2, 10 * MB, 20 * MB, 2)
     mesh = candidate_mesh("tp_intra_node", TWO_NODES, 2, 2)
