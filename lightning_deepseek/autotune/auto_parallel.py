@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -201,8 +202,9 @@ def _machine(topology: Topology, links: dict[str, LinkCost], device: torch.devic
              bits: tuple[int | None, ...], grad_bytes: int, bucket_bytes: int, placement: str) -> Machine:
     compressed = tuple(b for b in bits if b is not None)
     costs = agree_quantize(measure_quantize(grad_bytes, compressed, device)) if compressed else {}
+    busy = device.type == "cpu" and local_size * torch.get_num_threads() >= (os.cpu_count() or 1)
     return Machine(topology, links, device_memory_bytes(device, local_size), costs, bucket_bytes=bucket_bytes,
-                   placement=placement)
+                   busy_cores=busy, placement=placement)
 
 
 def _print(decision: Decision, setting: str, measured: Measured, tokens: int) -> None:

@@ -36,7 +36,11 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   (:func:`~lightning_deepseek.compression.quantize.payload_bytes`): compression shrinks the bytes, not the
   latency. What backward hides: at most ``B`` seconds,
   and never the last bucket (``bucket_bytes`` of it, DDP's ``bucket_cap_mb``):
-  ``exposed_dp = max(R - overlap * m B, R * min(1, bucket / replicated bytes))``.
+  ``exposed_dp = busy + max(H - overlap * m B, H * min(1, bucket / replicated bytes))`` with ``H = R - busy``.
+  ``busy = min(R, all_reduce(r(bits) * replicated bytes, world) at the intra link's rate)`` where the ranks keep
+  every core of the host busy (CPU training, ``busy_cores``), else 0: gloo's copies and sums then take cores from
+  backward rather than running beside it (on loopback, all of the exchange); only the wait on a slower link
+  hides. Without this term the loopback predictions missed the whole all-reduce of an 11 MB MoE model.
 - ``after_backward``: the tensor-parallel shards' all-reduce over ``dp`` and the experts' over ``world/ep`` run
   once per step after backward (the strategy's reduction), not overlapped.
 - ``quantize = replicated bytes * (q + n dq)`` with ``q``/``dq`` the measured seconds per fp32 byte of the
@@ -50,8 +54,8 @@ fits :class:`NoCandidateFitsError` names the setting and the fixes.
 
 Choice: the fitting candidate with the lowest prediction, unless it beats the simplest fitting candidate (smallest
 ``tp``, ``ep``, no compression) by less than ``margin``: sharding and compressing change numerics and add code paths,
-so they must pay clearly. The model is deliberately simple (no contention between compute and DDP's overlapped
-all-reduce on shared cores, no kernel efficiency change with width); ``benchmarks/autotune/bench_cost_model.py``
+so they must pay clearly. The model is deliberately simple (contention between ranks is measured, not modelled,
+except for ``busy``; no kernel efficiency change with width); ``benchmarks/autotune/bench_cost_model.py``
 checks its ranking against measurements.
 """
 
@@ -155,6 +159,9 @@ class Machine:
         quantize_seconds_per_byte: ``{bits: (q, dq)}`` seconds per fp32 byte of quantize and dequantize.
         bucket_bytes: DDP's bucket size (the last bucket is never hidden behind backward).
         overlap: fraction of backward that can hide DDP's all-reduce (1: all of it).
+        busy_cores: the ranks of a host keep all its cores busy (CPU training, a thread per core), so moving the
+            gradient bytes through the host (``all_reduce`` at the intra link's rate) competes with backward
+            instead of hiding behind it; only waiting on a slower link still can.
         headroom: fraction of ``device_memory_bytes`` a candidate may plan for.
         single_exchange_max_world: compression's one-all-gather exchange up to this many data-parallel ranks.
         placement: placement policy for the rank grid of each ``tp``.
@@ -166,6 +173,7 @@ class Machine:
     quantize_seconds_per_byte: Mapping[int, tuple[float, float]] = field(default_factory=dict)
     bucket_bytes: int = 25 * 2**20
     overlap: float = 1.0
+    busy_cores: bool = False
     headroom: float = 0.9
     single_exchange_max_world: int = 2
     placement: str = "auto"
@@ -268,15 +276,18 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
     backward = micro * compute.backward_seconds
     world_link = group_link(topology, list(range(world)), links)
     num_buckets = -(-ddp_bytes // machine.bucket_bytes)
-    wire = (all_reduce_seconds(int(ddp_bytes * compression_ratio(candidate.bits)), world, world_link)
+    wire_bytes = int(ddp_bytes * compression_ratio(candidate.bits))
+    wire = (all_reduce_seconds(wire_bytes, world, world_link)
             + max(0, num_buckets - 1) * all_reduce_seconds(0, world, world_link))
+    busy = min(wire, all_reduce_seconds(wire_bytes, world, links["intra"])) if machine.busy_cores else 0.0
+    hideable = wire - busy
     last_bucket = min(1.0, machine.bucket_bytes / max(ddp_bytes, 1))
     parts = {
         "compute": micro * (compute.forward_seconds + compute.backward_seconds),
         "optimizer": compute.optimizer_seconds + sum(m[1] for m in (tp_measured, ep_measured) if m is not None),
         "tp": comm["tp"] if tp_measured is None else micro * tp_measured[0],
         "ep": 0.0 if ep_measured is None else micro * ep_measured[0],
-        "dp": max(wire - machine.overlap * backward, wire * last_bucket) if ddp_bytes else 0.0,
+        "dp": busy + max(hideable - machine.overlap * backward, hideable * last_bucket) if ddp_bytes else 0.0,
         "after": comm["sharded"],
         "quantize": 0.0,
     }
