@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -167,10 +168,11 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
                   f"{', '.join(sorted(set(choices)))}; measured best {best}; the choice's measured step / the best's: "
                   f"{chosen / measured[best]:.2f}x (tokens/s {measured[best] / chosen:.2f}x of the best, "
                   f"{ddp / chosen:.2f}x of DDP); the auto run itself {ddp / auto:.2f}x of DDP.", ""]
-        setup = sorted({r["compute"]["source"].rsplit(", ", 1)[-1] for r in rows if "sharding" in
-                        r["compute"]["source"]})
-        if setup:
-            lines += [f"Sharded copies timed at setup: {'; '.join(setup)}", ""]
+        setup = [re.search(r"each, ([0-9.]+) s\)", r["compute"]["source"]) for r in rows]
+        if any(setup):
+            sharded = ", ".join(f"{k} {v[0] * 1e3:+.0f} ms" for k, v in rows[0]["compute"]["sharded"].items())
+            lines += [f"Sharded copies timed at setup in {', '.join(m[1] + ' s' for m in setup if m)} (what sharding "
+                      f"adds to a micro-batch's forward + backward, first repetition: {sharded})", ""]
         summary.append(f"{key} {rho:.2f}")
     lines.append(f"Spearman per model: {', '.join(summary)}; pooled over the models (step times relative to each "
                  f"model's fastest): {spearman(pooled_pred, pooled_meas):.2f}")

@@ -20,10 +20,8 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_deepseek.autotune.cost_model import (
     Candidate,
@@ -157,26 +155,12 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
 
 
 def _shard_tp(styles: dict[str, str], dims: ParallelDims, grid: list[list[int]], device_type: str,
-              copy: nn.Module) -> Callable[[], None]:
-    mesh = dims.build_mesh(device_type, grid)
-    apply_tensor_parallel(copy, styles, mesh["tp"])
-    return functools.partial(_destroy, mesh)
+              copy: nn.Module) -> None:
+    apply_tensor_parallel(copy, styles, dims.build_mesh(device_type, grid)["tp"])
 
 
-def _shard_ep(dims: ExpertParallelDims, device_type: str, copy: nn.Module) -> Callable[[], None]:
-    mesh = build_expert_mesh(device_type, dims)
-    apply_expert_parallel(copy, mesh)
-    return functools.partial(_destroy, mesh)
-
-
-def _destroy(mesh: DeviceMesh) -> None:
-    """Close the groups a timing mesh opened (the world's own group, which a dimension over all ranks reuses,
-    stays)."""
-    world = dist.distributed_c10d._get_default_group()
-    for name in mesh.mesh_dim_names or ():
-        group = mesh.get_group(name)
-        if group is not world and group is not dist.GroupMember.WORLD:
-            dist.destroy_process_group(group)
+def _shard_ep(dims: ExpertParallelDims, device_type: str, copy: nn.Module) -> None:
+    apply_expert_parallel(copy, build_expert_mesh(device_type, dims))
 
 
 def decide_compression(module: pl.LightningModule, trainer: pl.Trainer, topology: Topology, dp_size: int,

@@ -183,7 +183,9 @@ def measure_compute(module: nn.Module, step: Callable[[], Any], description: str
                           f"measured: {repeats} forward/backward passes of {description or 'a micro-batch'}")
 
 
-Shard = Callable[[nn.Module], Callable[[], None]]
+# Shards a copy of the model in place. The process groups of its mesh stay open: torch's DeviceMesh resolves groups
+# by name, and a mesh the strategy builds later for the same ranks may be handed a closed one.
+Shard = Callable[[nn.Module], None]
 
 
 def replica(module: nn.Module) -> nn.Module:
@@ -216,8 +218,8 @@ def measure_sharded(module: pl.LightningModule, batch: MicroBatch, shardings: Ma
                     repeats: int = 3) -> tuple[float, dict[tuple[str, int], tuple[float, float]]]:
     """What each sharding adds to a micro-batch's forward + backward and to an optimizer step (collective).
 
-    A replicated copy of ``module`` and one copy per entry of ``shardings`` (each sharded in place by its function,
-    which returns a clean-up) run ``repeats`` timed steps each (after one warm-up): forward, backward, a step of the
+    A replicated copy of ``module`` and one copy per entry of ``shardings`` (each sharded in place by its function)
+    run ``repeats`` timed steps each (after one warm-up): forward, backward, a step of the
     module's own optimizer, every copy once per round, the ranks aligned by a barrier before each pass, so that
     load that drifts during setup falls on all copies alike. ``module`` itself is not touched.
 
@@ -227,42 +229,37 @@ def measure_sharded(module: pl.LightningModule, batch: MicroBatch, shardings: Ma
     """
     device = next(module.parameters()).device
     copies: dict[tuple[str, int] | None, nn.Module] = {None: replica(module)}
-    cleanups = []
-    try:
-        for key, shard in shardings.items():
-            copies[key] = replica(module)
-            cleanups.append(shard(copies[key]))
-        steps = {key: batch.step(m) for key, m in copies.items()}
-        optimizers = {key: first_optimizer(m) for key, m in copies.items()}
-        if any(o is None for o in optimizers.values()):
-            optimizers = dict.fromkeys(copies)
-        passes: dict[tuple[str, int] | None, list[float]] = {key: [] for key in copies}
-        steps_of_optimizer: dict[tuple[str, int] | None, list[float]] = {key: [] for key in copies}
-        aligned = dist.is_available() and dist.is_initialized()
-        for m in copies.values():
-            if isinstance(m, pl.LightningModule):
-                m.log = m.log_dict = lambda *args, **kwargs: None
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for i in range(repeats + 1):
-                for key in copies:
-                    if aligned:
-                        dist.barrier()
+    for key, shard in shardings.items():
+        copies[key] = replica(module)
+        shard(copies[key])
+    steps = {key: batch.step(m) for key, m in copies.items()}
+    optimizers = {key: first_optimizer(m) for key, m in copies.items()}
+    if any(o is None for o in optimizers.values()):
+        optimizers = dict.fromkeys(copies)
+    passes: dict[tuple[str, int] | None, list[float]] = {key: [] for key in copies}
+    steps_of_optimizer: dict[tuple[str, int] | None, list[float]] = {key: [] for key in copies}
+    aligned = dist.is_available() and dist.is_initialized()
+    for m in copies.values():
+        if isinstance(m, pl.LightningModule):
+            m.log = m.log_dict = lambda *args, **kwargs: None
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for i in range(repeats + 1):
+            for key in copies:
+                if aligned:
+                    dist.barrier()
+                _synchronize(device)
+                start = time.perf_counter()
+                _loss_of(steps[key]()).backward()
+                _synchronize(device)
+                middle = time.perf_counter()
+                if optimizers[key] is not None:
+                    optimizers[key].step()
+                    optimizers[key].zero_grad(set_to_none=True)
                     _synchronize(device)
-                    start = time.perf_counter()
-                    _loss_of(steps[key]()).backward()
-                    _synchronize(device)
-                    middle = time.perf_counter()
-                    if optimizers[key] is not None:
-                        optimizers[key].step()
-                        optimizers[key].zero_grad(set_to_none=True)
-                        _synchronize(device)
-                    end = time.perf_counter()
-                    if i:  # the first round warms allocators, caches and the optimizer states
-                        passes[key].append(middle - start)
-                        steps_of_optimizer[key].append(end - middle)
-    finally:
-        for cleanup in cleanups:
-            cleanup()
+                end = time.perf_counter()
+                if i:  # the first round warms allocators, caches and the optimizer states
+                    passes[key].append(middle - start)
+                    steps_of_optimizer[key].append(end - middle)
     med = {key: (statistics.median(passes[key]), statistics.median(steps_of_optimizer[key])) for key in copies}
     base = med.pop(None)
     return base[1], {key: (f - base[0], o - base[1]) for key, (f, o) in med.items()}
