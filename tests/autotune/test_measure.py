@@ -18,6 +18,16 @@ from lightning_deepseek.autotune.measure import (
 from tests.parallel.common import TinyLM, lm_loss, token_data
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread, as the distributed tests' ranks use: two threads on the 2 shared cores made each tiny
+    backward take up to seconds, waiting on a descheduled worker thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_measure_compute_restores_random_state_buffers_and_gradients() -> None:
     torch.manual_seed(0)
     module = TinyLM(dropout=0.1)
@@ -73,7 +83,7 @@ def test_measure_sharded_times_copies_and_leaves_the_model_alone() -> None:
     module = TinyLM(dropout=0.1)
     before = [p.detach().clone() for p in module.parameters()]
     before_rng = torch.get_rng_state()
-    batch = MicroBatch(token_data(4)[:4], False, "4 sequences", 64)
+    batch = MicroBatch(token_data(2)[:2], False, "2 sequences", 32)
 
     def widen(copy: torch.nn.Module) -> None:  # a "sharding" that makes the copy's step do twice the forward work
         forward = copy.training_step
