@@ -35,6 +35,7 @@ from lightning_deepseek.autotune.cost_model import (
     memory_bytes,
 )
 from lightning_deepseek.autotune.measure import (
+    CopyError,
     MicroBatch,
     Shard,
     agree_compute,
@@ -129,7 +130,8 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
                      plans: dict[int, Plan], facts: ModelFacts, machine: Machine, repeats: int) -> Measured:
     """``measured`` with the sharding overheads of every ``tp`` and ``ep`` size among ``options`` timed on copies
     of the model (:func:`~lightning_deepseek.autotune.measure.measure_sharded`; collective). Skipped (the formulas
-    then predict them) with ``repeats=0`` or where the copies would not fit the device memory."""
+    then predict them) with ``repeats=0``, where the copies would not fit the device memory, or where the model
+    cannot be deep-copied."""
     device_type, world = next(module.parameters()).device.type, machine.world_size
     shardings: dict[tuple[str, int], Shard] = {}
     for tp in sorted({c.tp for c in options if c.tp > 1}):
@@ -146,7 +148,11 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=measured.compute.source + why))
     start = time.perf_counter()
-    optimizer, sharded = measure_sharded(module, measured.batch, shardings, repeats)
+    try:
+        optimizer, sharded = measure_sharded(module, measured.batch, shardings, repeats)
+    except CopyError as exc:
+        return dataclasses.replace(measured, compute=dataclasses.replace(
+            measured.compute, source=f"{measured.compute.source} (sharding predicted by the formulas: {exc})"))
     compute = dataclasses.replace(measured.compute, optimizer_seconds=optimizer, sharded=sharded)
     compute = agree_compute(compute)
     source = (f"{compute.source}; sharding measured on copies ({', '.join(f'{k}={n}' for k, n in shardings)}, "

@@ -188,10 +188,17 @@ def measure_compute(module: nn.Module, step: Callable[[], Any], description: str
 Shard = Callable[[nn.Module], None]
 
 
+class CopyError(RuntimeError):
+    """The model cannot be deep-copied, so its sharding cannot be timed on a copy."""
+
+
 def replica(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` that shares its Trainer (a LightningModule refers to it) instead of copying it."""
     trainer = getattr(module, "_trainer", None)
-    return copy.deepcopy(module, memo={id(trainer): trainer} if trainer is not None else None)
+    try:
+        return copy.deepcopy(module, memo={id(trainer): trainer} if trainer is not None else None)
+    except Exception as exc:  # noqa: BLE001 - whatever an attribute's __deepcopy__ raises
+        raise CopyError(f"{type(module).__name__} cannot be deep-copied ({type(exc).__name__}: {exc})") from exc
 
 
 def first_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
@@ -223,14 +230,17 @@ def measure_sharded(module: pl.LightningModule, batch: MicroBatch, shardings: Ma
     module's own optimizer, every copy once per round, the ranks aligned by a barrier before each pass, so that
     load that drifts during setup falls on all copies alike. ``module`` itself is not touched.
 
+    Raises:
+        CopyError: ``module`` cannot be deep-copied (raised before any collective, on every rank alike).
+
     Returns:
         The replicated copy's median optimizer step seconds (0 without an optimizer), and for each sharding the
         differences of its medians from the replicated copy's: ``(forward + backward, optimizer step)``.
     """
     device = next(module.parameters()).device
-    copies: dict[tuple[str, int] | None, nn.Module] = {None: replica(module)}
+    # every copy before any collective: a model that cannot be copied fails alike on every rank, before a barrier
+    copies: dict[tuple[str, int] | None, nn.Module] = {key: replica(module) for key in [None, *shardings]}
     for key, shard in shardings.items():
-        copies[key] = replica(module)
         shard(copies[key])
     steps = {key: batch.step(m) for key, m in copies.items()}
     optimizers = {key: first_optimizer(m) for key, m in copies.items()}

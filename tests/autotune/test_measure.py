@@ -7,6 +7,7 @@ import torch
 
 from lightning_deepseek.autotune.cost_model import ComputeProfile
 from lightning_deepseek.autotune.measure import (
+    CopyError,
     MicroBatch,
     agree_compute,
     first_optimizer,
@@ -96,3 +97,13 @@ def test_measure_sharded_times_copies_and_leaves_the_model_alone() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # the optimizer stepped copies
     assert all(p.grad is None for p in module.parameters())
     assert torch.equal(torch.get_rng_state(), before_rng)
+
+
+def test_a_model_that_cannot_be_copied_fails_before_any_collective() -> None:
+    import threading
+
+    module = TinyLM()
+    module.lock = threading.Lock()  # not deep-copyable
+    batch = MicroBatch(token_data(2)[:2], False, "2 sequences", 32)
+    with pytest.raises(CopyError, match=r"TinyLM cannot be deep-copied \(TypeError: .*lock"):
+        measure_sharded(module, batch, {("tp", 2): lambda copy: None})
