@@ -38,6 +38,7 @@ from lightning_deepseek.autotune.measure import (
     CopyError,
     MicroBatch,
     Shard,
+    agree,
     agree_compute,
     agree_quantize,
     device_memory_bytes,
@@ -140,11 +141,14 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
                                                   device_type)
     for ep in sorted({c.ep for c in options if c.ep > 1}):
         shardings[("ep", ep)] = functools.partial(_shard_ep, ExpertParallelDims(world, ep), device_type)
+    if not shardings or repeats < 1 or measured.batch is None:
+        why = " (sharding predicted by the formulas: not measured)" if shardings else ""
+        return dataclasses.replace(measured, compute=dataclasses.replace(
+            measured.compute, source=measured.compute.source + why))
     copies = (1 + len(shardings)) * memory_bytes(Candidate(), facts, measured.compute)
     room = machine.headroom * machine.device_memory_bytes - memory_bytes(Candidate(), facts, measured.compute)
-    if not shardings or repeats < 1 or measured.batch is None or copies > room:
-        why = "" if not shardings else " (sharding predicted by the formulas: " + (
-            "no room for copies of the model)" if copies > room else "not measured)")
+    if agree([float(copies > room)])[0]:  # hosts may differ in memory: all ranks skip, or none (collectives follow)
+        why = " (sharding predicted by the formulas: no room for copies of the model)"
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=measured.compute.source + why))
     start = time.perf_counter()
