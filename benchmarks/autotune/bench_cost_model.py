@@ -2,20 +2,21 @@
 
 Loopback (2 processes on this machine)::
 
-    .venv/bin/python benchmarks/autotune/bench_cost_model.py [--repeats 3] [--steps 10]
+    flock /work/wt/bench.lock .venv/bin/python benchmarks/autotune/bench_cost_model.py [--models demo,ffn,moe]
 
-Network testbed (root; 2 emulated nodes x 2 ranks, namespaces ``ldsa*``, subnet ``10.213.61.0/24``)::
+Network testbed (root; 2 emulated nodes x 2 ranks, namespaces ``ldsm*``, subnet ``10.213.73.0/24``)::
 
-    .venv/bin/python benchmarks/autotune/bench_cost_model.py --testbed --rate 1gbit
+    flock /work/wt/bench.lock .venv/bin/python benchmarks/autotune/bench_cost_model.py --testbed --rate 1gbit
 
-For each model, every candidate of the grid (``tensor_parallel_size`` x compression fp32/int8/int4, each as
-``HybridParallelStrategy`` + ``GradientCompression``) and Lightning's plain ``"ddp"`` train ``--steps`` steps, the
-candidates interleaved within each repetition; a step's time is the slowest rank's, the first 3 steps are dropped,
-the table reports medians over steps and then over repetitions. One run with ``tensor_parallel_size="auto"`` and
-``bits="auto"`` per repetition records the cost model's predictions (from its own measurements at setup) and its
-choice, and its own step time. Reported: Spearman's rank correlation of predicted and measured step times over the
-grid (target >= 0.8), the auto choice against the measured best, everything as a ratio to plain DDP's tokens/s,
-and the load average before and after.
+For each model, every candidate of its grid (dense GPTs: ``tensor_parallel_size`` x compression fp32/int8/int4;
+the MoE GPT: ``expert_parallel_size`` x compression fp32/int8; each as ``HybridParallelStrategy`` +
+``GradientCompression``) and Lightning's plain ``"ddp"`` train ``--steps`` steps, interleaved within each repetition
+(the order rotated by one each repetition); a step's time is the slowest rank's, the first 3 steps are dropped, the
+table reports medians over steps and then over repetitions. One run with the ``"auto"`` settings per repetition
+records the cost model's predictions (from its own measurements at setup, sharded copies included) and its choice,
+and its own step time. Reported: Spearman's rank correlation of predicted and measured step times over the grid
+(target >= 0.8), the same between the repetitions' measured rankings (how stable the measured side is), the auto
+choice against the measured best and plain DDP, and the load average before and after.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,15 +37,23 @@ sys.path.insert(0, str(ROOT))
 
 MODELS = {
     # the demo's model (lds-train model=small), 8 sequences of 128 tokens per rank
-    "demo (small GPT)": (dict(preset="small", vocab_size=256), 8, 128),
+    "demo": ("demo (small GPT)", dict(preset="small", vocab_size=256), 8, 128),
     # feed-forward heavy: 17 MB of gradients, few tokens: the gradient exchange matters
-    "wide FFN": (dict(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=256, mlp_ratio=16), 2, 16),
+    "ffn": ("wide FFN", dict(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=256, mlp_ratio=16), 2, 16),
+    # DeepSeekMoE (moe-small: 16 routed experts top-2 + 1 shared, first layer dense), 4 x 64 tokens per rank
+    "moe": ("MoE (moe-small)", dict(preset="moe-small", vocab_size=256), 4, 64),
 }
-BITS = (None, 8, 4)
 
 
-def _label(tp: int, bits: int | None) -> str:
-    return f"tp={tp} ep=1 {'fp32' if bits is None else f'int{bits}'}"
+def _label(tp: int, ep: int, bits: int | None) -> str:
+    return f"tp={tp} ep={ep} {'fp32' if bits is None else f'int{bits}'}"
+
+
+def grid(key: str, world: int) -> list[tuple[int, int, int | None]]:
+    """The candidates ``(tp, ep, bits)`` of model ``key``: dense: tp x fp32/int8/int4; MoE: ep x fp32/int8."""
+    if key == "moe":
+        return [(1, ep, b) for ep in (1, 2, 4) if world % ep == 0 for b in (None, 8)]
+    return [(tp, 1, b) for tp in (1, 2) for b in (None, 8, 4) if not (world // tp < 2 and b is not None)]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -77,23 +88,30 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends on its last rank
         return times.median().item(), strategy
 
-    tp_sizes = [1, 2]
-    grid = [(tp, b) for tp in tp_sizes for b in BITS if not (world // tp < 2 and b is not None)]
     results = []
     for repeat in range(args.repeats):
-        for name, (config, batch, seq) in MODELS.items():
-            row: dict = {"repeat": repeat, "model": name, "measured": {}}
-            for tp, bits in grid:
+        for key in args.models.split(","):
+            name, config, batch, seq = MODELS[key]
+            row: dict = {"repeat": repeat, "model": key, "measured": {}}
+            cells = grid(key, world)
+            shift = repeat % len(cells)
+            for tp, ep, bits in cells[shift:] + cells[:shift]:
                 callbacks = [GradientCompression(bits=bits, warmup_steps=0)] if bits else []
-                strategy = HybridParallelStrategy(tensor_parallel_size=tp, min_shard_params=0)
-                row["measured"][_label(tp, bits)], _ = fit(config, batch, seq, strategy, callbacks)
+                strategy = HybridParallelStrategy(tensor_parallel_size=tp, expert_parallel_size=ep, min_shard_params=0)
+                row["measured"][_label(tp, ep, bits)], _ = fit(config, batch, seq, strategy, callbacks)
             row["ddp"], _ = fit(config, batch, seq, "ddp", [])
-            auto = HybridParallelStrategy(tensor_parallel_size="auto", min_shard_params=0)
+            auto = (HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size="auto", min_shard_params=0)
+                    if key == "moe" else HybridParallelStrategy(tensor_parallel_size="auto", min_shard_params=0))
             compression = GradientCompression(bits="auto", warmup_steps=0)
             row["auto"], _ = fit(config, batch, seq, auto, [compression])
             decision = auto.autotune_decision
             row["chosen"] = decision.chosen.label
             row["predicted"] = {p.candidate.label: p.seconds for p in decision.predictions}
+            row["parts"] = {p.candidate.label: dict(p.parts) for p in decision.predictions}
+            c = decision.compute
+            row["compute"] = dict(forward=c.forward_seconds, backward=c.backward_seconds,
+                                  optimizer=c.optimizer_seconds, routed_bytes=c.routed_bytes,
+                                  sharded={f"{k}={n}": v for (k, n), v in c.sharded.items()}, source=c.source)
             row["tokens_per_step"] = batch * seq * world
             results.append(row)
     if dist.get_rank() == 0:
@@ -116,37 +134,52 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def report(results: list[dict], argv: list[str], where: str, load: tuple[float, float]) -> str:
-    lines = [f"Command: `{' '.join(argv)}` ({where}; {max(r['repeat'] for r in results) + 1} interleaved "
-             f"repetitions, medians; load average {load[0]:.1f} before, {load[1]:.1f} after)", ""]
-    pooled_pred, pooled_meas = [], []
-    for name in MODELS:
-        rows = [r for r in results if r["model"] == name]
+    repeats = max(r["repeat"] for r in results) + 1
+    lines = [f"Command: `{' '.join(argv)}` ({where}; {repeats} interleaved repetitions, medians; load average "
+             f"{load[0]:.1f} before, {load[1]:.1f} after)", ""]
+    pooled_pred, pooled_meas, summary = [], [], []
+    for key in dict.fromkeys(r["model"] for r in results):
+        rows = [r for r in results if r["model"] == key]
         labels = list(rows[0]["measured"])
         measured = {k: statistics.median(r["measured"][k] for r in rows) for k in labels}
         predicted = {k: statistics.median(r["predicted"][k] for r in rows) for k in labels}
         ddp = statistics.median(r["ddp"] for r in rows)
         auto = statistics.median(r["auto"] for r in rows)
-        choices = sorted({r["chosen"] for r in rows})
+        choices = [r["chosen"] for r in rows]
         rho = spearman([predicted[k] for k in labels], [measured[k] for k in labels])
+        stability = [spearman([a["measured"][k] for k in labels], [b["measured"][k] for k in labels])
+                     for i, a in enumerate(rows) for b in rows[i + 1:]]
         pooled_pred += [predicted[k] / min(predicted.values()) for k in labels]
         pooled_meas += [measured[k] / min(measured.values()) for k in labels]
         best = min(measured, key=measured.get)
-        lines += [f"**{name}**, {rows[0]['tokens_per_step']} tokens per step", "",
+        # a choice outside the grid (the MoE grid has no int4) counts by the auto run's own step time
+        chosen = statistics.median(measured.get(c, r["auto"]) for c, r in zip(choices, rows))
+        lines += [f"**{MODELS[key][0]}**, {rows[0]['tokens_per_step']} tokens per step", "",
                   "| candidate | predicted step | measured step | tokens/s vs plain DDP | measured rank |",
                   "|---|---|---|---|---|"]
         order = sorted(labels, key=measured.get)
+        outside = sorted(set(choices) - set(labels))
         for k in labels:
-            mark = " (auto's choice)" if k in choices else ""
+            mark = f" (auto's choice, {choices.count(k)} of {len(rows)})" if k in choices else ""
             lines.append(f"| {k}{mark} | {predicted[k] * 1e3:.1f} ms | {measured[k] * 1e3:.1f} ms | "
                          f"{ddp / measured[k]:.2f}x | {order.index(k) + 1} |")
         lines += [f"| plain DDP (`strategy=\"ddp\"`) | | {ddp * 1e3:.1f} ms | 1.00x | |",
-                  f"| auto run (tp/bits='auto', its own step time) | | {auto * 1e3:.1f} ms | {ddp / auto:.2f}x | |",
-                  "", f"Spearman (predicted vs measured, {len(labels)} candidates): {rho:.2f}; auto chose "
-                  f"{', '.join(choices)}; measured best {best}; auto's choice / best (measured step times of the "
-                  f"grid): {min(measured[c] for c in choices if c in measured) / measured[best]:.2f}x "
-                  f"slower-or-equal", ""]
-    lines.append(f"Pooled Spearman over both models (step times relative to each model's fastest): "
-                 f"{spearman(pooled_pred, pooled_meas):.2f}")
+                  f"| auto run (its own step time, setup excluded) | | {auto * 1e3:.1f} ms | {ddp / auto:.2f}x | |",
+                  "", f"Spearman predicted vs measured ({len(labels)} candidates): **{rho:.2f}**; measured vs "
+                  f"measured between repetitions: {', '.join(f'{x:.2f}' for x in stability) or 'n/a'}. Auto chose "
+                  f"{', '.join(sorted(set(choices)))}; measured best {best}; the choice's measured step / the best's: "
+                  f"{chosen / measured[best]:.2f}x (tokens/s {measured[best] / chosen:.2f}x of the best, "
+                  f"{ddp / chosen:.2f}x of DDP); the auto run itself {ddp / auto:.2f}x of DDP."
+                  + (f" ({', '.join(outside)}: not in the grid, counted by the auto run's own steps)" if outside
+                     else ""), ""]
+        setup = [re.search(r"each, ([0-9.]+) s\)", r["compute"]["source"]) for r in rows]
+        if any(setup):
+            sharded = ", ".join(f"{k} {v[0] * 1e3:+.0f} ms" for k, v in rows[0]["compute"]["sharded"].items())
+            lines += [f"Sharded copies timed at setup in {', '.join(m[1] + ' s' for m in setup if m)} (what sharding "
+                      f"adds to a micro-batch's forward + backward, first repetition: {sharded})", ""]
+        summary.append(f"{key} {rho:.2f}")
+    lines.append(f"Spearman per model: {', '.join(summary)}; pooled over the models (step times relative to each "
+                 f"model's fastest): {spearman(pooled_pred, pooled_meas):.2f}")
     return "\n".join(lines)
 
 
@@ -155,20 +188,20 @@ def launch(args: argparse.Namespace, out: Path) -> str:
     from benchmarks.testbed import Testbed, workers
 
     common = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
-              "--repeats", str(args.repeats)]
+              "--repeats", str(args.repeats), "--models", args.models]
     if not args.testbed:
         with workers(args.timeout) as procs:
             for rank in range(2):
-                env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29661", "RANK": str(rank),
+                env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29731", "RANK": str(rank),
                        "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "NODE_RANK": "0", "PYTHONPATH": str(ROOT),
                        "OMP_NUM_THREADS": "1"}
                 procs.append(subprocess.Popen(common, env=env, cwd=ROOT))
         return "loopback, 2 processes, 1 thread each"
-    with Testbed(num_hosts=2, rate=args.rate, prefix="ldsa", subnet="10.213.61") as bed, \
+    with Testbed(num_hosts=2, rate=args.rate, prefix="ldsm", subnet="10.213.73") as bed, \
             workers(args.timeout) as procs:
         for rank in range(4):
             node, local = divmod(rank, 2)
-            env = dict(MASTER_ADDR=bed.ip(0), MASTER_PORT="29662", RANK=str(rank), WORLD_SIZE="4",
+            env = dict(MASTER_ADDR=bed.ip(0), MASTER_PORT="29732", RANK=str(rank), WORLD_SIZE="4",
                        LOCAL_RANK=str(local), NODE_RANK=str(node), NUM_NODES="2", LDS_TOPOLOGY="0,1;2,3",
                        PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
             procs.append(subprocess.Popen(bed.command(node, common, env), cwd=ROOT))
@@ -176,13 +209,15 @@ def launch(args: argparse.Namespace, out: Path) -> str:
 
 
 def main(args: argparse.Namespace) -> None:
-    out = Path(tempfile.mkdtemp(prefix="ldsa-")) / "results.json"
+    out = Path(tempfile.mkdtemp(prefix="ldsm-")) / "results.json"
     before = os.getloadavg()[0]
+    print(f"start {time.strftime('%H:%M:%S', time.gmtime())} UTC, load {before:.1f}", flush=True)
     where = launch(args, out)
     results = json.loads(out.read_text())
-    print(report(results, [Path(sys.argv[0]).as_posix(), *sys.argv[1:]], where, (before, os.getloadavg()[0])))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    print(f"end {time.strftime('%H:%M:%S', time.gmtime())} UTC", flush=True)
+    print(report(results, [Path(sys.argv[0]).as_posix(), *sys.argv[1:]], where, (before, os.getloadavg()[0])))
 
 
 if __name__ == "__main__":
@@ -191,6 +226,7 @@ if __name__ == "__main__":
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--models", default="demo,ffn,moe", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--timeout", type=float, default=1500)
     parser.add_argument("--json", default="")
     parser.add_argument("--worker", action="store_true")

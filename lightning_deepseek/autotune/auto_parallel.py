@@ -10,6 +10,10 @@ so every rank takes the same decision; rank 0 prints the table once.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -20,24 +24,35 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_deepseek.autotune.cost_model import (
+    Candidate,
     ComputeProfile,
     Decision,
     Machine,
     ModelFacts,
+    candidate_grid,
     candidates,
     decide,
+    memory_bytes,
 )
 from lightning_deepseek.autotune.measure import (
+    CopyError,
+    MicroBatch,
+    Shard,
+    agree,
     agree_compute,
     agree_quantize,
     device_memory_bytes,
     measure_compute,
     measure_quantize,
-    micro_batch_step,
+    measure_sharded,
+    micro_batch,
 )
 from lightning_deepseek.moe.protocol import find_expert_layers
+from lightning_deepseek.parallel.dims import ParallelDims
+from lightning_deepseek.parallel.expert import ExpertParallelDims, apply_expert_parallel, build_expert_mesh
 from lightning_deepseek.parallel.placement import CommVolume, LinkCost, comm_volume, probe_links
 from lightning_deepseek.parallel.plan import Plan
+from lightning_deepseek.parallel.styles import apply_tensor_parallel
 from lightning_deepseek.parallel.topology import Topology
 
 AUTO_BITS: tuple[int | None, ...] = (None, 8, 4)
@@ -45,11 +60,12 @@ AUTO_BITS: tuple[int | None, ...] = (None, 8, 4)
 
 @dataclass(frozen=True)
 class Measured:
-    """The figures of one setup: compute (agreed over ranks), tokens per micro-batch, links."""
+    """The figures of one setup: compute (agreed over ranks), tokens per micro-batch, links, the micro-batch."""
 
     compute: ComputeProfile
     tokens: int
     links: dict[str, LinkCost]
+    batch: MicroBatch | None = None
 
 
 def divisors(n: int, at_most: int) -> list[int]:
@@ -59,15 +75,15 @@ def divisors(n: int, at_most: int) -> list[int]:
 def measure(module: pl.LightningModule, trainer: pl.Trainer | None, topology: Topology,
             links: dict[str, LinkCost] | None, experts: Sequence[nn.Module] = ()) -> Measured:
     """Time the model on a real micro-batch and probe the links (unless given); collective."""
-    step, description, tokens = micro_batch_step(module, trainer)
-    compute = agree_compute(measure_compute(module, step, description, experts=list(experts)))
-    return Measured(compute, tokens, links if links is not None else probe_links(topology))
+    batch = micro_batch(module, trainer)
+    compute = agree_compute(measure_compute(module, batch.step(module), batch.description, experts=list(experts)))
+    return Measured(compute, batch.tokens, links if links is not None else probe_links(topology), batch)
 
 
 def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology: Topology, local_size: int,
                     links: dict[str, LinkCost] | None, plan_for: Callable[[int], Plan], tp_sizes: Iterable[int],
                     ep_sizes: Iterable[int] | None, bits: Iterable[int | None], tokens: int | None,
-                    placement: str, bucket_bytes: int, setting: str) -> Decision:
+                    placement: str, bucket_bytes: int, setting: str, sharded_repeats: int = 3) -> Decision:
     """Choose ``(tp, ep, bits)`` for ``HybridParallelStrategy`` (collective).
 
     Args:
@@ -76,6 +92,7 @@ def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology
             the world size that divide every MoE layer's expert count).
         tokens: rows per rank and micro-batch entering a feed-forward layer (None: the measured batch's).
         setting: the user's setting, named in the table and in errors.
+        sharded_repeats: timed steps of each sharded copy (0: predict sharding by the formulas alone).
     """
     world = topology.world_size
     layers = find_expert_layers(module)
@@ -103,10 +120,57 @@ def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology
     bits = tuple(bits)
     machine = _machine(topology, measured.links, next(module.parameters()).device, local_size, bits,
                        max(v.replicated_grad_bytes for v in volumes.values()), bucket_bytes, placement)
-    decision = decide(candidates(world, sorted(plans), ep_sizes if layers else [1], bits), facts, measured.compute,
-                      machine, setting)
+    options = candidates(world, sorted(plans), ep_sizes if layers else [1], bits)
+    measured = _measure_sharded(module, measured, options, plans, facts, machine, repeats=sharded_repeats)
+    decision = decide(options, facts, measured.compute, machine, setting)
     _print(decision, setting, measured, tokens)
     return decision
+
+
+def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Sequence[Candidate],
+                     plans: dict[int, Plan], facts: ModelFacts, machine: Machine, repeats: int) -> Measured:
+    """``measured`` with the sharding overheads of every ``tp`` and ``ep`` size among ``options`` timed on copies
+    of the model (:func:`~lightning_deepseek.autotune.measure.measure_sharded`; collective). Skipped (the formulas
+    then predict them) with ``repeats=0``, where the copies would not fit the device memory, or where the model
+    cannot be deep-copied."""
+    device_type, world = next(module.parameters()).device.type, machine.world_size
+    shardings: dict[tuple[str, int], Shard] = {}
+    for tp in sorted({c.tp for c in options if c.tp > 1}):
+        grid = candidate_grid(Candidate(tp), facts, machine)
+        shardings[("tp", tp)] = functools.partial(_shard_tp, plans[tp].styles, ParallelDims(world, tp=tp), grid,
+                                                  device_type)
+    for ep in sorted({c.ep for c in options if c.ep > 1}):
+        shardings[("ep", ep)] = functools.partial(_shard_ep, ExpertParallelDims(world, ep), device_type)
+    if not shardings or repeats < 1 or measured.batch is None:
+        why = " (sharding predicted by the formulas: not measured)" if shardings else ""
+        return dataclasses.replace(measured, compute=dataclasses.replace(
+            measured.compute, source=measured.compute.source + why))
+    copies = (1 + len(shardings)) * memory_bytes(Candidate(), facts, measured.compute)
+    room = machine.headroom * machine.device_memory_bytes - memory_bytes(Candidate(), facts, measured.compute)
+    if agree([float(copies > room)])[0]:  # hosts may differ in memory: all ranks skip, or none (collectives follow)
+        why = " (sharding predicted by the formulas: no room for copies of the model)"
+        return dataclasses.replace(measured, compute=dataclasses.replace(
+            measured.compute, source=measured.compute.source + why))
+    start = time.perf_counter()
+    try:
+        optimizer, sharded = measure_sharded(module, measured.batch, shardings, repeats)
+    except CopyError as exc:
+        return dataclasses.replace(measured, compute=dataclasses.replace(
+            measured.compute, source=f"{measured.compute.source} (sharding predicted by the formulas: {exc})"))
+    compute = dataclasses.replace(measured.compute, optimizer_seconds=optimizer, sharded=sharded)
+    compute = agree_compute(compute)
+    source = (f"{compute.source}; sharding measured on copies ({', '.join(f'{k}={n}' for k, n in shardings)}, "
+              f"{repeats} interleaved steps each, {time.perf_counter() - start:.1f} s)")
+    return dataclasses.replace(measured, compute=dataclasses.replace(compute, source=source))
+
+
+def _shard_tp(styles: dict[str, str], dims: ParallelDims, grid: list[list[int]], device_type: str,
+              copy: nn.Module) -> None:
+    apply_tensor_parallel(copy, styles, dims.build_mesh(device_type, grid)["tp"])
+
+
+def _shard_ep(dims: ExpertParallelDims, device_type: str, copy: nn.Module) -> None:
+    apply_expert_parallel(copy, build_expert_mesh(device_type, dims))
 
 
 def decide_compression(module: pl.LightningModule, trainer: pl.Trainer, topology: Topology, dp_size: int,
@@ -132,8 +196,9 @@ def _machine(topology: Topology, links: dict[str, LinkCost], device: torch.devic
              bits: tuple[int | None, ...], grad_bytes: int, bucket_bytes: int, placement: str) -> Machine:
     compressed = tuple(b for b in bits if b is not None)
     costs = agree_quantize(measure_quantize(grad_bytes, compressed, device)) if compressed else {}
+    busy = device.type == "cpu" and local_size * torch.get_num_threads() >= (os.cpu_count() or 1)
     return Machine(topology, links, device_memory_bytes(device, local_size), costs, bucket_bytes=bucket_bytes,
-                   placement=placement)
+                   busy_cores=busy, placement=placement)
 
 
 def _print(decision: Decision, setting: str, measured: Measured, tokens: int) -> None:

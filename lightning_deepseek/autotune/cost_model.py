@@ -3,19 +3,32 @@
 A candidate is a tensor-parallel size ``tp``, an expert-parallel size ``ep`` (MoE models) and a gradient
 compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro-batches, on one rank:
 
-    step = compute + tp_comm + ep_comm + exposed_dp + after_backward + quantize
+    step = compute + optimizer + tp_comm + ep_comm + exposed_dp + after_backward + quantize
 
 - ``compute = m (F + B)``: the measured forward and backward seconds of the user's own model on a real micro-batch
   (:mod:`.measure`), the same for every candidate. A tensor-parallel rank runs the sharded layers on its ``tp``
-  group's ``tp`` micro-batches at ``1/tp`` of their width (``1/tp`` of the group's compute of those layers) and the
-  replicated rest on its own micro-batch: the same work as under DDP. An expert-parallel rank runs ``E/ep`` experts
-  on the tokens its group routes to them: the same expected work.
-- ``tp_comm``: :func:`~lightning_deepseek.parallel.placement.estimate_comm_seconds`' tensor-parallel term (four
-  ring collectives of one rank's activations per sharded pair and micro-batch); not overlapped, each layer waits
-  for its input.
-- ``ep_comm = 4 m * all_to_all(T k d s, ep)``: dispatch and combine of the routed tokens (``T`` tokens, top-``k``,
-  width ``d``, ``s`` bytes a value), forward and backward; ``all_to_all(M, n) = (n - 1)/n M/B + (n - 1) a``; the
-  ``ep`` group is ``ep`` consecutive ranks (:func:`~lightning_deepseek.parallel.expert.build_expert_mesh`).
+  group's ``tp`` micro-batches at ``1/tp`` of their width and the replicated rest on its own micro-batch: the same
+  arithmetic as under DDP. An expert-parallel rank runs ``E/ep`` experts on the tokens its group routes to them:
+  the same expected arithmetic.
+- ``tp_comm`` and ``ep_comm``, **measured** (the default of the ``"auto"`` settings): what sharding adds to a
+  micro-batch, ``m (P_s - P_r)``, where ``P_s`` is the forward + backward seconds of a copy of the model sharded as
+  the candidate would shard it (the real plan, on the real mesh and links: its collectives, DTensor's per-operation
+  dispatch, and the ranks competing for the cores, all included) and ``P_r`` those of a replicated copy, the two
+  timed interleaved at setup (:func:`~lightning_deepseek.autotune.measure.measure_sharded`). The sharding overhead
+  of ``(tp, ep)`` is taken as the sum of the ``(tp, 1)`` and ``(1, ep)`` ones. Counting bytes and latencies alone
+  predicted tensor parallelism ~150 ms per step too fast on the 1 Gbit testbed (benchmarks/RESULTS.md, "Decisions
+  by a cost model"): a small GPT's 16 activation collectives cost far more in dispatch and in small gloo messages
+  on busy cores than their bytes over the link.
+- ``tp_comm``, **formula** (no measurement: memory too tight for a copy, or figures given): placement's
+  :func:`~lightning_deepseek.parallel.placement.estimate_comm_seconds` tensor-parallel term (four ring collectives
+  of one rank's activations per sharded pair and micro-batch); not overlapped, each layer waits for its input.
+- ``ep_comm``, **formula**: ``m L (4 all_to_all(T k d s, ep) + all_to_all(0, ep))`` for ``L`` MoE layers:
+  dispatch and combine of the routed tokens (``T`` tokens, top-``k``, width ``d``, ``s`` bytes a value) forward
+  and backward, and the exchange of the per-expert counts before each dispatch;
+  ``all_to_all(M, n) = (n - 1)/n M/B + (n - 1) a``; the ``ep`` group is ``ep`` consecutive ranks
+  (:func:`~lightning_deepseek.parallel.expert.build_expert_mesh`).
+- ``optimizer``: the measured seconds of one step of the user's optimizer on the replicated copy, plus what the
+  sharded copies' steps add or save (DTensor parameters, fewer local bytes); 0 when not measured.
 - ``exposed_dp``: DDP all-reduces the replicated gradients (everything tensor and expert parallelism leave whole)
   over the world while backward runs, one all-reduce per bucket:
   ``R = all_reduce(r(bits) * replicated bytes, world) + (buckets - 1) 2 (world - 1) a`` with
@@ -23,7 +36,11 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   (:func:`~lightning_deepseek.compression.quantize.payload_bytes`): compression shrinks the bytes, not the
   latency. What backward hides: at most ``B`` seconds,
   and never the last bucket (``bucket_bytes`` of it, DDP's ``bucket_cap_mb``):
-  ``exposed_dp = max(R - overlap * m B, R * min(1, bucket / replicated bytes))``.
+  ``exposed_dp = busy + max(H - overlap * m B, H * min(1, bucket / replicated bytes))`` with ``H = R - busy``.
+  ``busy = min(R, all_reduce(r(bits) * replicated bytes, world) at the intra link's rate)`` where the ranks keep
+  every core of the host busy (CPU training, ``busy_cores``), else 0: gloo's copies and sums then take cores from
+  backward rather than running beside it (on loopback, all of the exchange); only the wait on a slower link
+  hides. Without this term the loopback predictions missed the whole all-reduce of an 11 MB MoE model.
 - ``after_backward``: the tensor-parallel shards' all-reduce over ``dp`` and the experts' over ``world/ep`` run
   once per step after backward (the strategy's reduction), not overlapped.
 - ``quantize = replicated bytes * (q + n dq)`` with ``q``/``dq`` the measured seconds per fp32 byte of the
@@ -37,9 +54,9 @@ fits :class:`NoCandidateFitsError` names the setting and the fixes.
 
 Choice: the fitting candidate with the lowest prediction, unless it beats the simplest fitting candidate (smallest
 ``tp``, ``ep``, no compression) by less than ``margin``: sharding and compressing change numerics and add code paths,
-so they must pay clearly. The model is deliberately simple (no contention between compute and communication on
-shared cores, no kernel efficiency change with width); ``benchmarks/autotune/bench_cost_model.py`` checks its
-ranking against measurements.
+so they must pay clearly. The model is deliberately simple (contention between ranks is measured, not modelled,
+except for ``busy``; no kernel efficiency change with width); ``benchmarks/autotune/bench_cost_model.py``
+checks its ranking against measurements.
 """
 
 from __future__ import annotations
@@ -96,6 +113,11 @@ class ComputeProfile:
         activation_bytes: bytes of the tensors saved for backward.
         routed_bytes: bytes one rank dispatches to the experts per micro-batch and MoE layer, ``T k d s``.
         source: how it was measured, for the table.
+        optimizer_seconds: one step of the optimizer on the replicated model (0: not measured).
+        sharded: ``{("tp", size) or ("ep", size): (pass, optimizer)}``: the seconds a copy sharded that way adds to
+            one micro-batch's forward + backward (its collectives included) and to an optimizer step, over a
+            replicated copy timed interleaved with it (may be negative: noise, or less work). A size missing here
+            is predicted by the formulas.
     """
 
     forward_seconds: float
@@ -103,6 +125,8 @@ class ComputeProfile:
     activation_bytes: int = 0
     routed_bytes: int = 0
     source: str = "given"
+    optimizer_seconds: float = 0.0
+    sharded: Mapping[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -135,6 +159,9 @@ class Machine:
         quantize_seconds_per_byte: ``{bits: (q, dq)}`` seconds per fp32 byte of quantize and dequantize.
         bucket_bytes: DDP's bucket size (the last bucket is never hidden behind backward).
         overlap: fraction of backward that can hide DDP's all-reduce (1: all of it).
+        busy_cores: the ranks of a host keep all its cores busy (CPU training, a thread per core), so moving the
+            gradient bytes through the host (``all_reduce`` at the intra link's rate) competes with backward
+            instead of hiding behind it; only waiting on a slower link still can.
         headroom: fraction of ``device_memory_bytes`` a candidate may plan for.
         single_exchange_max_world: compression's one-all-gather exchange up to this many data-parallel ranks.
         placement: placement policy for the rank grid of each ``tp``.
@@ -146,6 +173,7 @@ class Machine:
     quantize_seconds_per_byte: Mapping[int, tuple[float, float]] = field(default_factory=dict)
     bucket_bytes: int = 25 * 2**20
     overlap: float = 1.0
+    busy_cores: bool = False
     headroom: float = 0.9
     single_exchange_max_world: int = 2
     placement: str = "auto"
@@ -176,11 +204,12 @@ class Prediction:
 
 @dataclass(frozen=True)
 class Decision:
-    """The chosen candidate, every prediction (fastest first), and why."""
+    """The chosen candidate, every prediction (fastest first), why, and the compute figures it was decided from."""
 
     chosen: Candidate
     predictions: tuple[Prediction, ...]
     reason: str
+    compute: ComputeProfile | None = None
 
     def prediction(self, candidate: Candidate) -> Prediction:
         return next(p for p in self.predictions if p.candidate == candidate)
@@ -216,38 +245,58 @@ def memory_bytes(candidate: Candidate, facts: ModelFacts, compute: ComputeProfil
     return int(params * (2 + facts.state_factor) + residual + compute.activation_bytes)
 
 
+def _ddp_volume(candidate: Candidate, facts: ModelFacts) -> CommVolume:
+    """``facts.volumes[tp]`` with the expert gradients in DDP's all-reduce only at ``ep=1``."""
+    volume = facts.volumes[candidate.tp]
+    expert_in_ddp = facts.expert_bytes if candidate.ep == 1 else 0
+    return CommVolume(volume.activation_bytes, volume.num_colwise, volume.num_rowwise, volume.sharded_grad_bytes,
+                      volume.replicated_grad_bytes - facts.expert_bytes + expert_in_ddp, volume.micro_batches)
+
+
+def candidate_grid(candidate: Candidate, facts: ModelFacts, machine: Machine) -> list[list[int]]:
+    """The ``dp x tp`` rank grid the strategy would build for ``candidate`` (its placement policy, or the
+    cheaper one by placement's estimate under ``"auto"``)."""
+    dp = machine.world_size // candidate.tp
+    if machine.placement == "auto":
+        return choose_placement("auto", machine.topology, dp, candidate.tp, _ddp_volume(candidate, facts),
+                                dict(machine.links))[1]
+    return candidate_mesh(machine.placement, machine.topology, dp, candidate.tp)
+
+
 def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, machine: Machine) -> Prediction:
     """The predicted step seconds of ``candidate`` (by part) and whether it fits (see the module docstring)."""
     world, topology, links = machine.world_size, machine.topology, dict(machine.links)
-    volume = facts.volumes[candidate.tp]
-    micro = volume.micro_batches
+    ddp_volume = _ddp_volume(candidate, facts)
+    micro, ddp_bytes = ddp_volume.micro_batches, ddp_volume.replicated_grad_bytes
     dp = world // candidate.tp
-    expert_in_ddp = facts.expert_bytes if candidate.ep == 1 else 0
-    ddp_bytes = volume.replicated_grad_bytes - facts.expert_bytes + expert_in_ddp
-    ddp_volume = CommVolume(volume.activation_bytes, volume.num_colwise, volume.num_rowwise,
-                            volume.sharded_grad_bytes, ddp_bytes, micro)
-    if machine.placement == "auto":
-        _, mesh, _ = choose_placement("auto", topology, dp, candidate.tp, ddp_volume, links)
-    else:
-        mesh = candidate_mesh(machine.placement, topology, dp, candidate.tp)
+    mesh = candidate_grid(candidate, facts, machine)
     comm = estimate_comm_seconds(mesh, topology, ddp_volume, links)
+    tp_measured = compute.sharded.get(("tp", candidate.tp)) if candidate.tp > 1 else (0.0, 0.0)
+    ep_measured = compute.sharded.get(("ep", candidate.ep)) if candidate.ep > 1 else (0.0, 0.0)
     backward = micro * compute.backward_seconds
     world_link = group_link(topology, list(range(world)), links)
     num_buckets = -(-ddp_bytes // machine.bucket_bytes)
-    wire = (all_reduce_seconds(int(ddp_bytes * compression_ratio(candidate.bits)), world, world_link)
+    wire_bytes = int(ddp_bytes * compression_ratio(candidate.bits))
+    wire = (all_reduce_seconds(wire_bytes, world, world_link)
             + max(0, num_buckets - 1) * all_reduce_seconds(0, world, world_link))
+    busy = min(wire, all_reduce_seconds(wire_bytes, world, links["intra"])) if machine.busy_cores else 0.0
+    hideable = wire - busy
     last_bucket = min(1.0, machine.bucket_bytes / max(ddp_bytes, 1))
     parts = {
         "compute": micro * (compute.forward_seconds + compute.backward_seconds),
-        "tp": comm["tp"],
-        "ep": 0.0,
-        "dp": max(wire - machine.overlap * backward, wire * last_bucket) if ddp_bytes else 0.0,
+        "optimizer": compute.optimizer_seconds + sum(m[1] for m in (tp_measured, ep_measured) if m is not None),
+        "tp": comm["tp"] if tp_measured is None else micro * tp_measured[0],
+        "ep": 0.0 if ep_measured is None else micro * ep_measured[0],
+        "dp": busy + max(hideable - machine.overlap * backward, hideable * last_bucket) if ddp_bytes else 0.0,
         "after": comm["sharded"],
         "quantize": 0.0,
     }
     if candidate.ep > 1:
-        ep_link = group_link(topology, list(range(candidate.ep)), links)
-        parts["ep"] = 4 * micro * facts.num_moe_layers * all_to_all_seconds(compute.routed_bytes, candidate.ep, ep_link)
+        if ep_measured is None:
+            ep_link = group_link(topology, list(range(candidate.ep)), links)
+            parts["ep"] = micro * facts.num_moe_layers * (
+                4 * all_to_all_seconds(compute.routed_bytes, candidate.ep, ep_link)
+                + all_to_all_seconds(0, candidate.ep, ep_link))
         parts["after"] += all_reduce_seconds(facts.expert_bytes // candidate.ep, world // candidate.ep,
                                              group_link(topology, list(range(0, world, candidate.ep)), links))
     if candidate.bits is not None and ddp_bytes:
@@ -311,4 +360,4 @@ def decide(options: Iterable[Candidate], facts: ModelFacts, compute: ComputeProf
                             if len(fitting) > 1 else "the only candidate")
     if chosen != simplest.candidate and needed:
         reason = f"{needed}; {reason}"
-    return Decision(chosen, tuple(predictions), reason)
+    return Decision(chosen, tuple(predictions), reason, compute)

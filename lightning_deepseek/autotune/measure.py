@@ -5,6 +5,12 @@
   wrapping or sharding, so nothing communicates. The random state, the buffers (batch-norm statistics...) and the
   gradients are put back afterwards: the measurement leaves training as it found it. Autograd's saved tensors
   during one forward give the activation bytes.
+- sharding: a replicated copy of the model and one copy per tensor- or expert-parallel size of the candidates, each
+  sharded as the strategy would shard it (its plan, its mesh, over the real process group), take a few steps each
+  (forward, backward, a step of the module's own optimizer), interleaved and aligned by a barrier; the differences
+  of the medians are what sharding adds (:func:`measure_sharded`). The model itself is not touched. Cost at setup:
+  ``(1 + repeats) (1 + sizes)`` training steps of one micro-batch plus the copies' memory (skipped where it does
+  not fit), e.g. ~1-2 s for the demo model with ``tp`` in {1, 2}.
 - compression kernels: quantize (with the error-feedback residual) and dequantize of a gradient-sized buffer, the
   kernels the hook runs (:mod:`lightning_deepseek.compression.quantize`), seconds per fp32 byte.
 - links: :func:`lightning_deepseek.parallel.placement.probe_links` (reused, not duplicated).
@@ -15,10 +21,12 @@ same (a decision that differed between ranks would build different meshes).
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -61,22 +69,37 @@ def _tokens(batch: Any) -> int:
     return first.numel() if not first.is_floating_point() else first[..., 0].numel()
 
 
-def micro_batch_step(module: pl.LightningModule, trainer: pl.Trainer | None) -> tuple[Callable[[], Any], str, int]:
-    """A zero-argument forward of one real micro-batch (returns what to differentiate), its description and its
-    tokens per rank.
+@dataclass(frozen=True)
+class MicroBatch:
+    """One real micro-batch: ``example_input_array`` (called as ``module(data)``) or a training batch (through
+    ``training_step(data, 0)``), its description and its tokens per rank."""
 
-    ``example_input_array`` when the module sets one; else the first batch of the training data through
-    ``training_step`` (with ``self.log`` silenced: the loop's logging is not set up yet).
-    """
+    data: Any
+    example: bool
+    description: str
+    tokens: int
+
+    def step(self, module: pl.LightningModule) -> Callable[[], Any]:
+        """A zero-argument forward of this micro-batch through ``module`` (returns what to differentiate)."""
+        data = self.data
+        if not self.example:
+            return lambda: module.training_step(data, 0)
+        if isinstance(data, dict):
+            return lambda: module(**data)
+        if isinstance(data, (tuple, list)):
+            return lambda: module(*data)
+        return lambda: module(data)
+
+
+def micro_batch(module: pl.LightningModule, trainer: pl.Trainer | None) -> MicroBatch:
+    """``example_input_array`` when the module sets one; else the first batch of the training data (for
+    ``training_step``, with ``self.log`` silenced: the loop's logging is not set up yet)."""
     device = next(module.parameters()).device
     example = getattr(module, "example_input_array", None)
     if example is not None:
         moved = move_data_to_device(example, device)
-        if isinstance(moved, dict):
-            return (lambda: module(**moved)), "example_input_array", _tokens(moved)
-        if isinstance(moved, (tuple, list)):
-            return (lambda: module(*moved)), "example_input_array", _tokens(moved)
-        return (lambda: module(moved)), f"example_input_array {tuple(moved.shape)}", _tokens(moved)
+        shape = f" {tuple(moved.shape)}" if isinstance(moved, torch.Tensor) else ""
+        return MicroBatch(moved, True, f"example_input_array{shape}", _tokens(moved))
     fix = ("set the module's example_input_array (one micro-batch), or set the sizes the cost model would decide "
            "(tensor_parallel_size, expert_parallel_size, bits) explicitly")
     if trainer is None or not module.automatic_optimization:
@@ -92,7 +115,14 @@ def micro_batch_step(module: pl.LightningModule, trainer: pl.Trainer | None) -> 
                          f"({type(exc).__name__}: {exc}): {fix}.") from exc
     first = batch[0] if isinstance(batch, (tuple, list)) else batch
     shape = tuple(first.shape) if isinstance(first, torch.Tensor) else "?"
-    return (lambda: module.training_step(batch, 0)), f"a training batch {shape}", _tokens(batch)
+    return MicroBatch(batch, False, f"a training batch {shape}", _tokens(batch))
+
+
+def micro_batch_step(module: pl.LightningModule, trainer: pl.Trainer | None) -> tuple[Callable[[], Any], str, int]:
+    """A zero-argument forward of one real micro-batch (:func:`micro_batch`), its description and its tokens per
+    rank."""
+    batch = micro_batch(module, trainer)
+    return batch.step(module), batch.description, batch.tokens
 
 
 def measure_compute(module: nn.Module, step: Callable[[], Any], description: str = "", repeats: int = 3,
@@ -153,12 +183,106 @@ def measure_compute(module: nn.Module, step: Callable[[], Any], description: str
                           f"measured: {repeats} forward/backward passes of {description or 'a micro-batch'}")
 
 
+# Shards a copy of the model in place. The process groups of its mesh stay open: torch's DeviceMesh resolves groups
+# by name, and a mesh the strategy builds later for the same ranks may be handed a closed one.
+Shard = Callable[[nn.Module], None]
+
+
+class CopyError(RuntimeError):
+    """The model cannot be deep-copied, so its sharding cannot be timed on a copy."""
+
+
+def replica(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` that shares its Trainer (a LightningModule refers to it) instead of copying it."""
+    trainer = getattr(module, "_trainer", None)
+    try:
+        return copy.deepcopy(module, memo={id(trainer): trainer} if trainer is not None else None)
+    except Exception as exc:  # noqa: BLE001 - whatever an attribute's __deepcopy__ raises
+        raise CopyError(f"{type(module).__name__} cannot be deep-copied ({type(exc).__name__}: {exc})") from exc
+
+
+def first_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
+    """The (first) optimizer ``configure_optimizers`` builds for ``module``, in any of the forms Lightning accepts;
+    None where there is none or it needs the running Trainer."""
+    try:
+        config: Any = module.configure_optimizers()
+    except Exception:  # noqa: BLE001 - a hook that needs the fit loop (schedulers' stepping batches...)
+        return None
+    while not isinstance(config, torch.optim.Optimizer):
+        if isinstance(config, dict):
+            config = config.get("optimizer")
+        elif isinstance(config, (tuple, list)) and config:
+            config = config[0]
+        else:
+            return None
+    for group in config.param_groups:  # torch's multi-tensor kernels refuse DTensor and plain tensors together
+        if len({type(p).__name__ == "DTensor" for p in group["params"]}) > 1 and group.get("foreach") is None:
+            group["foreach"] = False
+    return config
+
+
+def measure_sharded(module: pl.LightningModule, batch: MicroBatch, shardings: Mapping[tuple[str, int], Shard],
+                    repeats: int = 3) -> tuple[float, dict[tuple[str, int], tuple[float, float]]]:
+    """What each sharding adds to a micro-batch's forward + backward and to an optimizer step (collective).
+
+    A replicated copy of ``module`` and one copy per entry of ``shardings`` (each sharded in place by its function)
+    run ``repeats`` timed steps each (after one warm-up): forward, backward, a step of the
+    module's own optimizer, every copy once per round, the ranks aligned by a barrier before each pass, so that
+    load that drifts during setup falls on all copies alike. ``module`` itself is not touched.
+
+    Raises:
+        CopyError: ``module`` cannot be deep-copied (raised before any collective, on every rank alike).
+
+    Returns:
+        The replicated copy's median optimizer step seconds (0 without an optimizer), and for each sharding the
+        differences of its medians from the replicated copy's: ``(forward + backward, optimizer step)``.
+    """
+    device = next(module.parameters()).device
+    # every copy before any collective: a model that cannot be copied fails alike on every rank, before a barrier
+    copies: dict[tuple[str, int] | None, nn.Module] = {key: replica(module) for key in [None, *shardings]}
+    for key, shard in shardings.items():
+        shard(copies[key])
+    steps = {key: batch.step(m) for key, m in copies.items()}
+    optimizers = {key: first_optimizer(m) for key, m in copies.items()}
+    if any(o is None for o in optimizers.values()):
+        optimizers = dict.fromkeys(copies)
+    passes: dict[tuple[str, int] | None, list[float]] = {key: [] for key in copies}
+    steps_of_optimizer: dict[tuple[str, int] | None, list[float]] = {key: [] for key in copies}
+    aligned = dist.is_available() and dist.is_initialized()
+    for m in copies.values():
+        if isinstance(m, pl.LightningModule):
+            m.log = m.log_dict = lambda *args, **kwargs: None
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for i in range(repeats + 1):
+            for key in copies:
+                if aligned:
+                    dist.barrier()
+                _synchronize(device)
+                start = time.perf_counter()
+                _loss_of(steps[key]()).backward()
+                _synchronize(device)
+                middle = time.perf_counter()
+                if optimizers[key] is not None:
+                    optimizers[key].step()
+                    optimizers[key].zero_grad(set_to_none=True)
+                    _synchronize(device)
+                end = time.perf_counter()
+                if i:  # the first round warms allocators, caches and the optimizer states
+                    passes[key].append(middle - start)
+                    steps_of_optimizer[key].append(end - middle)
+    med = {key: (statistics.median(passes[key]), statistics.median(steps_of_optimizer[key])) for key in copies}
+    base = med.pop(None)
+    return base[1], {key: (f - base[0], o - base[1]) for key, (f, o) in med.items()}
+
+
 def measure_quantize(num_bytes: int, bits_options: tuple[int, ...] = (8, 4), device: torch.device | None = None,
-                     repeats: int = 3) -> dict[int, tuple[float, float]]:
+                     repeats: int = 5) -> dict[int, tuple[float, float]]:
     """``{bits: (quantize, dequantize)}`` seconds per fp32 byte on a buffer of up to ``num_bytes`` (at least 1 MiB,
-    at most 16 MiB: the per-byte cost of the hook's tiled kernels does not depend on size beyond that)."""
+    at most 4 MiB: the per-byte cost of the hook's tiled kernels, which work 2 MiB at a time, does not depend on
+    size beyond that). The fastest of ``repeats`` passes: a kernel's cost, not the load spikes of a shared machine
+    (on the testbed a median of 3 over 16 MiB once put int8 at 6x int4)."""
     device = device or torch.device("cpu")
-    numel = max(1 << 18, min(num_bytes // 4, 1 << 22)) // 256 * 256
+    numel = max(1 << 18, min(num_bytes // 4, 1 << 20)) // 256 * 256
     x = torch.randn(numel, device=device)
     residual = torch.empty_like(x)
     out = torch.empty_like(x)
@@ -177,7 +301,7 @@ def measure_quantize(num_bytes: int, bits_options: tuple[int, ...] = (8, 4), dev
             if i:
                 q_times.append(middle - start)
                 dq_times.append(time.perf_counter() - middle)
-        result[bits] = (statistics.median(q_times) / (numel * 4), statistics.median(dq_times) / (numel * 4))
+        result[bits] = (min(q_times) / (numel * 4), min(dq_times) / (numel * 4))
     return result
 
 
@@ -199,10 +323,13 @@ def agree(values: list[float]) -> list[float]:
 
 
 def agree_compute(profile: ComputeProfile) -> ComputeProfile:
-    """``profile`` with the slowest rank's figures (collective)."""
-    f, b, a, r = agree([profile.forward_seconds, profile.backward_seconds, float(profile.activation_bytes),
-                        float(profile.routed_bytes)])
-    return ComputeProfile(f, b, int(a), int(r), profile.source)
+    """``profile`` with the slowest rank's figures (collective; every rank measured the same shardings)."""
+    keys = sorted(profile.sharded)
+    f, b, a, r, o, *sharded = agree([profile.forward_seconds, profile.backward_seconds,
+                                     float(profile.activation_bytes), float(profile.routed_bytes),
+                                     profile.optimizer_seconds, *(v for k in keys for v in profile.sharded[k])])
+    return ComputeProfile(f, b, int(a), int(r), profile.source, o,
+                          {k: (sharded[2 * i], sharded[2 * i + 1]) for i, k in enumerate(keys)})
 
 
 def agree_quantize(costs: dict[int, tuple[float, float]]) -> dict[int, tuple[float, float]]:

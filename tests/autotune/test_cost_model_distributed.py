@@ -2,11 +2,11 @@
 
 - ``HybridParallelStrategy(tensor_parallel_size="auto")`` with ``GradientCompression(bits="auto")`` on the tiny GPT:
   the candidate table is printed once, every rank takes the same decision, the mesh and the hook follow it, the
-  run summary shows it;
+  run summary shows it; tp=2 is timed on a sharded copy of the model (real DTensor collectives) and agreed;
 - ``GradientCompression(bits="auto")`` under Lightning's ``"ddp"`` on a transformers Llama from a tiny config (a
   model we did not write, measured through its own ``training_step``);
 - ``expert_parallel_size="auto"`` on a tiny MoE GPT: ep 1 or 2 by the cost model (routed bytes measured by hooks on
-  the experts), and the experts sharded accordingly.
+  the experts), and the experts sharded accordingly (ep=2 timed on an expert-parallel copy).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_deepseek.autotune.cost_model import Candidate
 from lightning_deepseek.compression import GradientCompression
 from lightning_deepseek.parallel import HybridParallelStrategy
 from tests.helpers import run_distributed
@@ -86,6 +87,9 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "llama_summary": ddp_compression.summary(),
         "llama_hook": ddp_compression.hook_state is not None,
         "rank": dist.get_rank(),
+        "sharded": sorted(decision.compute.sharded), "optimizer_seconds": decision.compute.optimizer_seconds,
+        "moe_sharded": sorted(moe.autotune_decision.compute.sharded),
+        "tp2_parts": dict(decision.prediction(Candidate(2)).parts),
     }
 
 
@@ -109,6 +113,10 @@ def test_hybrid_auto_decides_tp_and_bits_from_measurements_and_prints_the_table(
     assert summary["autotune_choice"] == rank0["chosen"] and set(summary["autotune_predicted_ms"]) == set(
         rank0["candidates"])
     assert summary["hybrid_mesh"].startswith(f"dp={2 // tp} x tp={tp}")
+    # tp=2 was timed on a sharded copy of the model (its collectives included), not predicted from bytes alone
+    assert [tuple(k) for k in rank0["sharded"]] == [("tp", 2)] and rank0["optimizer_seconds"] > 0
+    assert "sharding measured on copies (tp=2, 3 interleaved steps each" in table
+    assert rank0["tp2_parts"]["tp"] == rank1["tp2_parts"]["tp"] != 0  # agreed over ranks
 
 
 def test_bits_auto_under_ddp_decides_on_a_transformers_model(ranks) -> None:
@@ -126,6 +134,7 @@ def test_expert_parallel_size_auto_decides_and_shards_accordingly(ranks) -> None
     (table,) = rank0["moe_tables"]
     assert "expert_parallel_size='auto': cost model" in table
     assert "tp=1 ep=1 fp32" in table and "tp=1 ep=2 fp32" in table
+    assert [tuple(k) for k in rank0["moe_sharded"]] == [("ep", 2)]
     ep = rank0["moe_ep"]
     assert rank0["moe_chosen"] == f"tp=1 ep={ep} fp32"
     assert ("expert_parallel" in rank0["moe_summary"]) == (ep == 2)
