@@ -127,7 +127,7 @@ def test_sign_update_cancels_an_offset_and_a_smaller_step_dithers_less() -> None
         assert ratios[0] > 1.6  # unbalanced: experts 0 and 1 take most tokens
         assert (summed.max() / summed.mean()).item() < 1.05
         assert sum(ratios[-50:]) / 50 < 1.2
-        # Why the moe presets use 1e-3 rather than 1e-2 (benchmarks/RESULTS.md): once the bias has cancelled the
+        # Why moe-tiny's preset uses 3e-3 rather than 1e-2 (benchmarks/RESULTS.md): once the bias has cancelled the
         # offset, every sign step reacts to the batch's sampling noise and the step size sets how far the bias wanders.
         balanced = layer.router.expert_bias.clone()
         per_step = {}
