@@ -77,7 +77,9 @@ class ExpertLoadBalancing(Callback):
     """Aux-loss-free expert load balancing (DeepSeek-V3) for any model of the MoE protocol.
 
     Args:
-        update_rate: bias step per optimizer step (DeepSeek-V3's gamma: 1e-3); 0 only counts and logs.
+        update_rate: bias step per optimizer step (DeepSeek-V3's gamma: 1e-3); 0 only counts and logs. Once the
+            load is balanced every step reacts to the batch's sampling noise, so a larger step makes the per-step
+            load worse (docs/moe.md, "Choosing update_rate"); a smaller one lags a fast-moving router.
     """
 
     def __init__(self, update_rate: float = 1e-3) -> None:
