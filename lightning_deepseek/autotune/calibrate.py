@@ -58,6 +58,7 @@ from typing_extensions import override
 
 from lightning_deepseek.autotune.candidates import PLAIN_DDP, Candidate, candidates, describe_forced, forced_settings
 from lightning_deepseek.autotune.checks import nothing_to_choose, task_overrides
+from lightning_deepseek.autotune.sweep_choice import publish, reused, shared_choice, sweep_table
 from lightning_deepseek.hpo.loop import run_trials
 
 
@@ -313,15 +314,20 @@ class _Calibrator:
                 self.results[candidate.name] = Row(candidate, "skipped", note=f"{first.candidate.name} {first.state}")
         return names
 
-    def next_round(self, best: int | None) -> list[str]:
+    def next_round(self, best: int | None, min_gain: float) -> list[str]:
         """Plain DDP and the ``best`` fastest others measured so far (``None``: all of them), in the first round's
-        order; pruned, skipped and failed candidates are not measured again. Empty when fewer than two candidates
-        that could be chosen are left: re-measuring cannot change the choice then."""
+        order; pruned, skipped and failed candidates are not measured again. Empty when the round cannot change
+        the choice: fewer than two candidates that could be chosen are left, or (``best`` set) plain DDP is the
+        choice so far (a second look at the others would only matter for a gain within noise)."""
         done = [r for c in self.order if (r := self.results.get(c.name)) and r.state in ("measured", "reference")]
         others = sorted((r for r in done if not r.candidate.is_plain_ddp), key=lambda r: -(r.tokens_per_s or 0.0))
         keep = {r.candidate for r in others[:best]} | {PLAIN_DDP}
         names = [r.candidate.name for r in done if r.candidate in keep]
-        return names if sum(r.state == "measured" and r.candidate.name in names for r in done) >= 2 else []
+        if sum(r.state == "measured" and r.candidate.name in names for r in done) < 2:
+            return []
+        if best is not None and choose(done, self.eligible, min_gain).is_plain_ddp:
+            return []
+        return names
 
     def _timer(self, candidate: Candidate, trial: optuna.Trial, first: bool) -> _StepTimer:
         cfg = candidate.apply(self.cfg)
@@ -427,7 +433,7 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
             if staged:
                 measure(calibrator.second_stage())
             for _ in range(1, int(cfg.tune.rounds)):  # interleaved: every candidate left once per round
-                measure(calibrator.next_round(cfg.tune.get("recheck_best")))
+                measure(calibrator.next_round(cfg.tune.get("recheck_best"), float(cfg.tune.min_gain)))
     rows = [calibrator.results.get(c.name, Row(c, "failed", note="did not run")) for c in order]
     choice = choose(rows, eligible, float(cfg.tune.min_gain))
     up_at = calibrator.up_at or started
@@ -456,18 +462,37 @@ def calibrated_config(cfg: DictConfig, plan: Any, folder: Any) -> DictConfig:
 
     Not measured: a resumed run continues with the choice its own run folder recorded (``tune.json`` beside its
     ``checkpoints``), as its checkpoint was written with it; ``tune=auto`` with nothing to choose from (one
-    process, or every setting kept) trains as configured.
+    process, or every setting kept) trains as configured; a later trial of a sweep trains with the choice of the
+    sweep's first calibration (:mod:`~lightning_deepseek.autotune.sweep_choice`).
     """
     folder.claim()
     if plan.resume is not None:
         return _resumed_choice(cfg, Path(plan.resume), folder.is_launcher)
     if nothing_to_choose(cfg, int(getattr(plan.model_config, "n_routed_experts", 0) or 0)) is not None:
         return cfg  # only tune=auto gets here (check_tune raised for quick and grid): the user's settings stand
+    table = sweep_table(cfg, forced_settings(cfg, task_overrides()))
+    found = shared_choice(table)
+    if found is not None:
+        return _sweep_choice(cfg, found, folder)
     calibration = calibrate(cfg, plan, folder)
     if folder.is_launcher:
         calibration.write(folder.path)
+        publish(table, folder.path / "tune.json")
         print(calibration.table(), flush=True)
     return _with_report(calibration.choice.apply(cfg), calibration.summary())
+
+
+def _sweep_choice(cfg: DictConfig, table: Path, folder: Any) -> DictConfig:
+    recorded = reused(table)
+    choice = Candidate(**recorded["choice_fields"])
+    if folder.is_launcher:
+        folder.path.mkdir(parents=True, exist_ok=True)  # tune.json beside the checkpoints: a resume keeps the choice
+        (folder.path / "tune.json").write_text(json.dumps({**recorded, "reused_from": str(table)}, indent=2))
+        print(f"lds-train: tune: this sweep calibrated once ({table}): training with {choice.name} (no new "
+              "calibration; tune=none on the sweep's command line trains as configured instead)", flush=True)
+    ratio = next((r["vs_plain_ddp"] for r in recorded["rows"] if r["name"] == choice.name), None)
+    return _with_report(choice.apply(cfg), {"tune_choice": f"{choice.name} (sweep)",
+                                            "tune_vs_plain_ddp": round(ratio, 3) if ratio is not None else None})
 
 
 def _resumed_choice(cfg: DictConfig, checkpoint: Path, is_launcher: bool) -> DictConfig:

@@ -93,9 +93,11 @@ def test_staged_search_compresses_only_the_layouts_measured_to_the_end() -> None
     # A further round only when it could change the choice: two candidates that can be chosen are left.
     calibrator.results["ddp/int8"] = _row("ddp/int8", 900.0, "pruned")
     calibrator.results["ddp/int4"] = _row("ddp/int4", 800.0, "pruned")
-    assert calibrator.next_round(best=1) == []
-    calibrator.results["ddp/int4"] = _row("ddp/int4", 990.0)
-    assert calibrator.next_round(best=1) == ["ddp/none", "ddp/int4"]
+    assert calibrator.next_round(best=1, min_gain=0.03) == []
+    calibrator.results["ddp/int4"] = _row("ddp/int4", 1020.0)  # measured, but within min_gain: DDP stays
+    assert calibrator.next_round(best=1, min_gain=0.03) == []
+    assert calibrator.next_round(best=None, min_gain=0.03) == ["ddp/none", "ddp/int4"]  # grid: every one again
+    assert calibrator.next_round(best=1, min_gain=0.0) == ["ddp/none", "ddp/int4"]  # the choice would change
     # Compression forced: plain DDP is the reference only; the first stage still holds each layout's first.
     forced = candidates(_cfg("tune=quick", "compression=int8", "tune.bucket_cap_mb=[null,1]"), ["compression"])
     staged = _Calibrator(None, None, None, [PLAIN_DDP, *forced], forced)
