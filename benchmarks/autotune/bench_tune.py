@@ -71,7 +71,8 @@ class Runner:
 
 
 def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
+    fmt = ",.0f" if statistics.median(values) >= 100 else ".3g"
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
 @contextlib.contextmanager
