@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -99,6 +100,8 @@ def main() -> None:
     parser.add_argument("--skip-ddp-run", action="store_true", help="no separate plain-DDP run (time-limited runs)")
     parser.add_argument("--grid-out", type=Path, default=None)
     args = parser.parse_args()
+    # `timeout` sends SIGTERM: leave through the context managers (kill the workers, tear the testbed down).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     name = f"{'testbed_' + args.rate if args.testbed else 'loopback'}_{args.model}"
     grid_out = args.grid_out or ROOT / "benchmarks" / "autotune" / f"grid_{name}.json"
     load_before = os.getloadavg()
@@ -133,15 +136,17 @@ def main() -> None:
                 run.update(ddp_tokens_per_s=plain["tokens_per_s"], ddp_train_wall_s=plain["wall_time_s"])
             runs.append(run)
             print(json.dumps(run), flush=True)
+            # After every repetition: a run stopped by its time limit keeps the repetitions it finished.
+            medians = {name: statistics.median(v) for name, v in grid.items()}
+            grid_out.write_text(json.dumps(
+                {"machine": f"{machine}, model={args.model}", "reps": rep + 1, "argv": sys.argv[1:],
+                 "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
+                 "timed_steps_per_round": args.grid_steps, "rounds": 2, "auto_runs": runs,
+                 "configs": [{"name": n, "overrides": overrides[n], "tokens_per_s_median": medians[n],
+                              "per_rep": grid[n]} for n in sorted(medians, key=medians.get, reverse=True)]},
+                indent=2) + "\n")
     load_after = os.getloadavg()
-    medians = {name: statistics.median(v) for name, v in grid.items()}
     best = max(medians, key=medians.get)
-    grid_out.write_text(json.dumps(
-        {"machine": f"{machine}, model={args.model}", "reps": args.reps,
-         "load_average_1min_before_after": [load_before[0], load_after[0]],
-         "timed_steps_per_round": args.grid_steps, "rounds": 2, "auto_runs": runs,
-         "configs": [{"name": n, "overrides": overrides[n], "tokens_per_s_median": medians[n], "per_rep": grid[n]}
-                     for n in sorted(medians, key=medians.get, reverse=True)]}, indent=2) + "\n")
     print(f"\n{machine}, model={args.model}; load average before {load_before[0]:.1f}/{load_before[1]:.1f}, after "
           f"{load_after[0]:.1f}/{load_after[1]:.1f} (1/5 min; the machine has {os.cpu_count()} cores)")
     print(f"\n| configuration | grid tokens/s, median (min-max over {args.reps} reps) | vs plain DDP |")
