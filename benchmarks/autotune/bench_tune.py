@@ -1,11 +1,17 @@
 """Calibration benchmark (issue #16): is ``lds-train``'s automatic choice as fast as the best of an exhaustive grid,
 never slower than plain DDP, and how much of the demo does the calibration cost?
 
-Run: ``.venv/bin/python benchmarks/autotune/bench_tune.py [--reps 2] [--steps 60] [--grid-steps 4]``. Loopback,
-the demo model (``small``), 2 CPU processes. Each repetition runs, interleaved:
+Run (loopback, the demo model, 2 CPU processes):
+``.venv/bin/python benchmarks/autotune/bench_tune.py [--reps 2] [--steps 60] [--grid-steps 4]``.
+Run (testbed, as root: 2 emulated nodes x 2 processes, ``lds-train trainer.num_nodes=2`` started in each node's
+network namespace with ``MASTER_ADDR``/``NODE_RANK``, the link throttled to ``--rate``):
+``.venv/bin/python benchmarks/autotune/bench_tune.py --testbed --rate 1gbit [--model moe-tiny]``.
 
-1. the exhaustive grid: ``lds-train tune=grid`` (ddp and hybrid tp=2 x none/int8/int4 x DDP buckets of 1, 25 and
-   100 MB, every candidate measured twice, interleaved, in the same processes; ``--grid-steps`` timed steps each);
+Each repetition runs, interleaved:
+
+1. the exhaustive grid: ``lds-train tune=grid`` (every candidate of ``tune=grid``: ddp and hybrid at each tp, for
+   MoE models each ep, x none/int8/int4 x the DDP buckets of ``--grid-buckets``; every candidate measured in two
+   interleaved rounds in the same processes, ``--grid-steps`` timed steps each);
 2. the default ``lds-train`` (``tune=auto``) for ``--steps`` steps: its choice, its calibration time, and the
    tokens/s of the training that follows;
 3. plain DDP (``strategy=ddp compression=none tune=none``) for ``--steps`` steps: the baseline, measured by a
@@ -13,32 +19,72 @@ the demo model (``small``), 2 CPU processes. Each repetition runs, interleaved:
 
 Reports medians over the repetitions with min-max spreads and the machine's load average before and after.
 The grid's table (every configuration's median tokens/s) goes to ``--grid-out`` (default
-``benchmarks/autotune/grid_loopback.json``) for a cost model's ranking check (Spearman).
+``benchmarks/autotune/grid_<where>_<model>.json``) for a cost model's ranking check (Spearman).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 LDS_TRAIN = ROOT / ".venv" / "bin" / "lds-train"
 COMMON = ["plot=false", "trainer.enable_progress_bar=false", "trainer.limit_val_batches=2"]
 
 
-def lds_train(run_dir: Path, *overrides: str) -> dict:
-    subprocess.run([str(LDS_TRAIN), *COMMON, f"hydra.run.dir={run_dir}", *overrides], check=True,
-                   capture_output=True, text=True, cwd=ROOT)
-    return json.loads((run_dir / "summary.json").read_text())
+class Runner:
+    """Runs ``lds-train`` on loopback, or as 2 nodes x 2 processes in the testbed's namespaces."""
+
+    def __init__(self, bed: object | None, timeout: float) -> None:
+        self.bed, self.timeout, self.port = bed, timeout, 29700
+
+    def __call__(self, run_dir: Path, *overrides: str) -> dict:
+        if self.bed is None:
+            subprocess.run([str(LDS_TRAIN), *COMMON, f"hydra.run.dir={run_dir}", *overrides], check=True,
+                           capture_output=True, text=True, cwd=ROOT, timeout=self.timeout)
+            return json.loads((run_dir / "summary.json").read_text())
+        from benchmarks.testbed import workers
+
+        self.port += 1  # a fresh rendezvous port per run: the previous run's may linger in TIME_WAIT
+        with workers(self.timeout) as procs:
+            for node in range(2):
+                env = {"MASTER_ADDR": self.bed.ip(0), "MASTER_PORT": str(self.port), "NODE_RANK": str(node),
+                       "LDS_TOPOLOGY": "0,1;2,3", "OMP_NUM_THREADS": "1"}
+                argv = [str(LDS_TRAIN), *COMMON, "trainer.num_nodes=2", f"hydra.run.dir={run_dir}/node{node}",
+                        *overrides]
+                log = open(run_dir.parent / f"{run_dir.name}-node{node}.log", "w")  # noqa: SIM115 - closed on exit
+                procs.append(subprocess.Popen(self.bed.command(node, argv, env), cwd=ROOT, stdout=log,
+                                              stderr=subprocess.STDOUT))
+        return json.loads((run_dir / "node0" / "summary.json").read_text())
+
+    def table(self, run_dir: Path) -> dict:
+        return json.loads((run_dir / ("node0" if self.bed else "") / "tune.json").read_text())
 
 
 def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
+    fmt = ",.0f" if statistics.median(values) >= 100 else ".3g"
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+@contextlib.contextmanager
+def where(args: argparse.Namespace) -> Iterator[tuple[object | None, str]]:
+    if not args.testbed:
+        yield None, "loopback, 2 CPU processes"
+        return
+    from benchmarks.testbed import Testbed
+
+    with Testbed(num_hosts=2, rate=args.rate, prefix="ldsc", subnet="10.213.72") as bed:
+        yield bed, f"testbed, 2 emulated nodes x 2 processes, {args.rate} link, OMP_NUM_THREADS=1"
 
 
 def main() -> None:
@@ -47,57 +93,79 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--grid-steps", type=int, default=4)
     parser.add_argument("--grid-buckets", default="[null,1,100]", help="tune.bucket_cap_mb of the grid")
-    parser.add_argument("--grid-out", type=Path, default=ROOT / "benchmarks" / "autotune" / "grid_loopback.json")
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--testbed", action="store_true")
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--skip-ddp-run", action="store_true", help="no separate plain-DDP run (time-limited runs)")
+    parser.add_argument("--grid-out", type=Path, default=None)
     args = parser.parse_args()
+    # `timeout` sends SIGTERM: leave through the context managers (kill the workers, tear the testbed down).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    name = f"{'testbed_' + args.rate if args.testbed else 'loopback'}_{args.model}"
+    grid_out = args.grid_out or ROOT / "benchmarks" / "autotune" / f"grid_{name}.json"
     load_before = os.getloadavg()
     grid: dict[str, list[float]] = {}
     overrides: dict[str, list[str]] = {}
     runs = []
-    with tempfile.TemporaryDirectory() as tmp:
+    model = [f"model={args.model}"]
+    with where(args) as (bed, machine), tempfile.TemporaryDirectory() as tmp:
+        lds_train = Runner(bed, args.timeout)
         for rep in range(args.reps):
             folder = Path(tmp) / str(rep)
-            lds_train(folder / "grid", "tune=grid", f"tune.steps={args.grid_steps}", "trainer.max_steps=1",
-                      f"tune.bucket_cap_mb={args.grid_buckets}",
-                      "trainer.val_check_interval=1")
-            table = json.loads((folder / "grid" / "tune.json").read_text())
+            folder.mkdir()
+            lds_train(folder / "grid", *model, "tune=grid", f"tune.steps={args.grid_steps}", "trainer.max_steps=1",
+                      f"tune.bucket_cap_mb={args.grid_buckets}", "trainer.val_check_interval=1")
+            table = lds_train.table(folder / "grid")
             for row in table["rows"]:
                 if row["tokens_per_s"] is not None:
                     grid.setdefault(row["name"], []).append(row["tokens_per_s"])
                     overrides[row["name"]] = row["overrides"]
             steps = [f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.steps}"]
-            auto = lds_train(folder / "auto", *steps)
-            plain = lds_train(folder / "ddp", *steps, "strategy=ddp", "compression=none", "tune=none")
-            runs.append({"choice": auto["tune_choice"], "tune_seconds": auto["tune_seconds"],
-                         "calibrated_ratio": auto["tune_vs_plain_ddp"], "auto_tokens_per_s": auto["tokens_per_s"],
-                         "ddp_tokens_per_s": plain["tokens_per_s"], "ddp_train_wall_s": plain["wall_time_s"],
-                         "grid_best": max(table["rows"], key=lambda r: r["tokens_per_s"] or 0)["name"]})
-            print(json.dumps(runs[-1]), flush=True)
+            auto = lds_train(folder / "auto", *model, *steps)
+            auto_table = lds_train.table(folder / "auto")
+            run = {"choice": auto["tune_choice"], "tune_seconds": auto["tune_seconds"],
+                   "launch_seconds": round(auto_table["launch_seconds"], 1), "phases": auto_table["phases"],
+                   "calibrated_ratio": auto["tune_vs_plain_ddp"], "auto_tokens_per_s": auto["tokens_per_s"],
+                   "auto_train_wall_s": auto["wall_time_s"],
+                   "auto_table": {r["name"]: (r["state"], r["tokens_per_s"] and round(r["tokens_per_s"]))
+                                  for r in auto_table["rows"]},
+                   "grid_best": max(table["rows"], key=lambda r: r["tokens_per_s"] or 0)["name"]}
+            if not args.skip_ddp_run:
+                plain = lds_train(folder / "ddp", *model, *steps, "strategy=ddp", "compression=none", "tune=none")
+                run.update(ddp_tokens_per_s=plain["tokens_per_s"], ddp_train_wall_s=plain["wall_time_s"])
+            runs.append(run)
+            print(json.dumps(run), flush=True)
+            # After every repetition: a run stopped by its time limit keeps the repetitions it finished.
+            medians = {name: statistics.median(v) for name, v in grid.items()}
+            grid_out.write_text(json.dumps(
+                {"machine": f"{machine}, model={args.model}", "reps": rep + 1, "argv": sys.argv[1:],
+                 "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
+                 "timed_steps_per_round": args.grid_steps, "rounds": 2, "auto_runs": runs,
+                 "configs": [{"name": n, "overrides": overrides[n], "tokens_per_s_median": medians[n],
+                              "per_rep": grid[n]} for n in sorted(medians, key=medians.get, reverse=True)]},
+                indent=2) + "\n")
     load_after = os.getloadavg()
-    medians = {name: statistics.median(v) for name, v in grid.items()}
     best = max(medians, key=medians.get)
-    args.grid_out.write_text(json.dumps(
-        {"machine": "loopback, 2 CPU processes, model=small (the demo)", "reps": args.reps,
-         "load_average_1min_before_after": [load_before[0], load_after[0]],
-         "timed_steps_per_round": args.grid_steps, "rounds": 2,
-         "configs": [{"name": n, "overrides": overrides[n], "tokens_per_s_median": medians[n], "per_rep": grid[n]}
-                     for n in sorted(medians, key=medians.get, reverse=True)]}, indent=2) + "\n")
-    print(f"\nload average before {load_before[0]:.1f}/{load_before[1]:.1f}, after {load_after[0]:.1f}/"
-          f"{load_after[1]:.1f} (1/5 min; the machine has {os.cpu_count()} cores)")
+    print(f"\n{machine}, model={args.model}; load average before {load_before[0]:.1f}/{load_before[1]:.1f}, after "
+          f"{load_after[0]:.1f}/{load_after[1]:.1f} (1/5 min; the machine has {os.cpu_count()} cores)")
     print(f"\n| configuration | grid tokens/s, median (min-max over {args.reps} reps) | vs plain DDP |")
     print("|---|---|---|")
     for name in sorted(medians, key=medians.get, reverse=True):
         print(f"| {name}{' (grid best)' if name == best else ''} | {spread(grid[name])} | "
               f"{medians[name] / medians['ddp/none']:.2f}x |")
     print("\n| rep | auto choice | choice vs grid best (grid medians) | auto training vs plain DDP run | "
-          "calibration s |")
+          "calibration s (launch s) |")
     print("|---|---|---|---|---|")
     for i, r in enumerate(runs):
-        print(f"| {i} | {r['choice']} | {medians.get(r['choice'], 0) / medians[best]:.2f}x | "
-              f"{r['auto_tokens_per_s'] / r['ddp_tokens_per_s']:.2f}x | {r['tune_seconds']} |")
-    ratios = [r["auto_tokens_per_s"] / r["ddp_tokens_per_s"] for r in runs]
+        vs_ddp = f"{r['auto_tokens_per_s'] / r['ddp_tokens_per_s']:.2f}x" if "ddp_tokens_per_s" in r else "-"
+        print(f"| {i} | {r['choice']} | {medians.get(r['choice'].split(' ')[0], 0) / medians[best]:.2f}x | "
+              f"{vs_ddp} | {r['tune_seconds']} ({r['launch_seconds']}) |")
     calibration = spread([r["tune_seconds"] for r in runs])
-    print(f"\nauto training vs plain DDP: {spread(ratios)}; calibration: {calibration} s; "
-          f"plain DDP's {args.steps}-step run took {spread([r['ddp_train_wall_s'] for r in runs])} s of training")
+    print(f"\ncalibration: {calibration} s, against {spread([r['auto_train_wall_s'] for r in runs])} s for the "
+          f"{args.steps} training steps of the same run")
+    if not args.skip_ddp_run:
+        print(f"auto training vs plain DDP: {spread([r['auto_tokens_per_s'] / r['ddp_tokens_per_s'] for r in runs])}")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,19 @@ size) is one trial of an Optuna study with a throughput objective, run by the pr
 own data, ``tune.warmup_steps`` untimed steps then ``tune.steps`` timed ones. Plain DDP without compression is
 always the first trial, so that every row compares with it side by side in the same processes. With
 ``tune.prune`` Optuna's ``MedianPruner`` stops a candidate once it is slower than the median of those measured so
-far (each timed step is reported as an intermediate value), which is what keeps the calibration within a few
-percent of the demo's time.
+far (each timed step is reported as an intermediate value).
+
+Staged (``tune.staged``, on in ``auto`` and ``quick``): the first stage measures one candidate per layout
+(strategy, tp, ep: the uncompressed one with the first bucket size); the second stage measures the other
+compressions and bucket sizes only of the layouts whose first candidate was measured to the end, so a layout
+already slower than the median is not tried compressed ("skipped" in the table). The assumption: compression
+saves a share of the data-parallel exchange, and a layout that exchanges fewer bytes (more sharding) gains no more
+from it than plain DDP, so a layout that loses uncompressed loses compressed too. A further round re-measures only
+when at least two candidates that could be chosen are left in it (one cannot change the choice). Together with
+the pruner, this keeps the calibration within 5% of the demo's training (benchmarks/RESULTS.md).
+
+What the calibration costs is counted from the moment every process is up (the first fit's process group):
+starting the processes is paid once by any run, calibrated or not, and is shown apart (``launch_seconds``).
 
 Why inside the running processes: a new process per candidate would cost ~10 s of imports each. The first fit
 starts the processes (Lightning's launcher), later fits find ``LOCAL_RANK`` set and the process group initialised
@@ -47,6 +58,7 @@ from typing_extensions import override
 
 from lightning_deepseek.autotune.candidates import PLAIN_DDP, Candidate, candidates, describe_forced, forced_settings
 from lightning_deepseek.autotune.checks import nothing_to_choose, task_overrides
+from lightning_deepseek.autotune.sweep_choice import publish, reused, shared_choice, sweep_table
 from lightning_deepseek.hpo.loop import run_trials
 
 
@@ -61,6 +73,8 @@ class Row:
         tokens_per_s: measured throughput (``None`` when not measured to the end).
         note: why it was pruned or failed.
         step_seconds: rank 0's time of each timed step (the throughput uses the slowest rank's total).
+        seconds: this rank's wall time of the candidate's fits, by phase: ``setup`` (``Trainer`` and strategy
+            set-up up to the first batch), ``warmup`` (untimed steps), ``timed`` (timed steps), ``teardown``.
     """
 
     candidate: Candidate
@@ -68,6 +82,7 @@ class Row:
     tokens_per_s: float | None = None
     note: str = ""
     step_seconds: tuple[float, ...] = ()
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -78,9 +93,10 @@ class Calibration:
         mode: ``quick`` or ``grid``.
         rows: every candidate, plain DDP first.
         choice: the configuration training uses.
-        seconds: wall time of the calibration.
+        seconds: wall time of the calibration once every process is up.
         kept: the forced settings, ``compression=int8``-style (empty: none).
         min_gain: the margin by which a candidate must beat plain DDP to be chosen.
+        launch_seconds: starting the other processes (in the first fit; any run pays it, so not counted above).
     """
 
     mode: str
@@ -89,6 +105,16 @@ class Calibration:
     seconds: float
     kept: str = ""
     min_gain: float = 0.0
+    launch_seconds: float = 0.0
+
+    def phases(self) -> dict[str, float]:
+        """Where the calibration's seconds went (this rank): each phase summed over the candidates."""
+        out: dict[str, float] = {}
+        for row in self.rows:
+            for phase, value in row.seconds.items():
+                out[phase] = out.get(phase, 0.0) + value
+        out["other"] = self.seconds - sum(out.values())  # Optuna, configs, the all-reduces between trials
+        return {k: round(v, 2) for k, v in out.items()}
 
     @property
     def baseline(self) -> float | None:
@@ -106,8 +132,8 @@ class Calibration:
     def table(self) -> str:
         """The table as printed and written to ``tune.txt``."""
         width = max(len(r.candidate.name) for r in self.rows)
-        lines = [f"calibration (tune={self.mode}, {self.seconds:.1f} s): tokens/s of each configuration, side by side "
-                 "with plain DDP in the same processes",
+        lines = [f"calibration (tune={self.mode}, {self.seconds:.1f} s once the processes were up): tokens/s of each "
+                 "configuration, side by side with plain DDP in the same processes",
                  f"{'configuration':<{width}}  {'tokens/s':>9}  {'vs ddp':>6}  state"]
         for row in self.rows:
             tps = f"{row.tokens_per_s:9.0f}" if row.tokens_per_s is not None else f"{'-':>9}"
@@ -127,8 +153,9 @@ class Calibration:
         ratio = self.choice_ratio
         return {"tune_choice": self.choice.name,
                 "tune_vs_plain_ddp": round(ratio, 3) if ratio is not None else None,
-                "tune_candidates": f"{sum(r.state == 'measured' for r in self.rows)} measured, "
-                                   f"{sum(r.state == 'pruned' for r in self.rows)} pruned of {len(self.rows)}",
+                "tune_candidates": ", ".join(f"{sum(r.state == s for r in self.rows)} {s}"
+                                             for s in ("measured", "pruned", "skipped")
+                                             if any(r.state == s for r in self.rows)) + f" of {len(self.rows)}",
                 "tune_seconds": round(self.seconds, 1)}
 
     def write(self, folder: Path) -> None:
@@ -137,9 +164,10 @@ class Calibration:
         (folder / "tune.txt").write_text(self.table() + "\n")
         rows = [{"name": r.candidate.name, "overrides": r.candidate.overrides(), "state": r.state,
                  "tokens_per_s": r.tokens_per_s, "vs_plain_ddp": self.ratio(r), "note": r.note,
-                 "step_seconds": list(r.step_seconds)} for r in self.rows]
+                 "step_seconds": list(r.step_seconds), "seconds": r.seconds} for r in self.rows]
         (folder / "tune.json").write_text(json.dumps(
-            {"mode": self.mode, "seconds": self.seconds, "kept": self.kept, "min_gain": self.min_gain,
+            {"mode": self.mode, "seconds": self.seconds, "launch_seconds": self.launch_seconds,
+             "phases": self.phases(), "kept": self.kept, "min_gain": self.min_gain,
              "choice": self.choice.name, "choice_overrides": self.choice.overrides(),
              "choice_fields": asdict(self.choice), "rows": rows}, indent=2))
 
@@ -168,10 +196,19 @@ class _StepTimer(Callback):
         self.step_seconds: list[float] = []  # this rank's, for the table file
         self._last = 0.0
         self.pruned_at: int | None = None
+        self.up_at = 0.0  # the process group is up (setup hook)
+        self.first_batch_at = 0.0
+        self.end = 0.0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.up_at = time.perf_counter()  # after the strategy's setup_environment: every process has joined
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        if self.batches == 0:
+            self.first_batch_at = time.perf_counter()
         if self.batches == self.warmup_batches:
             self.start = self._last = time.perf_counter()
 
@@ -184,7 +221,7 @@ class _StepTimer(Callback):
         self.tokens += batch[0].numel() * trainer.world_size
         now = time.perf_counter()
         self.step_seconds.append(round(now - self._last, 4))
-        self._last = now
+        self._last = self.end = now
         elapsed = torch.tensor([now - self.start], dtype=torch.float64)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time: the same on every rank
@@ -224,41 +261,75 @@ class _Calibrator:
     order: list[Candidate]
     eligible: list[Candidate]
     results: dict[str, Row] = field(default_factory=dict)
+    up_at: float | None = None  # perf_counter when every process had joined (the first fit's setup)
 
     def run(self, trial: optuna.Trial, params: dict[str, Any]) -> float:
         candidate = next(c for c in self.order if c.name == params["candidate"])
         earlier = self.results.get(candidate.name)
+        started = time.perf_counter()
+        timer = self._timer(candidate, trial, first=trial.number == 0)
         try:
-            timer = self._measure(candidate, trial, first=trial.number == 0)
+            self._measure(candidate, timer)
         except Exception as exc:  # noqa: BLE001 - a configuration that cannot run is a row of the table
             self.results[candidate.name] = Row(candidate, "failed", note=" ".join(str(exc).split())[:160])
             raise
+        finally:
+            if self.up_at is None and timer.up_at:
+                self.up_at = started = timer.up_at  # the first fit: its set-up is counted once the processes are up
+        seconds = _phases(timer, started, earlier.seconds if earlier else {})
         steps = (*earlier.step_seconds, *timer.step_seconds) if earlier else tuple(timer.step_seconds)
         if timer.pruned_at is not None and earlier is not None and earlier.state != "failed":
-            self.results[candidate.name] = Row(candidate, earlier.state, earlier.tokens_per_s, earlier.note, steps)
+            self.results[candidate.name] = Row(candidate, earlier.state, earlier.tokens_per_s, earlier.note, steps,
+                                               seconds)
             raise optuna.TrialPruned("slower than the median in this round; its earlier round stands")
         if timer.pruned_at is not None:
             note = f"below the median after {timer.pruned_at} timed steps"
-            self.results[candidate.name] = Row(candidate, "pruned", timer.tokens_per_s, note, steps)
+            self.results[candidate.name] = Row(candidate, "pruned", timer.tokens_per_s, note, steps, seconds)
             raise optuna.TrialPruned(note)
         # Interference on a shared machine only ever slows a step down: a candidate's best round is its speed.
         best = max(timer.tokens_per_s or 0.0, (earlier.tokens_per_s or 0.0) if earlier else 0.0)
         state = "measured" if candidate in self.eligible else "reference"
-        self.results[candidate.name] = Row(candidate, state, best, step_seconds=steps)
+        self.results[candidate.name] = Row(candidate, state, best, step_seconds=steps, seconds=seconds)
         return float(timer.tokens_per_s or 0.0)
 
-    def next_round(self, best: int | None) -> list[str]:
+    def first_stage(self, staged: bool) -> list[str]:
+        """Every candidate; staged: plain DDP and the first eligible candidate of each layout."""
+        if not staged:
+            return [c.name for c in self.order]
+        firsts = {_layout(c): c for c in reversed(self.eligible)}
+        return [c.name for c in self.order if c.is_plain_ddp or firsts.get(_layout(c)) == c]
+
+    def second_stage(self) -> list[str]:
+        """The candidates not yet tried whose layout's first candidate was measured to the end; the others become
+        ``skipped`` rows naming that candidate."""
+        firsts = {_layout(r.candidate): r for c in self.eligible if (r := self.results.get(c.name))}
+        names = []
+        for candidate in self.order:
+            if candidate.name in self.results:
+                continue
+            first = firsts.get(_layout(candidate))
+            if first is None or first.state == "measured":
+                names.append(candidate.name)
+            else:
+                self.results[candidate.name] = Row(candidate, "skipped", note=f"{first.candidate.name} {first.state}")
+        return names
+
+    def next_round(self, best: int | None, min_gain: float) -> list[str]:
         """Plain DDP and the ``best`` fastest others measured so far (``None``: all of them), in the first round's
-        order; pruned and failed candidates are not measured again."""
+        order; pruned, skipped and failed candidates are not measured again. Empty when the round cannot change
+        the choice: fewer than two candidates that could be chosen are left, or (``best`` set) plain DDP is the
+        choice so far (a second look at the others would only matter for a gain within noise)."""
         done = [r for c in self.order if (r := self.results.get(c.name)) and r.state in ("measured", "reference")]
         others = sorted((r for r in done if not r.candidate.is_plain_ddp), key=lambda r: -(r.tokens_per_s or 0.0))
         keep = {r.candidate for r in others[:best]} | {PLAIN_DDP}
-        return [r.candidate.name for r in done if r.candidate in keep]
+        names = [r.candidate.name for r in done if r.candidate in keep]
+        if sum(r.state == "measured" and r.candidate.name in names for r in done) < 2:
+            return []
+        if best is not None and choose(done, self.eligible, min_gain).is_plain_ddp:
+            return []
+        return names
 
-    def _measure(self, candidate: Candidate, trial: optuna.Trial, first: bool) -> _StepTimer:
-        from lightning_deepseek.data import TextDataModule
-        from lightning_deepseek.models import LightningGPT
-
+    def _timer(self, candidate: Candidate, trial: optuna.Trial, first: bool) -> _StepTimer:
         cfg = candidate.apply(self.cfg)
         tune = self.cfg.tune
         accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
@@ -266,7 +337,14 @@ class _Calibrator:
         warmup = tune.warmup_steps + (tune.first_warmup_steps if first else 0)
         # Never pruned: plain DDP (every ratio's base) and the first eligible candidate (so that one is measured).
         prune = tune.prune and not candidate.is_plain_ddp and candidate != self.eligible[0]
-        timer = _StepTimer(trial, warmup * accumulate, prune=prune)
+        return _StepTimer(trial, warmup * accumulate, prune=prune)
+
+    def _measure(self, candidate: Candidate, timer: _StepTimer) -> None:
+        from lightning_deepseek.data import TextDataModule
+        from lightning_deepseek.models import LightningGPT
+
+        cfg = candidate.apply(self.cfg)
+        accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
         callbacks: list[Callback] = []
         if cfg.compression.get("callback") is not None:
             # Timed steps must be compressed ones: the compression warm-up (uncompressed steps) is skipped here.
@@ -282,12 +360,27 @@ class _Calibrator:
         data = TextDataModule(**self.plan.data_kwargs, cache_dir=self.folder.path)
         model = LightningGPT(self.plan.model_config, **cfg.optim)
         trainer = pl.Trainer(**kwargs, strategy=instantiate(cfg.strategy), plugins=plugins,
-                             callbacks=[*callbacks, timer], max_steps=warmup + tune.steps,
+                             callbacks=[*callbacks, timer],
+                             max_steps=timer.warmup_batches // accumulate + self.cfg.tune.steps,
                              limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False,
                              default_root_dir=self.folder.path)
         trainer.fit(model, datamodule=data)
-        return timer
+
+
+def _layout(candidate: Candidate) -> tuple[Any, ...]:
+    """What the staged search measures first: the rank layout, apart from compression and bucket size."""
+    return candidate.strategy, candidate.tensor_parallel_size, candidate.expert_parallel_size
+
+
+def _phases(timer: _StepTimer, started: float, earlier: dict[str, float]) -> dict[str, float]:
+    """One fit's wall time by phase (see :class:`Row`), added to the candidate's earlier rounds."""
+    done = time.perf_counter()
+    marks = [started, timer.first_batch_at or done, timer.start or done, timer.end or done, done]
+    out = dict(earlier)
+    for phase, begin, end in zip(("setup", "warmup", "timed", "teardown"), marks, marks[1:]):
+        out[phase] = round(out.get(phase, 0.0) + max(end - begin, 0.0), 4)
+    return out
 
 
 @contextlib.contextmanager
@@ -324,19 +417,28 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
     pruner = optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0) if cfg.tune.prune \
         else optuna.pruners.NopPruner()
     with _quiet_trainers():
-        sampler = _InOrder([c.name for c in order])
+        sampler = _InOrder([])
         study = optuna.create_study(direction="maximize", pruner=pruner, study_name="lds-tune", sampler=sampler)
         space = {"candidate": CategoricalDistribution([c.name for c in order])}
+
+        def measure(names: list[str]) -> None:
+            if names:
+                sampler.names += names
+                run_trials(study, space, calibrator.run, n_trials=len(sampler.names), max_failure_rate=1.0)
+
         quiet = contextlib.redirect_stderr(io.StringIO()) if not folder.is_launcher else contextlib.nullcontext()
         with quiet:
-            for round_index in range(int(cfg.tune.rounds)):  # interleaved: every candidate once per round
-                if round_index:
-                    sampler.names += calibrator.next_round(cfg.tune.get("recheck_best"))
-                run_trials(study, space, calibrator.run, n_trials=len(sampler.names), max_failure_rate=1.0)
+            staged = bool(cfg.tune.get("staged", False))
+            measure(calibrator.first_stage(staged))
+            if staged:
+                measure(calibrator.second_stage())
+            for _ in range(1, int(cfg.tune.rounds)):  # interleaved: every candidate left once per round
+                measure(calibrator.next_round(cfg.tune.get("recheck_best"), float(cfg.tune.min_gain)))
     rows = [calibrator.results.get(c.name, Row(c, "failed", note="did not run")) for c in order]
     choice = choose(rows, eligible, float(cfg.tune.min_gain))
-    return Calibration(str(cfg.tune.mode), rows, choice, time.perf_counter() - started,
-                       describe_forced(cfg, forced), float(cfg.tune.min_gain))
+    up_at = calibrator.up_at or started
+    return Calibration(str(cfg.tune.mode), rows, choice, time.perf_counter() - up_at,
+                       describe_forced(cfg, forced), float(cfg.tune.min_gain), launch_seconds=up_at - started)
 
 
 def choose(rows: list[Row], eligible: list[Candidate], min_gain: float) -> Candidate:
@@ -360,18 +462,37 @@ def calibrated_config(cfg: DictConfig, plan: Any, folder: Any) -> DictConfig:
 
     Not measured: a resumed run continues with the choice its own run folder recorded (``tune.json`` beside its
     ``checkpoints``), as its checkpoint was written with it; ``tune=auto`` with nothing to choose from (one
-    process, or every setting kept) trains as configured.
+    process, or every setting kept) trains as configured; a later trial of a sweep trains with the choice of the
+    sweep's first calibration (:mod:`~lightning_deepseek.autotune.sweep_choice`).
     """
     folder.claim()
     if plan.resume is not None:
         return _resumed_choice(cfg, Path(plan.resume), folder.is_launcher)
     if nothing_to_choose(cfg, int(getattr(plan.model_config, "n_routed_experts", 0) or 0)) is not None:
         return cfg  # only tune=auto gets here (check_tune raised for quick and grid): the user's settings stand
+    table = sweep_table(cfg, forced_settings(cfg, task_overrides()))
+    found = shared_choice(table)
+    if found is not None:
+        return _sweep_choice(cfg, found, folder)
     calibration = calibrate(cfg, plan, folder)
     if folder.is_launcher:
         calibration.write(folder.path)
+        publish(table, folder.path / "tune.json")
         print(calibration.table(), flush=True)
     return _with_report(calibration.choice.apply(cfg), calibration.summary())
+
+
+def _sweep_choice(cfg: DictConfig, table: Path, folder: Any) -> DictConfig:
+    recorded = reused(table)
+    choice = Candidate(**recorded["choice_fields"])
+    if folder.is_launcher:
+        folder.path.mkdir(parents=True, exist_ok=True)  # tune.json beside the checkpoints: a resume keeps the choice
+        (folder.path / "tune.json").write_text(json.dumps({**recorded, "reused_from": str(table)}, indent=2))
+        print(f"lds-train: tune: this sweep calibrated once ({table}): training with {choice.name} (no new "
+              "calibration; tune=none on the sweep's command line trains as configured instead)", flush=True)
+    ratio = next((r["vs_plain_ddp"] for r in recorded["rows"] if r["name"] == choice.name), None)
+    return _with_report(choice.apply(cfg), {"tune_choice": f"{choice.name} (sweep)",
+                                            "tune_vs_plain_ddp": round(ratio, 3) if ratio is not None else None})
 
 
 def _resumed_choice(cfg: DictConfig, checkpoint: Path, is_launcher: bool) -> DictConfig:

@@ -90,8 +90,10 @@ def check_tune(cfg: DictConfig, experts: int = 0) -> None:
     if recheck is not None and (isinstance(recheck, bool) or not isinstance(recheck, int) or recheck < 0):
         raise ConfigError(f"tune.recheck_best={recheck} is not valid: it must be a whole number >= 0 or null (every "
                           "candidate). Set it like tune.recheck_best=2.")
-    if not isinstance(tune.get("prune"), bool):
-        raise ConfigError(f"tune.prune={tune.get('prune')} is not valid: it must be true or false.")
+    for key in ("prune", "staged"):
+        if not isinstance(tune.get(key, False), bool):
+            raise ConfigError(f"tune.{key}={tune.get(key)} is not valid: it must be true or false. Set it like "
+                              f"tune.{key}=false.")
     keep = tune.get("keep") or []
     unknown = [k for k in keep if k not in DIMENSIONS]
     if unknown:

@@ -1,5 +1,6 @@
 """A real 2-process calibration (gloo): the choice is the fastest candidate measured, the training that follows
-equals a direct run of that choice, and a forced setting is kept. One process group serves all three runs."""
+equals a direct run of that choice, a later trial of the same sweep reuses the choice, and a forced setting is
+kept. One process group serves all four runs."""
 
 import json
 from pathlib import Path
@@ -14,22 +15,35 @@ TUNE = ["tune=quick", "tune.steps=2", "tune.warmup_steps=1", "tune.first_warmup_
         "tune.recheck_best=1"]
 
 
-def _train(overrides: list[str], run_dir: Path) -> None:
+def _train(overrides: list[str], run_dir: Path, sweep_dir: Path | None = None) -> None:
+    """One ``lds-train`` run; with ``sweep_dir``, as a trial of a Hydra multirun (``lds-train -m``) there."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
 
     from lightning_deepseek.run import CONFIG_DIR
     from lightning_deepseek.training import run_training
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=[*BASE, *overrides, f"run_dir={run_dir}"])
-    run_training(cfg)
+        cfg = compose("train", overrides=[*BASE, *overrides, f"run_dir={run_dir}"],
+                      return_hydra_config=sweep_dir is not None)
+    if sweep_dir is not None:
+        cfg.hydra.mode, cfg.hydra.sweep.dir, cfg.hydra.runtime.output_dir = "MULTIRUN", str(sweep_dir), str(run_dir)
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg.hydra
+    try:
+        run_training(cfg)
+    finally:
+        HydraConfig.instance().cfg = None
 
 
 def _tune_replay_and_force(rank: int, world_size: int, root: str) -> None:
-    tuned = Path(root) / "tuned"
-    _train(TUNE, tuned)
+    tuned, sweep = Path(root) / "tuned", Path(root) / "sweep"
+    _train(TUNE, tuned, sweep)  # a sweep's first trial calibrates
     choice = json.loads((tuned / "tune.json").read_text())["choice_overrides"]
     _train([*choice, "tune=none"], Path(root) / "direct")
+    _train([*TUNE, "optim.learning_rate=2e-3"], Path(root) / "trial1", sweep)  # a later one reuses its choice
     _train([*TUNE, "compression=int8", "tune.keep=[compression]", "tune.bucket_cap_mb=[null,1]",
                     "tune.strategies=[ddp]",
                     "trainer.max_steps=2", "tune.steps=1", "tune.rounds=1"],
@@ -44,8 +58,20 @@ def test_two_process_calibration(tmp_path: Path) -> None:
     measured = {name: row["tokens_per_s"] for name, row in rows.items() if row["state"] == "measured"}
     assert "ddp/none" in measured  # the baseline is never pruned
     assert list(rows) == ["ddp/none", "ddp/int8", "hybrid/tp2/none", "hybrid/tp2/int8"]
-    assert all(row["state"] in ("measured", "pruned") for row in rows.values())
-    assert len(rows["ddp/none"]["step_seconds"]) == 4  # two rounds of two timed steps
+    # Staged: each layout uncompressed first; hybrid's int8 only when hybrid/tp2/none was measured to the end.
+    assert all(row["state"] in ("measured", "pruned") for name, row in rows.items() if name != "hybrid/tp2/int8")
+    hybrid_pruned = rows["hybrid/tp2/none"]["state"] == "pruned"
+    assert rows["hybrid/tp2/int8"]["state"] in (("skipped",) if hybrid_pruned else ("measured", "pruned"))
+    # A second round (two more timed steps of plain DDP and of the fastest other) only when plain DDP was not the
+    # choice after the first: re-measuring could not change the choice then.
+    rechecked = [name for name, row in rows.items() if len(row["step_seconds"]) == 4]
+    assert rechecked in ([], ["ddp/none", rechecked[-1]])
+    if not rechecked:
+        assert table["choice"] == "ddp/none"
+    else:
+        assert rows[rechecked[-1]]["state"] == "measured"
+    assert set(rows["ddp/none"]["seconds"]) == {"setup", "warmup", "timed", "teardown"}
+    assert table["seconds"] > 0 and table["launch_seconds"] >= 0 and "timed" in table["phases"]
     assert table["choice"] == max(measured, key=measured.get)  # min_gain=0: the fastest measured
     assert (tmp_path / "tuned" / "tune.txt").read_text().count("<- chosen") == 1
 
@@ -56,6 +82,15 @@ def test_two_process_calibration(tmp_path: Path) -> None:
     assert tuned["val_curve"] == direct["val_curve"] and len(tuned["val_curve"]) == 2
     assert tuned["tune_choice"] == table["choice"] and tuned["tune_vs_plain_ddp"] > 0
     assert "tune_choice" not in direct
+
+    # A later trial of the same sweep trains with the sweep's calibration (every rank: else the run would hang).
+    shared = list((tmp_path / "sweep" / "tune").glob("*.json"))
+    assert len(shared) == 1 and json.loads(shared[0].read_text()) == table
+    trial1 = json.loads((tmp_path / "trial1" / "tune.json").read_text())
+    assert trial1["reused_from"] == str(shared[0]) and trial1["choice"] == table["choice"]
+    reused = json.loads((tmp_path / "trial1" / "summary.json").read_text())
+    assert reused["tune_choice"] == f"{table['choice']} (sweep)" and "tune_seconds" not in reused
+    assert len(reused["train_curve"]) == 4 and reused["train_curve"] != tuned["train_curve"]  # its own lr
 
     # compression forced to int8: only int8 candidates are tried; plain DDP is measured as the reference.
     forced = json.loads((tmp_path / "forced" / "tune.json").read_text())

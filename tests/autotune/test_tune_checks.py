@@ -76,6 +76,36 @@ def test_choice_is_the_fastest_measured_unless_plain_ddp_is_within_min_gain() ->
         choose([_row("ddp/none", None, "failed")], [PLAIN_DDP], 0.0)
 
 
+def test_staged_search_compresses_only_the_layouts_measured_to_the_end() -> None:
+    from lightning_deepseek.autotune.calibrate import _Calibrator
+
+    order = candidates(_cfg("tune=quick", "trainer.devices=4", "allow_oversubscribe=true"), forced=[])
+    calibrator = _Calibrator(None, None, None, order, order)
+    assert calibrator.first_stage(staged=False) == [c.name for c in order]
+    assert calibrator.first_stage(staged=True) == ["ddp/none", "hybrid/tp2/none", "hybrid/tp4/none"]
+    for row in (_row("ddp/none", 1000.0), _row("hybrid/tp2/none", 700.0, "pruned"), _row("hybrid/tp4/none", None,
+                                                                                          "failed")):
+        calibrator.results[row.candidate.name] = row
+    assert calibrator.second_stage() == ["ddp/int8", "ddp/int4"]
+    skipped = calibrator.results["hybrid/tp2/int8"]
+    assert skipped.state == "skipped" and skipped.note == "hybrid/tp2/none pruned"
+    assert calibrator.results["hybrid/tp4/int4"].note == "hybrid/tp4/none failed"
+    # A further round only when it could change the choice: two candidates that can be chosen are left.
+    calibrator.results["ddp/int8"] = _row("ddp/int8", 900.0, "pruned")
+    calibrator.results["ddp/int4"] = _row("ddp/int4", 800.0, "pruned")
+    assert calibrator.next_round(best=1, min_gain=0.03) == []
+    calibrator.results["ddp/int4"] = _row("ddp/int4", 1020.0)  # measured, but within min_gain: DDP stays
+    assert calibrator.next_round(best=1, min_gain=0.03) == []
+    assert calibrator.next_round(best=None, min_gain=0.03) == ["ddp/none", "ddp/int4"]  # grid: every one again
+    assert calibrator.next_round(best=1, min_gain=0.0) == ["ddp/none", "ddp/int4"]  # the choice would change
+    # Compression forced: plain DDP is the reference only; the first stage still holds each layout's first.
+    forced = candidates(_cfg("tune=quick", "compression=int8", "tune.bucket_cap_mb=[null,1]"), ["compression"])
+    staged = _Calibrator(None, None, None, [PLAIN_DDP, *forced], forced)
+    assert staged.first_stage(staged=True) == ["ddp/none", "ddp/int8", "hybrid/tp2/int8"]
+    table = Calibration("quick", [_row("ddp/none", 1000.0), Row(order[1], "skipped", note="x")], PLAIN_DDP, 2.0)
+    assert table.summary()["tune_candidates"] == "1 measured, 1 skipped of 2"
+
+
 @pytest.mark.parametrize("overrides, needle", [
     (["tune=quick", "trainer.devices=1"], "tune=quick compares multi-process configurations, but this run has one "
                                           "process (trainer.devices=1, trainer.num_nodes=1)"),
@@ -85,6 +115,7 @@ def test_choice_is_the_fastest_measured_unless_plain_ddp_is_within_min_gain() ->
     (["tune=quick", "tune.steps=0"], "tune.steps=0 is not valid"),
     (["tune=quick", "tune.compressions=[int3]"], "tune.compressions=['int3'] is not valid"),
     (["tune=quick", "tune.keep=[lr]"], "tune.keep=['lr'] names ['lr'], which calibration does not choose"),
+    (["tune=quick", "tune.staged=maybe"], "tune.staged=maybe is not valid: it must be true or false"),
 ])
 def test_bad_tune_setting_is_one_paragraph_and_exit_2(overrides: list[str], needle: str, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
