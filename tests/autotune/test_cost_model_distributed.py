@@ -23,18 +23,9 @@ from lightning_deepseek.autotune.cost_model import Candidate
 from lightning_deepseek.compression import GradientCompression
 from lightning_deepseek.parallel import HybridParallelStrategy
 from tests.helpers import run_distributed
-from tests.parallel.common import TinyLM, loader, make_trainer, token_data
+from tests.parallel.common import LogRecords, TinyLM, loader, make_trainer, token_data
 
 MOE = dict(n_routed_experts=4, moe_top_k=2, n_shared_experts=1, moe_hidden=32, n_dense_layers=1, mlp_ratio=4)
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 class TinyLlama(pl.LightningModule):
@@ -55,7 +46,7 @@ class TinyLlama(pl.LightningModule):
 
 
 def _fit(world_size: int, strategy: Any, module: pl.LightningModule, callbacks: list) -> dict[str, Any]:
-    records = _Records()
+    records = LogRecords()
     logger = logging.getLogger("lightning.pytorch")
     logger.addHandler(records)
     try:

@@ -3,6 +3,7 @@ the single-process reference on the global batch, and gathering full weights out
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,17 @@ from lightning_deepseek.models import GPT, GPTConfig
 
 CONFIG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, mlp_ratio=4)
 SEQ = 16
+
+
+class LogRecords(logging.Handler):
+    """Keeps the messages of the INFO-and-above records logged to the loggers it is added to."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 class TinyLM(pl.LightningModule):

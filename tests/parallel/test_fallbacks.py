@@ -25,22 +25,13 @@ import torch.distributed as dist
 from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.parallel.placement import LinkCost, describe_placement
 from lightning_deepseek.parallel.topology import Topology
-from tests.parallel.common import TinyLM, loader, make_trainer, token_data
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+from tests.parallel.common import LogRecords, TinyLM, loader, make_trainer, token_data
 
 
 @contextmanager
 def captured() -> Iterator[dict[str, list[str]]]:
     """Lightning's rank-zero info lines and every warning raised inside the block."""
-    handler, out = _Records(), {"info": [], "warnings": []}
+    handler, out = LogRecords(), {"info": [], "warnings": []}
     loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
