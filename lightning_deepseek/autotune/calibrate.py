@@ -30,7 +30,8 @@ same choice, with no message passing beyond that.
 The training that follows is untouched: the run's config with the chosen candidate applied
 (:meth:`Candidate.apply`) goes through ``prepare_training`` as a direct run would, re-seeded, so its losses equal
 those of ``lds-train <the choice's overrides> tune=none`` (tests/autotune/test_calibrate.py checks this).
-The table (``tune.txt``, ``tune.json`` in the run folder) and the summary rows come from :class:`Calibration`.
+The table (``tune.txt``, ``tune.json`` in the run folder) and the summary rows come from
+:class:`~lightning_deepseek.autotune.table.Calibration`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import logging
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,127 +60,8 @@ from typing_extensions import override
 from lightning_deepseek.autotune.candidates import PLAIN_DDP, Candidate, candidates, describe_forced, forced_settings
 from lightning_deepseek.autotune.checks import nothing_to_choose, task_overrides
 from lightning_deepseek.autotune.sweep_choice import publish, reused, shared_choice, sweep_table
+from lightning_deepseek.autotune.table import Calibration, Row, TuneReport
 from lightning_deepseek.hpo.loop import run_trials
-
-
-@dataclass(frozen=True)
-class Row:
-    """One line of the table: a candidate and what its measurement gave.
-
-    Args:
-        candidate: the configuration.
-        state: ``measured``, ``pruned``, ``failed`` or ``reference`` (plain DDP measured for the
-            ratios although the forced settings exclude it).
-        tokens_per_s: measured throughput (``None`` when not measured to the end).
-        note: why it was pruned or failed.
-        step_seconds: rank 0's time of each timed step (the throughput uses the slowest rank's total).
-        seconds: this rank's wall time of the candidate's fits, by phase: ``setup`` (``Trainer`` and strategy
-            set-up up to the first batch), ``warmup`` (untimed steps), ``timed`` (timed steps), ``teardown``.
-    """
-
-    candidate: Candidate
-    state: str
-    tokens_per_s: float | None = None
-    note: str = ""
-    step_seconds: tuple[float, ...] = ()
-    seconds: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """The measured table and the choice.
-
-    Args:
-        mode: ``quick`` or ``grid``.
-        rows: every candidate, plain DDP first.
-        choice: the configuration training uses.
-        seconds: wall time of the calibration once every process is up.
-        kept: the forced settings, ``compression=int8``-style (empty: none).
-        min_gain: the margin by which a candidate must beat plain DDP to be chosen.
-        launch_seconds: starting the other processes (in the first fit; any run pays it, so not counted above).
-    """
-
-    mode: str
-    rows: list[Row]
-    choice: Candidate
-    seconds: float
-    kept: str = ""
-    min_gain: float = 0.0
-    launch_seconds: float = 0.0
-
-    def phases(self) -> dict[str, float]:
-        """Where the calibration's seconds went (this rank): each phase summed over the candidates."""
-        out: dict[str, float] = {}
-        for row in self.rows:
-            for phase, value in row.seconds.items():
-                out[phase] = out.get(phase, 0.0) + value
-        out["other"] = self.seconds - sum(out.values())  # Optuna, configs, the all-reduces between trials
-        return {k: round(v, 2) for k, v in out.items()}
-
-    @property
-    def baseline(self) -> float | None:
-        return next((r.tokens_per_s for r in self.rows if r.candidate.is_plain_ddp), None)
-
-    def ratio(self, row: Row) -> float | None:
-        if row.tokens_per_s is None or not self.baseline:
-            return None
-        return row.tokens_per_s / self.baseline
-
-    @property
-    def choice_ratio(self) -> float | None:
-        return next((self.ratio(r) for r in self.rows if r.candidate == self.choice), None)
-
-    def table(self) -> str:
-        """The table as printed and written to ``tune.txt``."""
-        width = max(len(r.candidate.name) for r in self.rows)
-        lines = [f"calibration (tune={self.mode}, {self.seconds:.1f} s once the processes were up): tokens/s of each "
-                 "configuration, side by side with plain DDP in the same processes",
-                 f"{'configuration':<{width}}  {'tokens/s':>9}  {'vs ddp':>6}  state"]
-        for row in self.rows:
-            tps = f"{row.tokens_per_s:9.0f}" if row.tokens_per_s is not None else f"{'-':>9}"
-            ratio = self.ratio(row)
-            shown = f"{ratio:5.2f}x" if ratio is not None else f"{'-':>6}"
-            mark = "  <- chosen" if row.candidate == self.choice else ""
-            note = f" ({row.note})" if row.note else ""
-            lines.append(f"{row.candidate.name:<{width}}  {tps}  {shown}  {row.state}{note}{mark}")
-        if self.kept:
-            lines.append(f"kept as set (forced): {self.kept}; candidates that would change it were not tried")
-        lines.append(f"choice: {self.choice.name} = lds-train {' '.join(self.choice.overrides())} tune=none "
-                     f"(plain DDP unless another is >= {self.min_gain:.0%} faster)")
-        return "\n".join(lines)
-
-    def summary(self) -> dict[str, Any]:
-        """Rows of the run summary."""
-        ratio = self.choice_ratio
-        return {"tune_choice": self.choice.name,
-                "tune_vs_plain_ddp": round(ratio, 3) if ratio is not None else None,
-                "tune_candidates": ", ".join(f"{sum(r.state == s for r in self.rows)} {s}"
-                                             for s in ("measured", "pruned", "skipped")
-                                             if any(r.state == s for r in self.rows)) + f" of {len(self.rows)}",
-                "tune_seconds": round(self.seconds, 1)}
-
-    def write(self, folder: Path) -> None:
-        """``tune.txt`` (the table) and ``tune.json`` (the same, for scripts) in the run folder."""
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "tune.txt").write_text(self.table() + "\n")
-        rows = [{"name": r.candidate.name, "overrides": r.candidate.overrides(), "state": r.state,
-                 "tokens_per_s": r.tokens_per_s, "vs_plain_ddp": self.ratio(r), "note": r.note,
-                 "step_seconds": list(r.step_seconds), "seconds": r.seconds} for r in self.rows]
-        (folder / "tune.json").write_text(json.dumps(
-            {"mode": self.mode, "seconds": self.seconds, "launch_seconds": self.launch_seconds,
-             "phases": self.phases(), "kept": self.kept, "min_gain": self.min_gain,
-             "choice": self.choice.name, "choice_overrides": self.choice.overrides(),
-             "choice_fields": asdict(self.choice), "rows": rows}, indent=2))
-
-
-class TuneReport(Callback):
-    """Puts the calibration's rows into the run summary (``RunSummary`` reads ``summary()`` of callbacks)."""
-
-    def __init__(self, rows: dict[str, Any]) -> None:
-        self.rows = dict(rows)
-
-    def summary(self) -> dict[str, Any]:
-        return dict(self.rows)
 
 
 class _StepTimer(Callback):

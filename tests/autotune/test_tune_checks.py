@@ -15,8 +15,8 @@ from lightning_deepseek.autotune import (
     choose,
     forced_settings,
 )
-from lightning_deepseek.autotune.calibrate import Calibration, Row
 from lightning_deepseek.autotune.checks import nothing_to_choose
+from lightning_deepseek.autotune.table import Calibration, Row
 from lightning_deepseek.errors import user_errors_exit
 from lightning_deepseek.run import CONFIG_DIR, RunFolder
 from lightning_deepseek.training import prepare_training
