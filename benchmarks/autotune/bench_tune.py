@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def where(args: argparse.Namespace) -> Iterator[tuple[object | None, str]]:
         return
     from benchmarks.testbed import Testbed
 
-    with Testbed(num_hosts=2, rate=args.rate, prefix="ldsc", subnet="10.213.72") as bed:
+    with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
         yield bed, f"testbed, 2 emulated nodes x 2 processes, {args.rate} link, OMP_NUM_THREADS=1"
 
 
@@ -93,9 +94,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--grid-steps", type=int, default=4)
     parser.add_argument("--grid-buckets", default="[null,1,100]", help="tune.bucket_cap_mb of the grid")
+    parser.add_argument("--grid-rounds", type=int, default=2, help="interleaved rounds of the grid (best round)")
+    parser.add_argument("--grid-warmup", type=int, default=2, help="untimed steps of each grid candidate's fit")
+    parser.add_argument("--limit", type=float, default=None,
+                        help="seconds for the whole benchmark: a repetition starts only when the longest one so far "
+                             "still fits (stop it with `timeout` a little above this)")
     parser.add_argument("--model", default="small")
     parser.add_argument("--testbed", action="store_true")
     parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--prefix", default="ldsc", help="the testbed's namespace prefix (one per concurrent user)")
+    parser.add_argument("--subnet", default="10.213.72", help="the testbed's private /24 (one per concurrent user)")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--skip-ddp-run", action="store_true", help="no separate plain-DDP run (time-limited runs)")
     parser.add_argument("--grid-out", type=Path, default=None)
@@ -109,12 +117,20 @@ def main() -> None:
     overrides: dict[str, list[str]] = {}
     runs = []
     model = [f"model={args.model}"]
+    began, longest = time.perf_counter(), 0.0
     with where(args) as (bed, machine), tempfile.TemporaryDirectory() as tmp:
         lds_train = Runner(bed, args.timeout)
         for rep in range(args.reps):
+            rep_began = time.perf_counter()
+            if args.limit is not None and rep_began - began + longest > args.limit:
+                print(f"rep {rep}: not started, the longest repetition ({longest:.0f} s) would pass --limit",
+                      flush=True)
+                break
+            load_start = os.getloadavg()[0]
             folder = Path(tmp) / str(rep)
             folder.mkdir()
             lds_train(folder / "grid", *model, "tune=grid", f"tune.steps={args.grid_steps}", "trainer.max_steps=1",
+                      f"tune.rounds={args.grid_rounds}", f"tune.warmup_steps={args.grid_warmup}",
                       f"tune.bucket_cap_mb={args.grid_buckets}", "trainer.val_check_interval=1")
             table = lds_train.table(folder / "grid")
             for row in table["rows"]:
@@ -134,6 +150,11 @@ def main() -> None:
             if not args.skip_ddp_run:
                 plain = lds_train(folder / "ddp", *model, *steps, "strategy=ddp", "compression=none", "tune=none")
                 run.update(ddp_tokens_per_s=plain["tokens_per_s"], ddp_train_wall_s=plain["wall_time_s"])
+            longest = max(longest, time.perf_counter() - rep_began)
+            run.update(load_1min_start_end=[round(load_start, 1), round(os.getloadavg()[0], 1)],
+                       rep_seconds=round(time.perf_counter() - rep_began),
+                       auto_step_seconds={r["name"]: r["step_seconds"] for r in auto_table["rows"]},
+                       grid_step_seconds={r["name"]: r["step_seconds"] for r in table["rows"]})
             runs.append(run)
             print(json.dumps(run), flush=True)
             # After every repetition: a run stopped by its time limit keeps the repetitions it finished.
@@ -141,7 +162,7 @@ def main() -> None:
             grid_out.write_text(json.dumps(
                 {"machine": f"{machine}, model={args.model}", "reps": rep + 1, "argv": sys.argv[1:],
                  "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
-                 "timed_steps_per_round": args.grid_steps, "rounds": 2, "auto_runs": runs,
+                 "timed_steps_per_round": args.grid_steps, "rounds": args.grid_rounds, "auto_runs": runs,
                  "configs": [{"name": n, "overrides": overrides[n], "tokens_per_s_median": medians[n],
                               "per_rep": grid[n]} for n in sorted(medians, key=medians.get, reverse=True)]},
                 indent=2) + "\n")
@@ -149,7 +170,7 @@ def main() -> None:
     best = max(medians, key=medians.get)
     print(f"\n{machine}, model={args.model}; load average before {load_before[0]:.1f}/{load_before[1]:.1f}, after "
           f"{load_after[0]:.1f}/{load_after[1]:.1f} (1/5 min; the machine has {os.cpu_count()} cores)")
-    print(f"\n| configuration | grid tokens/s, median (min-max over {args.reps} reps) | vs plain DDP |")
+    print(f"\n| configuration | grid tokens/s, median (min-max over {len(runs)} reps) | vs plain DDP |")
     print("|---|---|---|")
     for name in sorted(medians, key=medians.get, reverse=True):
         print(f"| {name}{' (grid best)' if name == best else ''} | {spread(grid[name])} | "

@@ -196,11 +196,18 @@ class _Calibrator:
                 self.results[candidate.name] = Row(candidate, "skipped", note=f"{first.candidate.name} {first.state}")
         return names
 
-    def next_round(self, best: int | None, min_gain: float) -> list[str]:
+    def next_round(self, best: int | None, min_gain: float, backward: bool = False) -> list[str]:
         """Plain DDP and the ``best`` fastest others measured so far (``None``: all of them), in the first round's
-        order; pruned, skipped and failed candidates are not measured again. Empty when the round cannot change
-        the choice: fewer than two candidates that could be chosen are left, or (``best`` set) plain DDP is the
-        choice so far (a second look at the others would only matter for a gain within noise)."""
+        order, ``backward`` in reverse (plain DDP last); pruned, skipped and failed candidates are not measured
+        again. Empty when the round cannot change the choice: fewer than two candidates that could be chosen are
+        left, or (``best`` set) plain DDP is the choice so far (a second look at the others would only matter for a
+        gain within noise).
+
+        Why backward: the machine's speed drifts while the calibration runs (on a loaded machine the steps of the
+        first minute after start-up ran up to 2x slower than later ones, benchmarks/RESULTS.md). Plain DDP is
+        measured first; measured again last, its two rounds bracket every other candidate's, so with each
+        candidate keeping its best round a drift in either direction cannot make another candidate look faster
+        than plain DDP (rounds A B C, then C B A)."""
         done = [r for c in self.order if (r := self.results.get(c.name)) and r.state in ("measured", "reference")]
         others = sorted((r for r in done if not r.candidate.is_plain_ddp), key=lambda r: -(r.tokens_per_s or 0.0))
         keep = {r.candidate for r in others[:best]} | {PLAIN_DDP}
@@ -209,7 +216,7 @@ class _Calibrator:
             return []
         if best is not None and choose(done, self.eligible, min_gain).is_plain_ddp:
             return []
-        return names
+        return names[::-1] if backward else names
 
     def _timer(self, candidate: Candidate, trial: optuna.Trial, first: bool) -> _StepTimer:
         cfg = candidate.apply(self.cfg)
@@ -282,6 +289,16 @@ def _quiet_trainers() -> Iterator[None]:
         optuna.logging.set_verbosity(verbosity)
 
 
+def _pruner(tune: DictConfig) -> optuna.pruners.BasePruner:
+    """Optuna's ``MedianPruner`` over the timed steps (``tune.prune``), judging from the second timed step on: a
+    configuration's first steps in a process can pay one-off costs that its later ones do not (on the testbed
+    under load, a first timed step ran up to 2x slower than the configuration's later steps, which pruned the
+    10 Gbit MoE's fastest layout after one step, benchmarks/RESULTS.md)."""
+    if not tune.prune:
+        return optuna.pruners.NopPruner()
+    return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=min(2, int(tune.steps)))
+
+
 def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
     """Measure the candidates of ``cfg.tune`` in this run's processes and choose; see the module docstring.
 
@@ -296,8 +313,7 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
     eligible = candidates(cfg, forced, experts)
     order = eligible if eligible[0].is_plain_ddp else [PLAIN_DDP, *eligible]
     calibrator = _Calibrator(cfg, plan, folder, order, eligible)
-    pruner = optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0) if cfg.tune.prune \
-        else optuna.pruners.NopPruner()
+    pruner = _pruner(cfg.tune)
     with _quiet_trainers():
         sampler = _InOrder([])
         study = optuna.create_study(direction="maximize", pruner=pruner, study_name="lds-tune", sampler=sampler)
@@ -314,8 +330,9 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
             measure(calibrator.first_stage(staged))
             if staged:
                 measure(calibrator.second_stage())
-            for _ in range(1, int(cfg.tune.rounds)):  # interleaved: every candidate left once per round
-                measure(calibrator.next_round(cfg.tune.get("recheck_best"), float(cfg.tune.min_gain)))
+            for later in range(1, int(cfg.tune.rounds)):  # interleaved: every candidate left once per round
+                measure(calibrator.next_round(cfg.tune.get("recheck_best"), float(cfg.tune.min_gain),
+                                              backward=later % 2 == 1))
     rows = [calibrator.results.get(c.name, Row(c, "failed", note="did not run")) for c in order]
     choice = choose(rows, eligible, float(cfg.tune.min_gain))
     up_at = calibrator.up_at or started
