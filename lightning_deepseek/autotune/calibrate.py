@@ -290,13 +290,11 @@ def _quiet_trainers() -> Iterator[None]:
 
 
 def _pruner(tune: DictConfig) -> optuna.pruners.BasePruner:
-    """Optuna's ``MedianPruner`` over the timed steps (``tune.prune``), judging from the second timed step on: a
-    configuration's first steps in a process can pay one-off costs that its later ones do not (on the testbed
-    under load, a first timed step ran up to 2x slower than the configuration's later steps, which pruned the
-    10 Gbit MoE's fastest layout after one step, benchmarks/RESULTS.md)."""
+    """Optuna's ``MedianPruner`` over the timed steps (``tune.prune``): a candidate whose best throughput so far is
+    below the median of the finished trials at the same step stops there, from its first timed step on."""
     if not tune.prune:
         return optuna.pruners.NopPruner()
-    return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=min(2, int(tune.steps)))
+    return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0)
 
 
 def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:

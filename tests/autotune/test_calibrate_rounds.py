@@ -1,9 +1,8 @@
 """The calibration's schedule against a machine whose speed drifts while it runs (no processes started): plain DDP
 measured first and again last, so that neither a start-up slowdown wearing off nor a load rising makes another
-candidate look faster than it is; and the pruner never judges a candidate on its first timed step alone."""
+candidate look faster than it is."""
 
 import optuna
-import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -71,18 +70,14 @@ def test_recorded_first_round_with_another_ahead_re_measures_it_and_then_plain_d
     assert calibrator.next_round(best=1, min_gain=0.03) == ["ddp/none", "ddp/int4"]  # a grid's odd rounds: forward
 
 
-@pytest.mark.parametrize("steps, first_judged", [(2, 2), (1, 1), (6, 2)])
-def test_pruner_never_judges_a_candidate_on_its_first_timed_step_alone(steps: int, first_judged: int) -> None:
-    tune = OmegaConf.create({"prune": True, "steps": steps})
+def test_pruner_judges_a_candidate_from_its_first_timed_step_and_is_off_without_prune() -> None:
+    tune = OmegaConf.create({"prune": True, "steps": 2})
     study = optuna.create_study(direction="maximize", pruner=_pruner(tune))
     baseline = study.ask()
-    for step in range(1, steps + 1):
+    for step in (1, 2):
         baseline.report(1000.0, step)
     study.tell(baseline, 1000.0)
     slow = study.ask()
-    judged = []
-    for step in range(1, steps + 1):
-        slow.report(100.0, step)  # 10x slower than the baseline at every step
-        judged.append(slow.should_prune())
-    assert judged.index(True) + 1 == first_judged
+    slow.report(100.0, 1)  # 10x slower than the baseline at its first timed step
+    assert slow.should_prune()
     assert isinstance(_pruner(OmegaConf.create({"prune": False, "steps": 2})), optuna.pruners.NopPruner)
