@@ -6,12 +6,16 @@ Run (loopback, the demo model, 2 CPU processes):
 Run (testbed, as root: 2 emulated nodes x 2 processes, ``lds-train trainer.num_nodes=2`` started in each node's
 network namespace with ``MASTER_ADDR``/``NODE_RANK``, the link throttled to ``--rate``):
 ``.venv/bin/python benchmarks/autotune/bench_tune.py --testbed --rate 1gbit [--model moe-tiny]``.
+Two or more repetitions within a locked run of ~8 minutes on the testbed (benchmarks/RESULTS.md): ``--reps 3
+--limit 490 --steps 12 --grid-steps 2 --grid-rounds 2 --grid-warmup 1 --grid-buckets "[null]" --skip-ddp-run``
+(``--limit`` starts a repetition only when the longest so far still fits).
 
 Each repetition runs, interleaved:
 
 1. the exhaustive grid: ``lds-train tune=grid`` (every candidate of ``tune=grid``: ddp and hybrid at each tp, for
-   MoE models each ep, x none/int8/int4 x the DDP buckets of ``--grid-buckets``; every candidate measured in two
-   interleaved rounds in the same processes, ``--grid-steps`` timed steps each);
+   MoE models each ep, x none/int8/int4 x the DDP buckets of ``--grid-buckets``; every candidate measured in
+   ``--grid-rounds`` interleaved rounds in the same processes, every second one backward, ``--grid-steps`` timed
+   steps each);
 2. the default ``lds-train`` (``tune=auto``) for ``--steps`` steps: its choice, its calibration time, and the
    tokens/s of the training that follows;
 3. plain DDP (``strategy=ddp compression=none tune=none``) for ``--steps`` steps: the baseline, measured by a
