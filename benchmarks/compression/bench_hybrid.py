@@ -11,9 +11,10 @@ Network testbed (root; 2 emulated nodes x 2 ranks, namespaces ``ldsb*``, subnet 
 Each configuration (``--configs``: ``ddp`` is Lightning's plain ``"ddp"``; ``tp=T ep=E fp32|int8|int4`` a
 ``HybridParallelStrategy`` with ``GradientCompression(warmup_steps=0)`` where compressed) trains ``--steps`` steps
 of the same model, interleaved within each repetition (order rotated each repetition), the first 3 steps dropped.
-Every step is split on every rank into forward, backward (until DDP's backward returns: the hook's last bucket
-done), shard reduction (the strategy's tensor- and expert-parallel gradient all-reduce, after the closure) and
-optimizer; the table gives the slowest rank's step and rank 0's phases, medians over steps then repetitions.
+Every step is split on every rank into forward, backward compute (until the last gradient is accumulated: a
+post-accumulate-grad hook on every parameter), backward wait (until DDP's backward returns: the exchange of its
+last bucket, and whatever the hook still does then), shard reduction (the strategy's tensor- and expert-parallel gradient all-reduce, after the closure) and
+optimizer, and the hook's own CPU seconds (quantize, dequantize, writes: ``compress_seconds``); the table gives the slowest rank's step and rank 0's phases, medians over steps then repetitions.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ MODELS = {
     "demo": (dict(preset="small", vocab_size=256), 8, 128),
     "moe": (dict(preset="moe-small", vocab_size=256), 4, 64),
 }
-PHASES = ("forward", "backward", "reduce", "optimizer")
+PHASES = ("forward", "backward compute", "backward wait", "reduce", "optimizer", "hook CPU")
 
 
 def _parse(label: str) -> tuple[int, int, int | None, dict] | None:
@@ -44,7 +45,7 @@ def _parse(label: str) -> tuple[int, int, int | None, dict] | None:
     if label == "ddp":
         return None
     tp, ep, bits, *settings = label.split()
-    extra = {k: bool(int(v)) if k in ("overlap", "hold_writes") else int(v)
+    extra = {k: bool(int(v)) if k in ("overlap", "hold_writes", "hold_phase2") else int(v)
              for k, v in (s.split("=") for s in settings)}
     return int(tp[3:]), int(ep[3:]), None if bits == "fp32" else int(bits[3:]), extra
 
@@ -62,6 +63,12 @@ def worker(args: argparse.Namespace) -> None:
     from lightning_deepseek.models.gpt import PRESETS
 
     class PhasedGPT(TimedGPT):
+        def on_train_start(self):
+            def last_grad(_):
+                self.last_grad = time.perf_counter()
+            for p in self.parameters():
+                p.register_post_accumulate_grad_hook(last_grad)
+
         def on_train_batch_start(self, batch, batch_idx):
             super().on_train_batch_start(batch, batch_idx)
             self.marks = [self._start]
@@ -70,7 +77,10 @@ def worker(args: argparse.Namespace) -> None:
             self.marks.append(time.perf_counter())
 
         def on_after_backward(self):
-            self.marks.append(time.perf_counter())
+            self.marks += [self.last_grad, time.perf_counter()]
+            hook = next((c.hook_state for c in self.trainer.callbacks if isinstance(c, GradientCompression)), None)
+            self.compress_ms = getattr(self, "compress_ms", [])
+            self.compress_ms.append(hook.compress_seconds if hook is not None else 0.0)
 
         def on_before_optimizer_step(self, optimizer):
             self.marks.append(time.perf_counter())
@@ -111,7 +121,8 @@ def worker(args: argparse.Namespace) -> None:
             trainer.fit(module, data)
             times = torch.tensor(module.step_times[3:])
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            phases = torch.tensor(module.phases[3:]).median(dim=0).values.tolist()
+            phases = torch.tensor([p + [c] for p, c in zip(module.phases, module.compress_ms)][3:])
+            phases = phases.median(dim=0).values.tolist()
             results[label].append({"step": times.median().item(), "phases": phases})
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))
