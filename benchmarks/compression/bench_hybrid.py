@@ -45,7 +45,7 @@ def _parse(label: str) -> tuple[int, int, int | None, dict] | None:
     if label == "ddp":
         return None
     tp, ep, bits, *settings = label.split()
-    extra = {k: bool(int(v)) if k in ("overlap", "hold_writes", "hold_phase2") else int(v)
+    extra = {k: bool(int(v)) if k in ("overlap", "hold_writes") else int(v)
              for k, v in (s.split("=") for s in settings)}
     return int(tp[3:]), int(ep[3:]), None if bits == "fp32" else int(bits[3:]), extra
 

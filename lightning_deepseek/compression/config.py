@@ -32,8 +32,6 @@ class CompressionConfig:
         seed: seed of the stochastic-rounding generators (offset by the global rank).
         hold_writes: on CPU, hold each bucket's final write until the step's last bucket is on the wire
             (``CompressionState.hold``); False only to measure what holding buys. Same numbers either way.
-        hold_phase2: with ``hold_writes``, also hold the two-phase exchange's phase 2 (dequantize, sum,
-            re-quantize, all-gather) of every bucket but the last, to run on the hook's thread.
         single_exchange_max_world: up to this data-parallel world size the exchange is one all-gather of whole
             quantized buckets, above it the two-phase exchange (``hook.py``); 0 forces the two-phase exchange
             (tests of it on one or two ranks).
@@ -48,7 +46,6 @@ class CompressionConfig:
     overlap: bool = True
     seed: int = 0
     hold_writes: bool = True
-    hold_phase2: bool = False
     single_exchange_max_world: int = 2
 
     def __post_init__(self) -> None:

@@ -240,14 +240,7 @@ def compressed_average(state: CompressionState, tensors: Sequence[torch.Tensor],
         return result
     a2a = dist.all_to_all_single(plan.recv, plan.send, group=state.process_group, async_op=True).get_future()
     previous, issued = state.phase2_turn()
-
-    def phase2_or_hold(_: torch.futures.Future) -> None:
-        if hold and state.config.hold_phase2:
-            state.hold(lambda: _failing_into(result, phase2, a2a, issued))
-        else:
-            _failing_into(result, phase2, a2a, issued)
-
-    torch.futures.collect_all([a2a, previous]).then(phase2_or_hold)
+    torch.futures.collect_all([a2a, previous]).then(lambda _: _failing_into(result, phase2, a2a, issued))
     return result
 
 
