@@ -13,8 +13,10 @@ Each configuration (``--configs``: ``ddp`` is Lightning's plain ``"ddp"``; ``tp=
 of the same model, interleaved within each repetition (order rotated each repetition), the first 3 steps dropped.
 Every step is split on every rank into forward, backward compute (until the last gradient is accumulated: a
 post-accumulate-grad hook on every parameter), backward wait (until DDP's backward returns: the exchange of its
-last bucket, and whatever the hook still does then), shard reduction (the strategy's tensor- and expert-parallel gradient all-reduce, after the closure) and
-optimizer, and the hook's own CPU seconds (quantize, dequantize, writes: ``compress_seconds``); the table gives the slowest rank's step and rank 0's phases, medians over steps then repetitions.
+last bucket, and whatever the hook still does then), shard reduction (the strategy's tensor- and expert-parallel
+gradient all-reduce, after the closure) and optimizer, and the hook's own CPU seconds (quantize, dequantize,
+writes: ``compress_seconds``). The table gives the slowest rank's step and rank 0's phases, medians over steps then
+repetitions. Extra hook settings follow the label: ``"tp=2 ep=1 int8 single_exchange_max_world=4"``.
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ def worker(args: argparse.Namespace) -> None:
 def report(results: dict[str, list], where: str, argv: list[str], load: tuple[float, float]) -> str:
     lines = [f"Command: `flock /work/wt/bench.lock .venv/bin/python {' '.join(argv)}` ({where}; load average "
              f"{load[0]:.1f} before, {load[1]:.1f} after)", "",
-             "| configuration | step (slowest rank) | vs plain DDP | rank 0: " + " | ".join(PHASES) + " | steps per rep |",
+             "| configuration | step (slowest rank) | vs plain DDP | rank 0: " + " | ".join(PHASES)
+             + " | steps per rep |",
              "|---|---|---|" + "---|" * len(PHASES) + "---|"]
     ddp = statistics.median(r["step"] for r in results["ddp"]) if "ddp" in results else None
     for label, runs in results.items():
