@@ -68,8 +68,10 @@ def worker(args: argparse.Namespace) -> None:
         def on_train_start(self):
             def last_grad(_):
                 self.last_grad = time.perf_counter()
-            for p in self.parameters():
-                p.register_post_accumulate_grad_hook(last_grad)
+            self.last_grad = float("nan")
+            if not args.no_split:
+                for p in self.parameters():
+                    p.register_post_accumulate_grad_hook(last_grad)
 
         def on_train_batch_start(self, batch, batch_idx):
             super().on_train_batch_start(batch, batch_idx)
@@ -83,6 +85,8 @@ def worker(args: argparse.Namespace) -> None:
             hook = next((c.hook_state for c in self.trainer.callbacks if isinstance(c, GradientCompression)), None)
             self.compress_ms = getattr(self, "compress_ms", [])
             self.compress_ms.append(hook.compress_seconds if hook is not None else 0.0)
+            if args.no_split and hook is not None:  # the hook's own mark: DDP handed it the last bucket
+                self.marks[-2] = hook.last_bucket_time
 
         def on_before_optimizer_step(self, optimizer):
             self.marks.append(time.perf_counter())
@@ -155,6 +159,7 @@ def main(args: argparse.Namespace) -> None:
     print(f"start {time.strftime('%H:%M:%S', time.gmtime())} UTC, load {before:.1f}", flush=True)
     common = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
               "--repeats", str(args.repeats), "--model", args.model, "--configs", args.configs]
+    common += ["--no-split"] if args.no_split else []
     if not args.testbed:
         with workers(args.timeout) as procs:
             for rank in range(2):
@@ -187,6 +192,8 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="ffn", choices=sorted(MODELS))
     parser.add_argument("--configs", default="ddp,tp=1 ep=1 fp32,tp=1 ep=1 int8,tp=2 ep=1 fp32,tp=2 ep=1 int8")
     parser.add_argument("--timeout", type=float, default=480)
+    parser.add_argument("--no-split", action="store_true", help="no per-parameter hooks: split backward where DDP "
+                        "hands the compression hook its last bucket (compressed runs only)")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", default="")
     parsed = parser.parse_args()
