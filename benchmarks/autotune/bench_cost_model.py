@@ -197,7 +197,7 @@ def launch(args: argparse.Namespace, out: Path) -> str:
                        "OMP_NUM_THREADS": "1"}
                 procs.append(subprocess.Popen(common, env=env, cwd=ROOT))
         return "loopback, 2 processes, 1 thread each"
-    with Testbed(num_hosts=2, rate=args.rate, prefix="ldsm", subnet="10.213.73") as bed, \
+    with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed, \
             workers(args.timeout) as procs:
         for rank in range(4):
             node, local = divmod(rank, 2)
@@ -224,6 +224,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--testbed", action="store_true")
     parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--prefix", default="ldsm", help="testbed namespace prefix (one per concurrent user)")
+    parser.add_argument("--subnet", default="10.213.73", help="testbed /24 (one per concurrent user)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--models", default="demo,ffn,moe", help=f"comma-separated, of {', '.join(MODELS)}")

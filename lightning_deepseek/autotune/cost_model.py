@@ -3,7 +3,7 @@
 A candidate is a tensor-parallel size ``tp``, an expert-parallel size ``ep`` (MoE models) and a gradient
 compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro-batches, on one rank:
 
-    step = compute + optimizer + tp_comm + ep_comm + exposed_dp + after_backward + quantize
+    step = compute + optimizer + tp_comm + ep_comm + exposed_dp + after_backward + quantize + chain
 
 - ``compute = m (F + B)``: the measured forward and backward seconds of the user's own model on a real micro-batch
   (:mod:`.measure`), the same for every candidate. A tensor-parallel rank runs the sharded layers on its ``tp``
@@ -44,8 +44,16 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
 - ``after_backward``: the tensor-parallel shards' all-reduce over ``dp`` and the experts' over ``world/ep`` run
   once per step after backward (the strategy's reduction), not overlapped.
 - ``quantize = replicated bytes * (q + n dq)`` with ``q``/``dq`` the measured seconds per fp32 byte of the
-  quantize / dequantize kernels on this machine, ``n`` the payloads dequantized (the data-parallel ranks with the
-  single all-gather exchange, 2 with the two-phase one); it runs in DDP's hook on backward's thread.
+  quantize / dequantize kernels on this machine, ``n`` the payloads dequantized (DDP's ranks, the world, with the
+  single all-gather exchange; 2 with the two-phase one); it runs in DDP's hook on backward's thread.
+- ``chain = c (world - 1) a`` (compressed only), ``c`` the exchange's collectives (1: the single all-gather, 2: the
+  two-phase all-to-all then all-gather): the compressed exchange of the last bucket is a chain the fp32 all-reduce
+  does not have (quantize, collective, phase 2 on a callback thread, collective, write), each collective waiting
+  for the previous step, so it pays its link latencies again after the ring's. Bytes alone predicted tp=2 and ep=2
+  with compression 15-20 ms faster than fp32 on the 1 Gbit testbed, where the replicated gradients are 1.4-2.6 MB;
+  measured there, the time from the last gradient to the end of backward grew by 19-24 ms with int8 instead
+  (``benchmarks/compression/bench_hybrid.py``; RESULTS.md, "Decisions by a cost model", 06:00-06:12 UTC). On
+  loopback (``a`` ~30 us) the term is negligible.
 
 Memory per rank: ``params + grads + state_factor * params`` (optimizer states; Adam: 2) ``+ residual`` (fp32 error
 feedback of the replicated gradients when compressed) ``+ activations`` (the bytes autograd saves for backward,
@@ -268,7 +276,6 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
     world, topology, links = machine.world_size, machine.topology, dict(machine.links)
     ddp_volume = _ddp_volume(candidate, facts)
     micro, ddp_bytes = ddp_volume.micro_batches, ddp_volume.replicated_grad_bytes
-    dp = world // candidate.tp
     mesh = candidate_grid(candidate, facts, machine)
     comm = estimate_comm_seconds(mesh, topology, ddp_volume, links)
     tp_measured = compute.sharded.get(("tp", candidate.tp)) if candidate.tp > 1 else (0.0, 0.0)
@@ -290,6 +297,7 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
         "dp": busy + max(hideable - machine.overlap * backward, hideable * last_bucket) if ddp_bytes else 0.0,
         "after": comm["sharded"],
         "quantize": 0.0,
+        "chain": 0.0,
     }
     if candidate.ep > 1:
         if ep_measured is None:
@@ -301,8 +309,9 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
                                              group_link(topology, list(range(0, world, candidate.ep)), links))
     if candidate.bits is not None and ddp_bytes:
         q, dq = machine.quantize_seconds_per_byte[candidate.bits]
-        payloads = dp if world <= machine.single_exchange_max_world else 2
-        parts["quantize"] = ddp_bytes * (q + payloads * dq)
+        single = world <= machine.single_exchange_max_world  # the hook runs on DDP's group: the world, not dp
+        parts["quantize"] = ddp_bytes * (q + (world if single else 2) * dq)
+        parts["chain"] = (1 if single else 2) * (world - 1) * world_link.latency
     memory = memory_bytes(candidate, facts, compute)
     return Prediction(candidate, parts, memory, memory <= machine.headroom * machine.device_memory_bytes)
 

@@ -181,6 +181,38 @@ def test_recorded_testbed_figures_rank_as_the_testbed_measured() -> None:
     assert decide(options, model, formula_only, testbed).chosen.tp == 2
 
 
+def test_compressed_exchange_pays_its_chain_of_collectives_where_the_replicated_gradients_are_small() -> None:
+    # bench_hybrid.py --testbed --rate 1gbit (RESULTS, "Decisions by a cost model", 2026-12-02 06:00-06:12 UTC): the
+    # time from the last gradient to the end of backward, fp32 -> int8, grew 18 -> 42 ms (wide FFN, tp=2, 2.6 MB
+    # replicated), 24 -> 46 ms (demo, tp=2, 1.4 MB), 32 -> 51 ms (MoE, ep=2): the all-to-all, phase 2 and the
+    # all-gather of the last bucket in sequence. Bytes alone had predicted tp=2 int8 16 ms faster than tp=2 fp32.
+    from lightning_deepseek.models import GPT, GPTConfig
+    from lightning_deepseek.parallel.placement import comm_volume
+    from lightning_deepseek.parallel.plan import decide_plan
+
+    module = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=256, mlp_ratio=16))
+    volumes = {tp: comm_volume(module, decide_plan(module, "auto", 4, tp, False, 0), tp, 32, 1) for tp in (1, 2)}
+    model = ModelFacts(param_bytes=sum(p.numel() * 4 for p in module.parameters()), volumes=volumes)
+    inter = LinkCost(1.04e9 / 8, 2572e-6)  # the testbed's probed links, as in the test above
+    links = {"intra": LinkCost(12.72e9 / 8, 354e-6), "inter": inter}
+    testbed = Machine(TWO_NODES, links, 2**34, {8: (1.3e-9, 0.65e-9), 4: (1.3e-9, 0.65e-9)}, busy_cores=True)
+    recorded = ComputeProfile(0.0301, 0.0343, optimizer_seconds=0.0607, sharded={("tp", 2): (0.0871, 0.0258)})
+    seconds = {c: predict(c, model, recorded, testbed) for c in candidates(4, [1, 2], [1], [None, 8, 4])}
+    fp32 = seconds[Candidate(2, 1, None)]
+    for bits in (8, 4):
+        compressed = seconds[Candidate(2, 1, bits)]
+        # two collectives (all-to-all, all-gather) of 3 link latencies each, on top of the ring's
+        assert compressed.parts["chain"] == pytest.approx(2 * 3 * inter.latency)
+        assert fp32.parts["chain"] == 0.0
+        # no longer a gain that would clear the decision's 5% margin (measured: +3 to +30 ms, -35 ms once)
+        assert compressed.seconds > 0.97 * fp32.seconds
+        # where the replicated gradients are large (tp=1, 19 MB) compression still wins clearly (measured 1.3-1.4x)
+        assert seconds[Candidate(1, 1, bits)].seconds < 0.8 * seconds[Candidate(1, 1, None)].seconds
+    # on loopback the chain's latencies are negligible: the term changes nothing there
+    loopback = Machine(ONE_NODE, LOOPBACK, 2**36, QUANTIZE)
+    assert predict(Candidate(1, 1, 8), facts(20, 0.0, 0), ComputeProfile(0.1, 0.2), loopback).parts["chain"] < 1e-4
+
+
 def test_busy_cores_keep_the_hosts_share_of_the_exchange_off_backward() -> None:
     model, compute = facts(100, 0.0, 0), ComputeProfile(1.0, 2.0)  # a backward long enough to hide all of it
     links = {"intra": LinkCost(3e9, 30e-6), "inter": GBIT["inter"]}
