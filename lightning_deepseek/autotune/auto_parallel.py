@@ -122,7 +122,7 @@ def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology
                        max(v.replicated_grad_bytes for v in volumes.values()), bucket_bytes, placement)
     options = candidates(world, sorted(plans), ep_sizes if layers else [1], bits)
     measured = _measure_sharded(module, measured, options, plans, facts, machine, repeats=sharded_repeats)
-    decision = decide(options, facts, measured.compute, machine, setting)
+    decision = dataclasses.replace(decide(options, facts, measured.compute, machine, setting), tokens=tokens)
     _print(decision, setting, measured, tokens)
     return decision
 

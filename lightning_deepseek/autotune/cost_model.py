@@ -218,6 +218,7 @@ class Decision:
     predictions: tuple[Prediction, ...]
     reason: str
     compute: ComputeProfile | None = None
+    tokens: int | None = None  # rows per rank and micro-batch the volumes were computed for (placement reuses it)
 
     def prediction(self, candidate: Candidate) -> Prediction:
         return next(p for p in self.predictions if p.candidate == candidate)

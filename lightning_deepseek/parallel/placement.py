@@ -295,11 +295,16 @@ def place(requested: str, topology: Topology, dp_size: int, tp_size: int, links:
     return Placement(policy, grid, estimates, links)
 
 
-def tokens_per_micro_batch(module: nn.Module, configured: int | None, warn_on_default: bool) -> int:
-    """Rows entering a feed-forward layer per rank and micro-batch: ``micro_batch_tokens`` if set, else from the
-    module's ``example_input_array``, else 2048 (warned when ``warn_on_default``: an estimate depends on it)."""
+def tokens_per_micro_batch(module: nn.Module, configured: int | None, warn_on_default: bool,
+                           measured: int | None = None) -> int:
+    """Rows entering a feed-forward layer per rank and micro-batch: ``micro_batch_tokens`` if set, else those of
+    the micro-batch the cost model measured (``measured``, so that placement and the cost model's choice of ``tp``
+    assume the same batch), else from the module's ``example_input_array``, else 2048 (warned when
+    ``warn_on_default``: an estimate depends on it)."""
     if configured is not None:
         return configured
+    if measured is not None:
+        return measured
     example = getattr(module, "example_input_array", None)
     if isinstance(example, torch.Tensor):
         return example.numel() if not example.is_floating_point() else example[..., 0].numel()

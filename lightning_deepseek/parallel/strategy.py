@@ -119,7 +119,8 @@ class HybridParallelStrategy(DDPStrategy):
         link_costs: ``{"intra": {"bandwidth_gbit": ..., "latency_us": ...}, "inter": {...}}`` for the cost model;
             default: measured by a short probe at start-up when there is more than one island.
         micro_batch_tokens: tokens (rows entering a feed-forward layer) per rank and micro-batch, for the cost
-            model; default: from ``example_input_array``, else 2048.
+            model; default: the micro-batch the ``"auto"`` sizes were decided from, else from
+            ``example_input_array``, else 2048.
         expert_parallel_size: ranks over which the routed experts of MoE layers are sharded (E/ep each, tokens
             dispatched by all-to-all; :mod:`lightning_deepseek.parallel.expert`); must divide the world size and
             every layer's expert count. 1: experts replicated like everything else. ``"auto"``: decided by the cost
@@ -403,8 +404,10 @@ class HybridParallelStrategy(DDPStrategy):
         dims, topology = self.parallel_dims, self._topology
 
         def volume() -> CommVolume:
+            decided = self.autotune_decision.tokens if self.autotune_decision is not None else None
             tokens = tokens_per_micro_batch(module, self._micro_batch_tokens,
-                                            warn_on_default=bool(self._plan) and self._placement_arg == "auto")
+                                            warn_on_default=bool(self._plan) and self._placement_arg == "auto",
+                                            measured=decided)
             return comm_volume(module, self._plan, dims.tp, tokens, trainer.accumulate_grad_batches)
         placed = place(self._placement_arg, topology, dims.dp, dims.tp, self._links, volume)
         self.placement, self.placement_estimates = placed.policy, placed.estimates

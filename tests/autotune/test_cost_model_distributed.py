@@ -73,6 +73,7 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "moe_summary": moe.summary(), "moe_tables": moe_run["tables"],
         "hybrid_tables": hybrid["tables"], "chosen": decision.chosen.label, "tp": strategy.parallel_dims.tp,
         "candidates": [p.candidate.label for p in decision.predictions], "hook_bits": hook_bits,
+        "decided_tokens": decision.tokens,
         "summary": {**strategy.summary(), **compression.summary()},
         "llama_tables": llama["tables"], "llama_chosen": ddp_compression.decision.chosen.label,
         "llama_summary": ddp_compression.summary(),
@@ -99,6 +100,7 @@ def test_hybrid_auto_decides_tp_and_bits_from_measurements_and_prints_the_table(
     assert rank1["hybrid_tables"] == []
     assert "tensor_parallel_size='auto', GradientCompression(bits='auto'): cost model" in table
     assert "measured: 3 forward/backward passes of a training batch (4, 16)" in table
+    assert rank0["decided_tokens"] == 4 * 16  # the placement's token count too (no example_input_array here)
     assert all(label in table for label in rank0["candidates"]) and f"choice: {rank0['chosen']}" in table
     summary = rank0["summary"]
     assert summary["autotune_choice"] == rank0["chosen"] and set(summary["autotune_predicted_ms"]) == set(

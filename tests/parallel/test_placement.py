@@ -80,3 +80,20 @@ def test_probe_without_a_usable_backend_names_link_costs(monkeypatch: pytest.Mon
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="'cuda:nccl' carry neither .* Set link_costs"):
         probe_device("cuda:nccl")
+
+
+def test_tokens_per_micro_batch_prefers_the_setting_then_the_measured_batch(recwarn: pytest.WarningsRecorder) -> None:
+    from torch import nn
+
+    from lightning_deepseek.parallel.placement import DEFAULT_TOKENS, tokens_per_micro_batch
+
+    module = nn.Linear(2, 2)
+    assert tokens_per_micro_batch(module, 64, warn_on_default=True, measured=32) == 64
+    # The cost model's measured batch: placement assumes what the "auto" sizes were decided from, silently.
+    assert tokens_per_micro_batch(module, None, warn_on_default=True, measured=32) == 32
+    assert not recwarn.list
+    module.example_input_array = torch.zeros(3, 5, dtype=torch.long)
+    assert tokens_per_micro_batch(module, None, warn_on_default=True) == 15
+    del module.example_input_array
+    with pytest.warns(UserWarning, match="micro_batch_tokens"):
+        assert tokens_per_micro_batch(module, None, warn_on_default=True) == DEFAULT_TOKENS
