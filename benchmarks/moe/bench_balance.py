@@ -80,6 +80,10 @@ def train(model_name: str, rate: float, train_batches: Batches, val: Batches, se
         counts = counter.take()
         totals.append(counts)
         history.append(update_biases(counter.layers, counts, rate, rule))
+        if len(history) % 50 == 0:  # progress (stderr): the worst layer's per-step figure over the last 50 steps
+            recent = torch.stack(history[-50:]).max(dim=1).values.mean().item()
+            print(f"  seed {seed} rate {rate:g} step {len(history)}: per-step max/mean {recent:.3f}", file=sys.stderr,
+                  flush=True)
     counter.remove()
     last = torch.stack(history[-100:])
     summed = torch.stack(totals[-100:]).sum(0)
