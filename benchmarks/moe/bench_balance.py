@@ -62,8 +62,8 @@ def lr_factor(schedule: str, steps: int, warmup: int = 20, min_ratio: float = 0.
     return factor
 
 
-def train(model_name: str, rate: float, train_batches: Batches, val: Batches, seed: int, schedule: str
-          ) -> tuple[GPT, dict[str, float]]:
+def train(model_name: str, rate: float, train_batches: Batches, val: Batches, seed: int, schedule: str,
+          rule: str = "sign", clip: float = 0.0) -> tuple[GPT, dict[str, float]]:
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**PRESETS[model_name]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -72,12 +72,18 @@ def train(model_name: str, rate: float, train_batches: Batches, val: Batches, se
     history, totals = [], []
     for x, y in train_batches:
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
         counts = counter.take()
         totals.append(counts)
-        history.append(update_biases(counter.layers, counts, rate))
+        history.append(update_biases(counter.layers, counts, rate, rule))
+        if len(history) % 50 == 0:  # progress (stderr): the worst layer's per-step figure over the last 50 steps
+            recent = torch.stack(history[-50:]).max(dim=1).values.mean().item()
+            print(f"  seed {seed} rate {rate:g} step {len(history)}: per-step max/mean {recent:.3f}", file=sys.stderr,
+                  flush=True)
     counter.remove()
     last = torch.stack(history[-100:])
     summed = torch.stack(totals[-100:]).sum(0)
@@ -207,6 +213,8 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[0.0, 3e-3, 1e-2])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--schedule", choices=["constant", "cosine"], default="constant")
+    parser.add_argument("--rule", choices=["sign", "proportional"], default="sign", help="the bias update rule")
+    parser.add_argument("--clip", type=float, default=0.0, help="gradient-norm clip (lds-train: 1.0); 0: none")
     parser.add_argument("--oracle", action="store_true", help="fit the best fixed bias to the last rate's router")
     parser.add_argument("--scan", type=int, nargs="*", default=[8, 16, 32], help="--oracle's batch sizes")
     args = parser.parse_args()
@@ -216,7 +224,8 @@ def main() -> None:
     block = PRESETS[args.model]["block_size"]
     val = batches(tokens[split:], block, 8, 20, 1)
     print(f"model={args.model} steps={args.steps} batch={args.batch}x{block} schedule={args.schedule} "
-          f"seeds={args.seeds} (1 CPU thread); over the last 100 steps; mean over seeds [min-max]")
+          f"seeds={args.seeds} rule={args.rule} clip={args.clip} (1 CPU thread); over the last 100 steps; "
+          "mean over seeds [min-max]")
     print(f"{'update_rate':>11} {'per-step max/mean, worst layer':>31} {'layer mean':>11} "
           f"{'100-step sums, worst layer':>27} {'val_loss':>9}")
     model = train_batches = None
@@ -225,7 +234,7 @@ def main() -> None:
         rows = []
         for seed in args.seeds:
             train_batches = batches(tokens[:split], block, args.batch, args.steps, seed)
-            trained, row = train(args.model, rate, train_batches, val, seed, args.schedule)
+            trained, row = train(args.model, rate, train_batches, val, seed, args.schedule, args.rule, args.clip)
             model = trained if seed == args.seeds[0] else model
             rows.append(row)
         worst = np.array([r["worst"] for r in rows])

@@ -4,7 +4,8 @@ Every MoE layer (found by :mod:`lightning_deepseek.moe.protocol`) has its routed
 pre-hook on its experts module (the ``top_k_index`` argument), in training only. After each optimizer step the
 counts of all layers and all ranks are summed by ONE all-reduce of an ``(L, E)`` tensor, then each layer's balancing
 bias moves by ``update_rate`` against its load: ``bias += update_rate * sign(mean_load - load)`` (overloaded experts
-become less likely to be chosen; the bias never enters the routing weights). Every rank applies the same update to
+become less likely to be chosen; the bias never enters the routing weights), or with ``rule="proportional"`` by
+``update_rate * (mean_load - load) / mean_load``. Every rank applies the same update to
 its replica of the bias, so biases stay identical without a broadcast. The bias is a buffer of the model, so it is
 checkpointed with the weights; the callback's own state (the load history) travels in its ``state_dict``.
 
@@ -62,14 +63,26 @@ class LoadCounter:
             handle.remove()
 
 
+RULES = ("sign", "proportional")
+
+
 @torch.no_grad()
-def update_biases(layers: list[ExpertLayer], counts: torch.Tensor, update_rate: float) -> torch.Tensor:
+def update_biases(layers: list[ExpertLayer], counts: torch.Tensor, update_rate: float, rule: str = "sign"
+                  ) -> torch.Tensor:
     """Move each layer's bias by ``update_rate`` against its load (``counts`` summed over all ranks); return the
-    per-layer imbalance (max / mean load)."""
+    per-layer imbalance (max / mean load).
+
+    ``rule="sign"`` (DeepSeek-V3): ``bias += update_rate * sign(mean - load)``; ``rule="proportional"``:
+    ``bias += update_rate * (mean - load) / mean``, a step as large as the relative error (up to ``E / k - 1``
+    for an expert taking every token, small near balance, where the error is sampling noise)."""
     mean = counts.mean(dim=1, keepdim=True)
-    for layer, load, avg in zip(layers, counts, mean):
+    if rule == "sign":
+        step = torch.sign(mean - counts)
+    else:
+        step = (mean - counts) / mean.clamp(min=1e-9)
+    for layer, delta in zip(layers, step):
         if layer.bias is not None and update_rate:
-            layer.bias.add_(torch.sign(avg - load).to(layer.bias), alpha=update_rate)
+            layer.bias.add_(delta.to(layer.bias), alpha=update_rate)
     return counts.max(dim=1).values / mean.squeeze(1).clamp(min=1e-9)
 
 
@@ -80,12 +93,19 @@ class ExpertLoadBalancing(Callback):
         update_rate: bias step per optimizer step (DeepSeek-V3's gamma: 1e-3); 0 only counts and logs. Once the
             load is balanced every step reacts to the batch's sampling noise, so a larger step makes the per-step
             load worse (docs/moe.md, "Choosing update_rate"); a smaller one lags a fast-moving router.
+        rule: ``"sign"`` (DeepSeek-V3): every bias moves by ``update_rate`` against the sign of its load's error;
+            ``"proportional"``: by ``update_rate`` times the relative error ``(mean - load) / mean``, so fast while
+            the router is far from balance (an early collapse) and slowly near it (sampling noise).
     """
 
-    def __init__(self, update_rate: float = 1e-3) -> None:
+    def __init__(self, update_rate: float = 1e-3, rule: str = "sign") -> None:
         if update_rate < 0:
             raise ValueError(f"ExpertLoadBalancing(update_rate={update_rate}) must be >= 0 (0: log the load only).")
+        if rule not in RULES:
+            raise ValueError(f"ExpertLoadBalancing(rule={rule!r}) is not a bias update rule; use one of {RULES} "
+                             "(docs/moe.md, 'Choosing update_rate').")
         self.update_rate = update_rate
+        self.rule = rule
         self.history: list[tuple[int, float, float]] = []  # (step, max, mean imbalance over layers)
         self._counter: LoadCounter | None = None
         self._last_step = -1
@@ -126,7 +146,7 @@ class ExpertLoadBalancing(Callback):
             return  # accumulating: no optimizer step yet
         self._last_step = trainer.global_step
         counts = trainer.strategy.reduce(self._counter.take(), reduce_op="sum")
-        imbalance = update_biases(self._counter.layers, counts, self.update_rate)
+        imbalance = update_biases(self._counter.layers, counts, self.update_rate, self.rule)
         worst, mean = imbalance.max().item(), imbalance.mean().item()
         self.history.append((trainer.global_step, worst, mean))
         pl_module.log_dict({"moe_load_imbalance_max": worst, "moe_load_imbalance_mean": mean},
@@ -147,7 +167,7 @@ class ExpertLoadBalancing(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"update_rate": self.update_rate, "history": list(self.history)}
+        return {"update_rate": self.update_rate, "rule": self.rule, "history": list(self.history)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

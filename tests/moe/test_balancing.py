@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_deepseek.models.moe import MoE
 from lightning_deepseek.moe import ExpertLoadBalancing, find_expert_layers, register_experts
-from lightning_deepseek.moe.balancing import LoadCounter, update_biases
+from lightning_deepseek.moe.balancing import RULES, LoadCounter, update_biases
 from tests.parallel.common import TinyLM, loader, make_trainer, token_data
 
 MOE = dict(n_routed_experts=4, moe_top_k=2, moe_hidden=16)
@@ -34,6 +34,8 @@ def test_bias_moves_against_the_load() -> None:
     imbalance = update_biases(layers, torch.tensor([[6.0, 1.0, 1.0, 0.0]]), update_rate=0.5)
     assert layer.router.expert_bias.tolist() == [-0.5, 0.5, 0.5, 0.5]
     assert imbalance.tolist() == [3.0]
+    update_biases(layers, torch.tensor([[6.0, 1.0, 1.0, 0.0]]), update_rate=0.5, rule="proportional")
+    assert layer.router.expert_bias.tolist() == [-1.5, 0.75, 0.75, 1.0]  # += 0.5 * (mean - load) / mean, mean 2
 
 
 def test_callback_updates_once_per_optimizer_step_and_keeps_its_state(tmp_path) -> None:
@@ -64,6 +66,8 @@ def _has_matplotlib() -> bool:
 def test_negative_update_rate_names_the_fix() -> None:
     with pytest.raises(ValueError, match=r"ExpertLoadBalancing\(update_rate=-1.0\) must be >= 0"):
         ExpertLoadBalancing(update_rate=-1.0)
+    with pytest.raises(ValueError, match=r"ExpertLoadBalancing\(rule='Sign'\) is not a bias update rule; use one of"):
+        ExpertLoadBalancing(rule="Sign")
 
 
 class UserExperts(nn.Module):
@@ -97,7 +101,8 @@ def test_transformers_families_are_found_with_their_bias() -> None:
 
 
 
-def _offset_router_run(layer: MoE, update_rate: float, steps: int) -> tuple[list[float], torch.Tensor]:
+def _offset_router_run(layer: MoE, update_rate: float, steps: int, rule: str = "sign"
+                       ) -> tuple[list[float], torch.Tensor]:
     """Balance ``layer`` on fresh random batches of 256 tokens; the per-step max/mean and the summed counts of the
     last half of the steps."""
     layers = find_expert_layers(layer)
@@ -109,7 +114,7 @@ def _offset_router_run(layer: MoE, update_rate: float, steps: int) -> tuple[list
         layer(x)
         step = counter.take()
         counts.append(step)
-        ratios.append(update_biases(layers, step, update_rate).item())
+        ratios.append(update_biases(layers, step, update_rate, rule).item())
     counter.remove()
     return ratios, torch.cat(counts[steps // 2:]).sum(0)
 
@@ -135,5 +140,29 @@ def test_sign_update_cancels_an_offset_and_a_smaller_step_dithers_less() -> None
             layer.router.expert_bias.copy_(balanced)
             per_step[rate] = sum(_offset_router_run(layer, rate, 100)[0]) / 100
         assert per_step[1e-3] < per_step[5e-2] - 0.03
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_proportional_update_undoes_a_collapse_faster_than_sign() -> None:
+    """moe-small's case (benchmarks/RESULTS.md): a router collapsed onto one expert, where a sign step small enough
+    not to dither takes long to undo the collapse; the proportional step is large while one expert takes every token
+    (relative error E/k - 1 = 7) and small near balance."""
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = {}
+        for rule in RULES:
+            torch.manual_seed(0)
+            layer = MoE(dim=8, num_experts=8, top_k=1, hidden=4)
+            with torch.no_grad():  # expert 0 first for every token: logit offset 4
+                layer.router.gate.weight.normal_(std=0.5)
+                layer.router.gate.weight[:, 0] = torch.tensor([4.0] + [0.0] * 7)
+            results[rule] = _offset_router_run(layer, 1e-2, 120, rule)[0]
+        sign, proportional = results["sign"], results["proportional"]
+        assert sign[0] > 6 and proportional[0] > 6  # collapsed: nearly every token to expert 0
+        assert sum(proportional[:30]) / 30 < sum(sign[:30]) / 30 - 0.5  # balanced sooner (2.1 against 3.1)
+        assert sum(proportional[-60:]) / 60 < sum(sign[-60:]) / 60  # and no worse afterwards (1.27 against 1.33)
     finally:
         torch.set_num_threads(threads)
