@@ -26,7 +26,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -185,26 +184,15 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
 
 def launch(args: argparse.Namespace, out: Path) -> str:
     """Start the workers (on loopback, or in the testbed's namespaces); return where they ran."""
-    from benchmarks.testbed import Testbed, workers
+    from benchmarks.testbed import Testbed, run_ranks
 
     common = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
               "--repeats", str(args.repeats), "--models", args.models]
     if not args.testbed:
-        with workers(args.timeout) as procs:
-            for rank in range(2):
-                env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29731", "RANK": str(rank),
-                       "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "NODE_RANK": "0", "PYTHONPATH": str(ROOT),
-                       "OMP_NUM_THREADS": "1"}
-                procs.append(subprocess.Popen(common, env=env, cwd=ROOT))
+        run_ranks(common, 29731, args.timeout, ROOT)
         return "loopback, 2 processes, 1 thread each"
-    with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed, \
-            workers(args.timeout) as procs:
-        for rank in range(4):
-            node, local = divmod(rank, 2)
-            env = dict(MASTER_ADDR=bed.ip(0), MASTER_PORT="29732", RANK=str(rank), WORLD_SIZE="4",
-                       LOCAL_RANK=str(local), NODE_RANK=str(node), NUM_NODES="2", LDS_TOPOLOGY="0,1;2,3",
-                       PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen(bed.command(node, common, env), cwd=ROOT))
+    with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
+        run_ranks(common, 29732, args.timeout, ROOT, bed)
     return f"testbed, 2 emulated nodes x 2 ranks, {args.rate} link"
 
 

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -152,7 +151,7 @@ def report(results: dict[str, list], where: str, argv: list[str], load: tuple[fl
 
 
 def main(args: argparse.Namespace) -> None:
-    from benchmarks.testbed import Testbed, workers
+    from benchmarks.testbed import Testbed, run_ranks
 
     out = Path(tempfile.mkdtemp(prefix="ldsb-")) / "results.json"
     before = os.getloadavg()[0]
@@ -161,22 +160,11 @@ def main(args: argparse.Namespace) -> None:
               "--repeats", str(args.repeats), "--model", args.model, "--configs", args.configs]
     common += ["--no-split"] if args.no_split else []
     if not args.testbed:
-        with workers(args.timeout) as procs:
-            for rank in range(2):
-                env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29741", "RANK": str(rank),
-                       "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "NODE_RANK": "0", "PYTHONPATH": str(ROOT),
-                       "OMP_NUM_THREADS": "1"}
-                procs.append(subprocess.Popen(common, env=env, cwd=ROOT))
+        run_ranks(common, 29741, args.timeout, ROOT)
         where = "loopback, 2 processes, 1 thread each"
     else:
-        with Testbed(num_hosts=2, rate=args.rate, prefix="ldsb", subnet="10.213.74") as bed, \
-                workers(args.timeout) as procs:
-            for rank in range(4):
-                node, local = divmod(rank, 2)
-                env = dict(MASTER_ADDR=bed.ip(0), MASTER_PORT="29742", RANK=str(rank), WORLD_SIZE="4",
-                           LOCAL_RANK=str(local), NODE_RANK=str(node), NUM_NODES="2", LDS_TOPOLOGY="0,1;2,3",
-                           PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-                procs.append(subprocess.Popen(bed.command(node, common, env), cwd=ROOT))
+        with Testbed(num_hosts=2, rate=args.rate, prefix="ldsb", subnet="10.213.74") as bed:
+            run_ranks(common, 29742, args.timeout, ROOT, bed)
         where = f"testbed, 2 emulated nodes x 2 ranks, {args.rate} link"
     results = json.loads(out.read_text())
     print(f"end {time.strftime('%H:%M:%S', time.gmtime())} UTC", flush=True)
