@@ -96,7 +96,10 @@ def worker(args: argparse.Namespace) -> None:
             shift = repeat % len(cells)
             for tp, ep, bits in cells[shift:] + cells[:shift]:
                 callbacks = [GradientCompression(bits=bits, warmup_steps=0)] if bits else []
-                strategy = HybridParallelStrategy(tensor_parallel_size=tp, expert_parallel_size=ep, min_shard_params=0)
+                # The micro-batch's real token count: the placement then assumes the batch the cost model measured
+                # (TimedGPT has no example_input_array, so the default would be 2048).
+                strategy = HybridParallelStrategy(tensor_parallel_size=tp, expert_parallel_size=ep, min_shard_params=0,
+                                                  micro_batch_tokens=batch * seq)
                 row["measured"][_label(tp, ep, bits)], _ = fit(config, batch, seq, strategy, callbacks)
             row["ddp"], _ = fit(config, batch, seq, "ddp", [])
             auto = (HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size="auto", min_shard_params=0)
