@@ -76,14 +76,12 @@ def update_biases(layers: list[ExpertLayer], counts: torch.Tensor, update_rate: 
     ``bias += update_rate * (mean - load) / mean``, a step as large as the relative error (up to ``E / k - 1``
     for an expert taking every token, small near balance, where the error is sampling noise)."""
     mean = counts.mean(dim=1, keepdim=True)
-    if rule == "sign":
-        step = torch.sign(mean - counts)
-    else:
-        step = (mean - counts) / mean.clamp(min=1e-9)
+    safe_mean = mean.clamp(min=1e-9)  # a layer that routed nothing: no division by zero
+    step = torch.sign(mean - counts) if rule == "sign" else (mean - counts) / safe_mean
     for layer, delta in zip(layers, step):
         if layer.bias is not None and update_rate:
             layer.bias.add_(delta.to(layer.bias), alpha=update_rate)
-    return counts.max(dim=1).values / mean.squeeze(1).clamp(min=1e-9)
+    return counts.max(dim=1).values / safe_mean.squeeze(1)
 
 
 class ExpertLoadBalancing(Callback):
