@@ -5,7 +5,8 @@ Run (loopback, the demo model, 2 CPU processes):
 ``.venv/bin/python benchmarks/autotune/bench_tune.py [--reps 2] [--steps 60] [--grid-steps 4]``.
 Run (testbed, as root: 2 emulated nodes x 2 processes, ``lds-train trainer.num_nodes=2`` started in each node's
 network namespace with ``MASTER_ADDR``/``NODE_RANK``, the link throttled to ``--rate``):
-``.venv/bin/python benchmarks/autotune/bench_tune.py --testbed --rate 1gbit [--model moe-tiny]``.
+``.venv/bin/python benchmarks/autotune/bench_tune.py --testbed --rate 1gbit [--model moe-tiny]``; the wide-FFN
+model where tensor parallelism wins at 1 Gbit: ``--model wide-ffn --set data.batch_size=2``.
 Two or more repetitions within a locked run of ~8 minutes on the testbed (benchmarks/RESULTS.md): ``--reps 3
 --limit 490 --steps 12 --grid-steps 2 --grid-rounds 2 --grid-warmup 1 --grid-buckets "[null]" --skip-ddp-run``
 (``--limit`` starts a repetition only when the longest so far still fits).
@@ -103,7 +104,9 @@ def main() -> None:
     parser.add_argument("--limit", type=float, default=None,
                         help="seconds for the whole benchmark: a repetition starts only when the longest one so far "
                              "still fits (stop it with `timeout` a little above this)")
-    parser.add_argument("--model", default="small")
+    parser.add_argument("--model", default="small", help="model preset (model=...)")
+    parser.add_argument("--set", action="append", default=[], metavar="OVERRIDE",
+                        help="an lds-train override for every run, repeatable (e.g. --set data.batch_size=2)")
     parser.add_argument("--testbed", action="store_true")
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--prefix", default="ldsc", help="the testbed's namespace prefix (one per concurrent user)")
@@ -120,7 +123,7 @@ def main() -> None:
     grid: dict[str, list[float]] = {}
     overrides: dict[str, list[str]] = {}
     runs = []
-    model = [f"model={args.model}"]
+    model = [f"model={args.model}", *args.set]
     began, longest = time.perf_counter(), 0.0
     with where(args) as (bed, machine), tempfile.TemporaryDirectory() as tmp:
         lds_train = Runner(bed, args.timeout)
@@ -164,7 +167,8 @@ def main() -> None:
             # After every repetition: a run stopped by its time limit keeps the repetitions it finished.
             medians = {name: statistics.median(v) for name, v in grid.items()}
             grid_out.write_text(json.dumps(
-                {"machine": f"{machine}, model={args.model}", "reps": rep + 1, "argv": sys.argv[1:],
+                {"machine": f"{machine}, model={args.model} {' '.join(args.set)}".rstrip(), "reps": rep + 1,
+                 "argv": sys.argv[1:],
                  "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
                  "timed_steps_per_round": args.grid_steps, "rounds": args.grid_rounds, "auto_runs": runs,
                  "configs": [{"name": n, "overrides": overrides[n], "tokens_per_s_median": medians[n],

@@ -36,6 +36,9 @@ class Candidate:
         expert_parallel_size: the ``ep`` size of ``hybrid`` on MoE models (``None``: the config's).
         compression: ``none``, ``int8`` or ``int4`` (an option of the ``compression`` group).
         bucket_cap_mb: DDP's bucket size in MB (``None``: torch's default, 25).
+        micro_batch_tokens: ``hybrid``'s tokens per rank and micro-batch, from which it places ``tp`` inside or
+            across nodes (not part of the name: the run's own batch, so that a calibrated hybrid is placed as its
+            training will be, not by the strategy's 2048-token default).
     """
 
     strategy: str = "ddp"
@@ -43,6 +46,7 @@ class Candidate:
     expert_parallel_size: int | str | None = None
     compression: str = "none"
     bucket_cap_mb: int | None = None
+    micro_batch_tokens: int | None = None
 
     @property
     def name(self) -> str:
@@ -70,6 +74,8 @@ class Candidate:
         out.append(f"compression={self.compression}")
         if self.bucket_cap_mb is not None:
             out.append(f"+strategy.bucket_cap_mb={self.bucket_cap_mb}")
+        if self.micro_batch_tokens is not None:
+            out.append(f"strategy.micro_batch_tokens={self.micro_batch_tokens}")
         return out
 
     def apply(self, cfg: DictConfig) -> DictConfig:
@@ -85,6 +91,8 @@ class Candidate:
             out.strategy.expert_parallel_size = self.expert_parallel_size
         if self.bucket_cap_mb is not None:
             out.strategy.bucket_cap_mb = self.bucket_cap_mb
+        if self.micro_batch_tokens is not None:
+            out.strategy.micro_batch_tokens = self.micro_batch_tokens
         if compression_of(cfg) != self.compression:
             out.compression = OmegaConf.load(CONF_DIR / "compression" / f"{self.compression}.yaml")
         return out
@@ -137,6 +145,18 @@ def processes(cfg: DictConfig) -> tuple[int, int]:
     return max(int(devices), 1), int(cfg.trainer.get("num_nodes", 1) or 1)
 
 
+def micro_batch_tokens(cfg: DictConfig) -> int:
+    """Tokens per rank and micro-batch of the run: ``data.batch_size`` sequences of ``data.block_size`` (else the
+    model's) tokens, or the strategy's own ``micro_batch_tokens`` where the run sets it."""
+    from lightning_deepseek.models.config import PRESETS
+
+    own = cfg.strategy.get("micro_batch_tokens")
+    if own is not None:
+        return int(own)
+    block = cfg.data.get("block_size") or cfg.model.get("block_size") or PRESETS[cfg.model.preset]["block_size"]
+    return int(cfg.data.batch_size) * int(block)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -156,6 +176,7 @@ def candidates(cfg: DictConfig, forced: list[str], experts: int = 0) -> list[Can
     strategies = [own.strategy] if "strategy" in forced else list(cfg.tune.strategies)
     compressions = [own.compression] if "compression" in forced else list(cfg.tune.compressions)
     buckets = [own.bucket_cap_mb] if "bucket_cap_mb" in forced else list(cfg.tune.get("bucket_cap_mb") or [None])
+    tokens = micro_batch_tokens(cfg) if "hybrid" in strategies else None
     found: list[Candidate] = []
     for strategy in strategies:
         if strategy == "hybrid":
@@ -168,7 +189,7 @@ def candidates(cfg: DictConfig, forced: list[str], experts: int = 0) -> list[Can
         else:
             shapes = [(None, None)]
         for (tp, ep), compression, bucket in itertools.product(shapes, compressions, buckets):
-            candidate = Candidate(strategy, tp, ep, compression, bucket)
+            candidate = Candidate(strategy, tp, ep, compression, bucket, tokens if strategy == "hybrid" else None)
             if candidate not in found:
                 found.append(candidate)
     found.sort(key=lambda c: not c.is_plain_ddp)  # the baseline first

@@ -47,8 +47,21 @@ def test_forced_settings_come_from_the_command_line_and_tune_keep() -> None:
     assert [c.name for c in found] == ["ddp/int8", "hybrid/tp2/int8"]
 
 
+def test_hybrid_candidates_are_placed_by_the_runs_own_micro_batch() -> None:
+    # Without it a fixed tp size places by 2048 tokens (placement.py's default): on the 1 Gbit testbed the wide-FFN
+    # model's tp=2 then ran inside a node at 437 ms a step instead of across nodes at 238 ms (RESULTS.md).
+    found = candidates(_cfg("tune=quick", "model=wide-ffn", "data.batch_size=2"), forced=[])
+    assert {c.micro_batch_tokens for c in found if c.strategy == "hybrid"} == {2 * 16}
+    assert all(c.micro_batch_tokens is None for c in found if c.strategy == "ddp")
+    assert "strategy.micro_batch_tokens=32" in found[-1].overrides() and found[-1].name == "hybrid/tp2/int4"
+    block = candidates(_cfg("tune=quick", "data.block_size=32"), forced=[])[-1]
+    assert block.micro_batch_tokens == 16 * 32  # data.block_size, where set, over the model's
+    own = candidates(_cfg("tune=quick", "strategy=hybrid", "strategy.micro_batch_tokens=100"), forced=[])[-1]
+    assert own.micro_batch_tokens == 100  # the run's own setting is kept
+
+
 def test_apply_gives_the_config_a_direct_run_with_the_overrides_composes() -> None:
-    candidate = Candidate("hybrid", 2, None, "int8", 5)
+    candidate = Candidate("hybrid", 2, None, "int8", 5, 32)
     applied = candidate.apply(_cfg("tune=quick"))
     direct = _cfg(*candidate.overrides(), "tune=quick")
     assert applied.strategy == direct.strategy and applied.compression == direct.compression
