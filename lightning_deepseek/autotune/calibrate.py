@@ -40,6 +40,8 @@ import contextlib
 import io
 import json
 import logging
+import math
+import statistics
 import time
 import warnings
 from collections.abc import Iterator
@@ -75,8 +77,8 @@ class _StepTimer(Callback):
         self.start = 0.0
         self.tokens = 0
         self.tokens_per_s: float | None = None
-        self.step_seconds: list[float] = []  # this rank's, for the table file
-        self._last = 0.0
+        self.step_seconds: list[float] = []  # the slowest rank's: the same on every rank (the noise margin uses them)
+        self._elapsed = 0.0
         self.pruned_at: int | None = None
         self.up_at = 0.0  # the process group is up (setup hook)
         self.first_batch_at = 0.0
@@ -92,7 +94,7 @@ class _StepTimer(Callback):
         if self.batches == 0:
             self.first_batch_at = time.perf_counter()
         if self.batches == self.warmup_batches:
-            self.start = self._last = time.perf_counter()
+            self.start = time.perf_counter()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -101,12 +103,12 @@ class _StepTimer(Callback):
         if self.batches <= self.warmup_batches:
             return
         self.tokens += batch[0].numel() * trainer.world_size
-        now = time.perf_counter()
-        self.step_seconds.append(round(now - self._last, 4))
-        self._last = self.end = now
+        now = self.end = time.perf_counter()
         elapsed = torch.tensor([now - self.start], dtype=torch.float64)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time: the same on every rank
+        self.step_seconds.append(round(float(elapsed) - self._elapsed, 4))
+        self._elapsed = float(elapsed)
         self.tokens_per_s = self.tokens / max(float(elapsed), 1e-9)
         measured = self.batches - self.warmup_batches
         self.trial.report(self.tokens_per_s, measured)
@@ -214,7 +216,7 @@ class _Calibrator:
         names = [r.candidate.name for r in done if r.candidate in keep]
         if sum(r.state == "measured" and r.candidate.name in names for r in done) < 2:
             return []
-        if best is not None and choose(done, self.eligible, min_gain).is_plain_ddp:
+        if best is not None and choose(done, self.eligible, min_gain).candidate.is_plain_ddp:
             return []
         return names[::-1] if backward else names
 
@@ -332,25 +334,70 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
                 measure(calibrator.next_round(cfg.tune.get("recheck_best"), float(cfg.tune.min_gain),
                                               backward=later % 2 == 1))
     rows = [calibrator.results.get(c.name, Row(c, "failed", note="did not run")) for c in order]
-    choice = choose(rows, eligible, float(cfg.tune.min_gain))
+    choice = choose(rows, eligible, float(cfg.tune.min_gain), float(cfg.tune.noise_margin), int(cfg.tune.steps))
     up_at = calibrator.up_at or started
-    return Calibration(str(cfg.tune.mode), rows, choice, time.perf_counter() - up_at,
-                       describe_forced(cfg, forced), float(cfg.tune.min_gain), launch_seconds=up_at - started)
+    return Calibration(str(cfg.tune.mode), rows, choice.candidate, time.perf_counter() - up_at,
+                       describe_forced(cfg, forced), float(cfg.tune.min_gain), launch_seconds=up_at - started,
+                       reason=choice.reason, margin=choice.margin)
 
 
-def choose(rows: list[Row], eligible: list[Candidate], min_gain: float) -> Candidate:
-    """The fastest measured eligible candidate; plain DDP (when eligible) unless that one beats it by
-    ``min_gain``. Raises ``RuntimeError`` when no eligible candidate was measured."""
+@dataclass(frozen=True)
+class Choice:
+    """The configuration training uses, and why (the table's last line, the summary's ``tune_reason``).
+
+    Args:
+        candidate: the chosen configuration.
+        reason: why it, and not plain DDP or the fastest other.
+        margin: the gain over plain DDP the fastest other needed (``min_gain`` or the noise, the larger; 0 where
+            plain DDP was not compared).
+    """
+
+    candidate: Candidate
+    reason: str
+    margin: float = 0.0
+
+
+def noise(plain: Row, other: Row, steps: int) -> float:
+    """The standard error of the relative difference between two rounds' mean step times, ``plain``'s and
+    ``other``'s: each round's mean is of ``steps`` timed steps, each one's spread (the coefficient of variation) is
+    estimated from all its timed steps, every round (a drift between rounds widens it). A candidate with fewer
+    than two timed steps adds nothing."""
+    def spread(row: Row) -> float:
+        times = row.step_seconds
+        return statistics.stdev(times) / statistics.fmean(times) if len(times) > 1 else 0.0
+
+    return math.hypot(spread(plain), spread(other)) / math.sqrt(steps)
+
+
+def choose(rows: list[Row], eligible: list[Candidate], min_gain: float, noise_margin: float = 0.0,
+           steps: int = 1) -> Choice:
+    """The fastest measured eligible candidate; plain DDP (when eligible) unless that one beats it by the margin:
+    ``min_gain``, or ``noise_margin`` standard errors of their difference (:func:`noise`, ``steps`` timed steps a
+    round), whichever is larger. Raises ``RuntimeError`` when no eligible candidate was measured."""
     measured = [r for r in rows if r.state == "measured" and r.candidate in eligible and r.tokens_per_s]
     if not measured:
         failed = "; ".join(f"{r.candidate.name}: {r.note}" for r in rows if r.state == "failed")
         raise RuntimeError(f"tune: no configuration could be measured ({failed}). Pass tune=none and check the "
                            "strategy and compression settings.")
-    best = max(measured, key=lambda r: r.tokens_per_s or 0.0)
     plain = next((r for r in measured if r.candidate.is_plain_ddp), None)
-    if plain is not None and (best.tokens_per_s or 0.0) < (plain.tokens_per_s or 0.0) * (1 + min_gain):
-        return plain.candidate
-    return best.candidate
+    others = sorted((r for r in measured if r is not plain), key=lambda r: -(r.tokens_per_s or 0.0))
+    if plain is None:
+        return Choice(others[0].candidate, "the fastest measured of the configurations the kept settings allow")
+    if not others:
+        return Choice(plain.candidate, "plain DDP: no other configuration was measured to the end")
+    best = others[0]
+    gain = (best.tokens_per_s or 0.0) / (plain.tokens_per_s or 1.0) - 1
+    spread = noise_margin * noise(plain, best, steps)
+    margin = max(min_gain, spread)
+    why = (f"min_gain {min_gain:.0%}" if margin == min_gain else
+           f"{noise_margin:g} standard error of the difference, from the spread of their timed steps; min_gain "
+           f"{min_gain:.0%}")
+    if gain < margin:
+        verdict = "slower" if gain < 0 else "within the margin"
+        return Choice(plain.candidate, f"plain DDP: the fastest other, {best.candidate.name}, measured "
+                      f"{1 + gain:.3f}x of it, {verdict} ({margin:.1%}: {why})", margin)
+    return Choice(best.candidate, f"{best.candidate.name}: {1 + gain:.3f}x of plain DDP, beyond the margin "
+                  f"({margin:.1%}: {why})", margin)
 
 
 def calibrated_config(cfg: DictConfig, plan: Any, folder: Any) -> DictConfig:

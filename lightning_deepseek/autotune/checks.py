@@ -86,6 +86,11 @@ def check_tune(cfg: DictConfig, experts: int = 0) -> None:
     if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not math.isfinite(gain) or gain < 0:
         raise ConfigError(f"tune.min_gain={gain} is not valid: it must be a number >= 0 (0.03: leave plain DDP "
                           "only for a configuration 3% faster). Set it like tune.min_gain=0.03.")
+    margin = tune.get("noise_margin")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
+        raise ConfigError(f"tune.noise_margin={margin} is not valid: it must be a number >= 0 (standard errors of "
+                          "the measured difference a candidate must beat plain DDP by; 0: tune.min_gain alone). Set "
+                          "it like tune.noise_margin=1.")
     recheck = tune.get("recheck_best")
     if recheck is not None and (isinstance(recheck, bool) or not isinstance(recheck, int) or recheck < 0):
         raise ConfigError(f"tune.recheck_best={recheck} is not valid: it must be a whole number >= 0 or null (every "

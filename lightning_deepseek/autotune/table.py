@@ -27,7 +27,8 @@ class Row:
             ratios although the forced settings exclude it).
         tokens_per_s: measured throughput (``None`` when not measured to the end).
         note: why it was pruned or failed.
-        step_seconds: rank 0's time of each timed step (the throughput uses the slowest rank's total).
+        step_seconds: each timed step's time, every round one after the other: the increments of the slowest
+            rank's elapsed time (the same on every rank, so every rank decides alike).
         seconds: this rank's wall time of the candidate's fits, by phase: ``setup`` (``Trainer`` and strategy
             set-up up to the first batch), ``warmup`` (untimed steps), ``timed`` (timed steps), ``teardown``.
     """
@@ -52,6 +53,9 @@ class Calibration:
         kept: the forced settings, ``compression=int8``-style (empty: none).
         min_gain: the margin by which a candidate must beat plain DDP to be chosen.
         launch_seconds: starting the other processes (in the first fit; any run pays it, so not counted above).
+        reason: why the choice (``calibrate.choose``): its gain over plain DDP against the margin, or why plain
+            DDP stayed.
+        margin: the gain over plain DDP the fastest other needed (``min_gain`` or the measured noise, the larger).
     """
 
     mode: str
@@ -61,6 +65,8 @@ class Calibration:
     kept: str = ""
     min_gain: float = 0.0
     launch_seconds: float = 0.0
+    reason: str = ""
+    margin: float = 0.0
 
     def phases(self) -> dict[str, float]:
         """Where the calibration's seconds went (this rank): each phase summed over the candidates."""
@@ -99,8 +105,8 @@ class Calibration:
             lines.append(f"{row.candidate.name:<{width}}  {tps}  {shown}  {row.state}{note}{mark}")
         if self.kept:
             lines.append(f"kept as set (forced): {self.kept}; candidates that would change it were not tried")
-        lines.append(f"choice: {self.choice.name} = lds-train {' '.join(self.choice.overrides())} tune=none "
-                     f"(plain DDP unless another is >= {self.min_gain:.0%} faster)")
+        lines.append(f"choice: {self.choice.name} = lds-train {' '.join(self.choice.overrides())} tune=none")
+        lines.append(f"why: {self.reason}")
         return "\n".join(lines)
 
     def summary(self) -> dict[str, Any]:
@@ -111,6 +117,7 @@ class Calibration:
                 "tune_candidates": ", ".join(f"{sum(r.state == s for r in self.rows)} {s}"
                                              for s in ("measured", "pruned", "skipped")
                                              if any(r.state == s for r in self.rows)) + f" of {len(self.rows)}",
+                "tune_reason": self.reason,
                 "tune_seconds": round(self.seconds, 1)}
 
     def write(self, folder: Path) -> None:
@@ -122,8 +129,8 @@ class Calibration:
                  "step_seconds": list(r.step_seconds), "seconds": r.seconds} for r in self.rows]
         (folder / "tune.json").write_text(json.dumps(
             {"mode": self.mode, "seconds": self.seconds, "launch_seconds": self.launch_seconds,
-             "phases": self.phases(), "kept": self.kept, "min_gain": self.min_gain,
-             "choice": self.choice.name, "choice_overrides": self.choice.overrides(),
+             "phases": self.phases(), "kept": self.kept, "min_gain": self.min_gain, "margin": self.margin,
+             "reason": self.reason, "choice": self.choice.name, "choice_overrides": self.choice.overrides(),
              "choice_fields": asdict(self.choice), "rows": rows}, indent=2))
 
 

@@ -37,7 +37,7 @@ def _calibrate_on_drifting_machine(drift: float, backward: bool, gain: dict[str,
     measure(calibrator.second_stage())
     measure(calibrator.next_round(best=1, min_gain=0.03, backward=backward))
     rows = list(calibrator.results.values())
-    return [*fits, choose(rows, calibrator.eligible, min_gain=0.03).name]
+    return [*fits, choose(rows, calibrator.eligible, min_gain=0.03).candidate.name]
 
 
 def test_later_round_measures_plain_ddp_last_so_a_speed_up_while_calibrating_does_not_pick_another() -> None:

@@ -78,10 +78,10 @@ def test_choice_is_the_fastest_measured_unless_plain_ddp_is_within_min_gain() ->
     rows = [_row("ddp/none", 1000.0), _row("ddp/int8", 1020.0), _row("hybrid/tp2/none", 900.0),
             _row("ddp/int4", 5000.0, "pruned")]
     eligible = [r.candidate for r in rows]
-    assert choose(rows, eligible, min_gain=0.0).name == "ddp/int8"
-    assert choose(rows, eligible, min_gain=0.03).name == "ddp/none"  # 2% is within noise: keep the baseline
+    assert choose(rows, eligible, min_gain=0.0).candidate.name == "ddp/int8"
+    assert choose(rows, eligible, min_gain=0.03).candidate.name == "ddp/none"  # 2% is within noise: keep the baseline
     # Plain DDP measured only as the reference (compression forced): never chosen, still the ratio's base.
-    assert choose(rows, eligible[1:], min_gain=0.03).name == "ddp/int8"
+    assert choose(rows, eligible[1:], min_gain=0.03).candidate.name == "ddp/int8"
     table = Calibration("quick", rows, rows[1].candidate, 3.0, kept="compression=int8", min_gain=0.03)
     assert "1.02x" in table.table() and "kept as set (forced): compression=int8" in table.table()
     assert table.summary()["tune_vs_plain_ddp"] == 1.02
@@ -129,6 +129,7 @@ def test_staged_search_compresses_only_the_layouts_measured_to_the_end() -> None
     (["tune=quick", "tune.compressions=[int3]"], "tune.compressions=['int3'] is not valid"),
     (["tune=quick", "tune.keep=[lr]"], "tune.keep=['lr'] names ['lr'], which calibration does not choose"),
     (["tune=quick", "tune.staged=maybe"], "tune.staged=maybe is not valid: it must be true or false"),
+    (["tune=quick", "tune.noise_margin=-1"], "tune.noise_margin=-1 is not valid: it must be a number >= 0"),
 ])
 def test_bad_tune_setting_is_one_paragraph_and_exit_2(overrides: list[str], needle: str, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
