@@ -149,7 +149,8 @@ def main() -> None:
             auto_table = lds_train.table(folder / "auto")
             run = {"choice": auto["tune_choice"], "tune_seconds": auto["tune_seconds"],
                    "launch_seconds": round(auto_table["launch_seconds"], 1), "phases": auto_table["phases"],
-                   "calibrated_ratio": auto["tune_vs_plain_ddp"], "auto_tokens_per_s": auto["tokens_per_s"],
+                   "calibrated_ratio": auto["tune_vs_plain_ddp"], "reason": auto_table.get("reason"),
+                   "margin": auto_table.get("margin"), "auto_tokens_per_s": auto["tokens_per_s"],
                    "auto_train_wall_s": auto["wall_time_s"],
                    "auto_table": {r["name"]: (r["state"], r["tokens_per_s"] and round(r["tokens_per_s"]))
                                   for r in auto_table["rows"]},
