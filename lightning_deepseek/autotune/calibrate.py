@@ -30,8 +30,9 @@ same choice, with no message passing beyond that.
 The training that follows is untouched: the run's config with the chosen candidate applied
 (:meth:`Candidate.apply`) goes through ``prepare_training`` as a direct run would, re-seeded, so its losses equal
 those of ``lds-train <the choice's overrides> tune=none`` (tests/autotune/test_calibrate.py checks this).
-The table (``tune.txt``, ``tune.json`` in the run folder) and the summary rows come from
-:class:`~lightning_deepseek.autotune.table.Calibration`.
+The choice (plain DDP unless another is faster by more than the margin and the measured noise) is
+:func:`~lightning_deepseek.autotune.choice.choose`. The table (``tune.txt``, ``tune.json`` in the run folder) and
+the summary rows come from :class:`~lightning_deepseek.autotune.table.Calibration`.
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ import contextlib
 import io
 import json
 import logging
-import math
-import statistics
 import time
 import warnings
 from collections.abc import Iterator
@@ -61,6 +60,7 @@ from typing_extensions import override
 
 from lightning_deepseek.autotune.candidates import PLAIN_DDP, Candidate, candidates, describe_forced, forced_settings
 from lightning_deepseek.autotune.checks import nothing_to_choose, task_overrides
+from lightning_deepseek.autotune.choice import choose
 from lightning_deepseek.autotune.sweep_choice import publish, reused, shared_choice, sweep_table
 from lightning_deepseek.autotune.table import Calibration, Row, TuneReport
 from lightning_deepseek.hpo.loop import run_trials
@@ -339,65 +339,6 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
     return Calibration(str(cfg.tune.mode), rows, choice.candidate, time.perf_counter() - up_at,
                        describe_forced(cfg, forced), float(cfg.tune.min_gain), launch_seconds=up_at - started,
                        reason=choice.reason, margin=choice.margin)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The configuration training uses, and why (the table's last line, the summary's ``tune_reason``).
-
-    Args:
-        candidate: the chosen configuration.
-        reason: why it, and not plain DDP or the fastest other.
-        margin: the gain over plain DDP the fastest other needed (``min_gain`` or the noise, the larger; 0 where
-            plain DDP was not compared).
-    """
-
-    candidate: Candidate
-    reason: str
-    margin: float = 0.0
-
-
-def noise(plain: Row, other: Row, steps: int) -> float:
-    """The standard error of the relative difference between two rounds' mean step times, ``plain``'s and
-    ``other``'s: each round's mean is of ``steps`` timed steps, each one's spread (the coefficient of variation) is
-    estimated from all its timed steps, every round (a drift between rounds widens it). A candidate with fewer
-    than two timed steps adds nothing."""
-    def spread(row: Row) -> float:
-        times = row.step_seconds
-        return statistics.stdev(times) / statistics.fmean(times) if len(times) > 1 else 0.0
-
-    return math.hypot(spread(plain), spread(other)) / math.sqrt(steps)
-
-
-def choose(rows: list[Row], eligible: list[Candidate], min_gain: float, noise_margin: float = 0.0,
-           steps: int = 1) -> Choice:
-    """The fastest measured eligible candidate; plain DDP (when eligible) unless that one beats it by the margin:
-    ``min_gain``, or ``noise_margin`` standard errors of their difference (:func:`noise`, ``steps`` timed steps a
-    round), whichever is larger. Raises ``RuntimeError`` when no eligible candidate was measured."""
-    measured = [r for r in rows if r.state == "measured" and r.candidate in eligible and r.tokens_per_s]
-    if not measured:
-        failed = "; ".join(f"{r.candidate.name}: {r.note}" for r in rows if r.state == "failed")
-        raise RuntimeError(f"tune: no configuration could be measured ({failed}). Pass tune=none and check the "
-                           "strategy and compression settings.")
-    plain = next((r for r in measured if r.candidate.is_plain_ddp), None)
-    others = sorted((r for r in measured if r is not plain), key=lambda r: -(r.tokens_per_s or 0.0))
-    if plain is None:
-        return Choice(others[0].candidate, "the fastest measured of the configurations the kept settings allow")
-    if not others:
-        return Choice(plain.candidate, "plain DDP: no other configuration was measured to the end")
-    best = others[0]
-    gain = (best.tokens_per_s or 0.0) / (plain.tokens_per_s or 1.0) - 1
-    spread = noise_margin * noise(plain, best, steps)
-    margin = max(min_gain, spread)
-    why = (f"min_gain {min_gain:.0%}" if margin == min_gain else
-           f"{noise_margin:g} standard error of the difference, from the spread of their timed steps; min_gain "
-           f"{min_gain:.0%}")
-    if gain < margin:
-        verdict = "slower" if gain < 0 else "within the margin"
-        return Choice(plain.candidate, f"plain DDP: the fastest other, {best.candidate.name}, measured "
-                      f"{1 + gain:.3f}x of it, {verdict} ({margin:.1%}: {why})", margin)
-    return Choice(best.candidate, f"{best.candidate.name}: {1 + gain:.3f}x of plain DDP, beyond the margin "
-                  f"({margin:.1%}: {why})", margin)
 
 
 def calibrated_config(cfg: DictConfig, plan: Any, folder: Any) -> DictConfig:

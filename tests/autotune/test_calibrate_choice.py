@@ -7,8 +7,8 @@ ranked first."""
 
 import pytest
 
-from lightning_deepseek.autotune.calibrate import choose, noise
 from lightning_deepseek.autotune.candidates import Candidate
+from lightning_deepseek.autotune.choice import choose, noise
 from lightning_deepseek.autotune.table import Calibration, Row
 
 

@@ -1,0 +1,78 @@
+"""The calibration's decision from its measured rows: the fastest candidate, unless plain DDP is within the margin.
+
+Plain DDP stays unless the fastest other beats it by ``tune.min_gain`` and by ``tune.noise_margin`` standard errors
+of their difference, estimated from the spread of the two candidates' own timed steps (:func:`noise`). Why: a few
+timed steps of two configurations within ~10% of each other cannot rank them by a 3% criterion; on the idle
+loopback, int8 measured 1.033x of plain DDP in 2 rounds of 2 steps while the exhaustive grid put it at 0.91x
+(benchmarks/RESULTS.md). Measured against the recorded calibrations in tests/autotune/test_calibrate_choice.py.
+
+Every rank decides alike: the step times are the slowest rank's (``calibrate._StepTimer``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from lightning_deepseek.autotune.candidates import Candidate
+from lightning_deepseek.autotune.table import Row
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The configuration training uses, and why (the table's last line, the summary's ``tune_reason``).
+
+    Args:
+        candidate: the chosen configuration.
+        reason: why it, and not plain DDP or the fastest other.
+        margin: the gain over plain DDP the fastest other needed (``min_gain`` or the noise, the larger; 0 where
+            plain DDP was not compared).
+    """
+
+    candidate: Candidate
+    reason: str
+    margin: float = 0.0
+
+
+def noise(plain: Row, other: Row, steps: int) -> float:
+    """The standard error of the relative difference between two rounds' mean step times, ``plain``'s and
+    ``other``'s: each round's mean is of ``steps`` timed steps, each one's spread (the coefficient of variation) is
+    estimated from all its timed steps, every round (a drift between rounds widens it). A candidate with fewer
+    than two timed steps adds nothing."""
+    def spread(row: Row) -> float:
+        times = row.step_seconds
+        return statistics.stdev(times) / statistics.fmean(times) if len(times) > 1 else 0.0
+
+    return math.hypot(spread(plain), spread(other)) / math.sqrt(steps)
+
+
+def choose(rows: list[Row], eligible: list[Candidate], min_gain: float, noise_margin: float = 0.0,
+           steps: int = 1) -> Choice:
+    """The fastest measured eligible candidate; plain DDP (when eligible) unless that one beats it by the margin:
+    ``min_gain``, or ``noise_margin`` standard errors of their difference (:func:`noise`, ``steps`` timed steps a
+    round), whichever is larger. Raises ``RuntimeError`` when no eligible candidate was measured."""
+    measured = [r for r in rows if r.state == "measured" and r.candidate in eligible and r.tokens_per_s]
+    if not measured:
+        failed = "; ".join(f"{r.candidate.name}: {r.note}" for r in rows if r.state == "failed")
+        raise RuntimeError(f"tune: no configuration could be measured ({failed}). Pass tune=none and check the "
+                           "strategy and compression settings.")
+    plain = next((r for r in measured if r.candidate.is_plain_ddp), None)
+    others = sorted((r for r in measured if r is not plain), key=lambda r: -(r.tokens_per_s or 0.0))
+    if plain is None:
+        return Choice(others[0].candidate, "the fastest measured of the configurations the kept settings allow")
+    if not others:
+        return Choice(plain.candidate, "plain DDP: no other configuration was measured to the end")
+    best = others[0]
+    gain = (best.tokens_per_s or 0.0) / (plain.tokens_per_s or 1.0) - 1
+    spread = noise_margin * noise(plain, best, steps)
+    margin = max(min_gain, spread)
+    why = (f"min_gain {min_gain:.0%}" if margin == min_gain else
+           f"{noise_margin:g} standard error of the difference, from the spread of their timed steps; min_gain "
+           f"{min_gain:.0%}")
+    if gain < margin:
+        verdict = "slower" if gain < 0 else "within the margin"
+        return Choice(plain.candidate, f"plain DDP: the fastest other, {best.candidate.name}, measured "
+                      f"{1 + gain:.3f}x of it, {verdict} ({margin:.1%}: {why})", margin)
+    return Choice(best.candidate, f"{best.candidate.name}: {1 + gain:.3f}x of plain DDP, beyond the margin "
+                  f"({margin:.1%}: {why})", margin)
