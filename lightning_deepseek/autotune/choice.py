@@ -68,7 +68,8 @@ def choose(rows: list[Row], eligible: list[Candidate], min_gain: float, noise_ma
     spread = noise_margin * noise(plain, best, steps)
     margin = max(min_gain, spread)
     why = (f"min_gain {min_gain:.0%}" if margin == min_gain else
-           f"{noise_margin:g} standard error of the difference, from the spread of their timed steps; min_gain "
+           f"{noise_margin:g} standard error{'' if noise_margin == 1 else 's'} of the difference, from the spread of "
+           f"their timed steps; min_gain "
            f"{min_gain:.0%}")
     if gain < margin:
         verdict = "slower" if gain < 0 else "within the margin"
