@@ -173,6 +173,10 @@ class Machine:
         headroom: fraction of ``device_memory_bytes`` a candidate may plan for.
         single_exchange_max_world: compression's one-all-gather exchange up to this many data-parallel ranks.
         placement: placement policy for the rank grid of each ``tp``.
+        exchange_seconds: ``{(fp32 bytes, bits or None): seconds}`` of one gradient exchange of that many bytes over
+            the world, measured on all ranks at once (:func:`~lightning_deepseek.autotune.measure.measure_exchange`):
+            where a candidate's replicated bytes are here with its ``bits`` and with ``None``, its compression is
+            predicted from them instead of from ``quantize_seconds_per_byte`` and the latencies.
     """
 
     topology: Topology
@@ -185,6 +189,7 @@ class Machine:
     headroom: float = 0.9
     single_exchange_max_world: int = 2
     placement: str = "auto"
+    exchange_seconds: Mapping[tuple[int, int | None], float] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -219,6 +224,7 @@ class Decision:
     reason: str
     compute: ComputeProfile | None = None
     tokens: int | None = None  # rows per rank and micro-batch the volumes were computed for (placement reuses it)
+    exchange_seconds: Mapping[tuple[int, int | None], float] = field(default_factory=dict)  # Machine's, if measured
 
     def prediction(self, candidate: Candidate) -> Prediction:
         return next(p for p in self.predictions if p.candidate == candidate)
@@ -262,6 +268,12 @@ def _ddp_volume(candidate: Candidate, facts: ModelFacts) -> CommVolume:
                       volume.replicated_grad_bytes - facts.expert_bytes + expert_in_ddp, volume.micro_batches)
 
 
+def exchange_bytes(candidate: Candidate, facts: ModelFacts) -> int:
+    """The fp32 bytes of the gradients DDP exchanges under ``candidate`` (what tensor and expert parallelism leave
+    replicated): the sizes :attr:`Machine.exchange_seconds` is measured at."""
+    return _ddp_volume(candidate, facts).replicated_grad_bytes
+
+
 def candidate_grid(candidate: Candidate, facts: ModelFacts, machine: Machine) -> list[list[int]]:
     """The ``dp x tp`` rank grid the strategy would build for ``candidate`` (its placement policy, or the
     cheaper one by placement's estimate under ``"auto"``)."""
@@ -284,18 +296,25 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
     backward = micro * compute.backward_seconds
     world_link = group_link(topology, list(range(world)), links)
     num_buckets = -(-ddp_bytes // machine.bucket_bytes)
-    wire_bytes = int(ddp_bytes * compression_ratio(candidate.bits))
-    wire = (all_reduce_seconds(wire_bytes, world, world_link)
-            + max(0, num_buckets - 1) * all_reduce_seconds(0, world, world_link))
-    busy = min(wire, all_reduce_seconds(wire_bytes, world, links["intra"])) if machine.busy_cores else 0.0
-    hideable = wire - busy
     last_bucket = min(1.0, machine.bucket_bytes / max(ddp_bytes, 1))
+
+    def exposed(bits: int | None) -> float:
+        """The formula's exposed seconds of DDP's exchange of the replicated gradients compressed to ``bits``."""
+        wire_bytes = int(ddp_bytes * compression_ratio(bits))
+        wire = (all_reduce_seconds(wire_bytes, world, world_link)
+                + max(0, num_buckets - 1) * all_reduce_seconds(0, world, world_link))
+        busy = min(wire, all_reduce_seconds(wire_bytes, world, links["intra"])) if machine.busy_cores else 0.0
+        hideable = wire - busy
+        return busy + max(hideable - machine.overlap * backward, hideable * last_bucket) if ddp_bytes else 0.0
+
+    measured_exchange = [machine.exchange_seconds.get((ddp_bytes, b)) for b in (None, candidate.bits)]
+    measured_exchange = None if candidate.bits is None or None in measured_exchange else measured_exchange
     parts = {
         "compute": micro * (compute.forward_seconds + compute.backward_seconds),
         "optimizer": compute.optimizer_seconds + sum(m[1] for m in (tp_measured, ep_measured) if m is not None),
         "tp": comm["tp"] if tp_measured is None else micro * tp_measured[0],
         "ep": 0.0 if ep_measured is None else micro * ep_measured[0],
-        "dp": busy + max(hideable - machine.overlap * backward, hideable * last_bucket) if ddp_bytes else 0.0,
+        "dp": exposed(candidate.bits if measured_exchange is None else None),
         "after": comm["sharded"],
         "quantize": 0.0,
         "chain": 0.0,
@@ -308,7 +327,10 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
                 + all_to_all_seconds(0, candidate.ep, ep_link))
         parts["after"] += all_reduce_seconds(facts.expert_bytes // candidate.ep, world // candidate.ep,
                                              group_link(topology, list(range(0, world, candidate.ep)), links))
-    if candidate.bits is not None and ddp_bytes:
+    if measured_exchange is not None and ddp_bytes:
+        fp32, compressed = measured_exchange  # the same bytes, both exchanges measured on the real group
+        parts["dp"] = max(parts["dp"] + compressed - fp32, parts["dp"] * compressed / max(fp32, 1e-9))
+    elif candidate.bits is not None and ddp_bytes:
         q, dq = machine.quantize_seconds_per_byte[candidate.bits]
         single = world <= machine.single_exchange_max_world  # the hook runs on DDP's group: the world, not dp
         parts["quantize"] = ddp_bytes * (q + (world if single else 2) * dq)
@@ -370,4 +392,4 @@ def decide(options: Iterable[Candidate], facts: ModelFacts, compute: ComputeProf
                             if len(fitting) > 1 else "the only candidate")
     if chosen != simplest.candidate and needed:
         reason = f"{needed}; {reason}"
-    return Decision(chosen, tuple(predictions), reason, compute)
+    return Decision(chosen, tuple(predictions), reason, compute, exchange_seconds=dict(machine.exchange_seconds))
