@@ -43,10 +43,25 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   hides. Without this term the loopback predictions missed the whole all-reduce of an 11 MB MoE model.
 - ``after_backward``: the tensor-parallel shards' all-reduce over ``dp`` and the experts' over ``world/ep`` run
   once per step after backward (the strategy's reduction), not overlapped.
-- ``quantize = replicated bytes * (q + n dq)`` with ``q``/``dq`` the measured seconds per fp32 byte of the
+- compression, **measured** (the default of the ``"auto"`` settings): the fp32 all-reduce DDP runs and the hook's own
+  compressed exchange (quantize with the residual, the collectives, phase 2, the write) of the candidate's
+  replicated gradient bytes, timed at setup on the world's process group, all ranks at once, interleaved
+  (:func:`~lightning_deepseek.autotune.measure.measure_exchange`): ``T32`` and ``Tc``. Then
+  ``exposed_dp = max(E + Tc - T32, E Tc / T32)`` with ``E`` the fp32 candidate's ``exposed_dp`` (the formula
+  below), and no ``quantize`` or ``chain`` part (they are in ``Tc``): where the fp32 exchange is exposed the step
+  moves by the measured difference; where backward hides it, compression saves at most its share of what is
+  exposed, while an exchange that costs more than fp32 adds all of the extra (CPU work on the cores backward
+  needs). Why: the kernels timed alone on one rank predicted compression ~100 ms too fast on the 1 Gbit testbed
+  (4 ranks on 2 cores): for the wide FFN's 19.5 MB the hook spent 50-107 ms of CPU per exchange where the kernels
+  alone took 19-41 ms (the ranks share the cores and gloo's threads run beside them), so tp=1 int4 was predicted
+  176 ms faster than fp32 where training measured 72-91 ms; the measured exchanges (fp32 263 ms, int4 203 ms,
+  slowest rank) give ~55 ms (benchmarks/RESULTS.md, "Compression predicted from the exchange measured at setup").
+  Not captured: what compression costs *inside* backward under tensor or expert parallelism (tp=2 int8 on the
+  testbed: +27 ms backward compute, +24 ms wait, measured; the exchange of the 2.7 MB alone costs the same as fp32).
+- ``quantize = replicated bytes * (q + n dq)`` (the fallback without the measurement) with ``q``/``dq`` the measured seconds per fp32 byte of the
   quantize / dequantize kernels on this machine, ``n`` the payloads dequantized (DDP's ranks, the world, with the
   single all-gather exchange; 2 with the two-phase one); it runs in DDP's hook on backward's thread.
-- ``chain = c (world - 1) a`` (compressed only), ``c`` the exchange's collectives (1: the single all-gather, 2: the
+- ``chain = c (world - 1) a`` (compressed, fallback only), ``c`` the exchange's collectives (1: the single all-gather, 2: the
   two-phase all-to-all then all-gather): the compressed exchange of the last bucket is a chain the fp32 all-reduce
   does not have (quantize, collective, phase 2 on a callback thread, collective, write), each collective waiting
   for the previous step, so it pays its link latencies again after the ring's. Bytes alone predicted tp=2 and ep=2
