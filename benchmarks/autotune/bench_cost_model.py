@@ -114,6 +114,7 @@ def worker(args: argparse.Namespace) -> None:
             row["compute"] = dict(forward=c.forward_seconds, backward=c.backward_seconds,
                                   optimizer=c.optimizer_seconds, routed_bytes=c.routed_bytes,
                                   sharded={f"{k}={n}": v for (k, n), v in c.sharded.items()}, source=c.source)
+            row["exchange"] = {f"{n} {b}": v for (n, b), v in decision.exchange_seconds.items()}
             row["tokens_per_step"] = batch * seq * world
             results.append(row)
     if dist.get_rank() == 0:
@@ -179,6 +180,11 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
             sharded = ", ".join(f"{k} {v[0] * 1e3:+.0f} ms" for k, v in rows[0]["compute"]["sharded"].items())
             lines += [f"Sharded copies timed at setup in {', '.join(m[1] + ' s' for m in setup if m)} (what sharding "
                       f"adds to a micro-batch's forward + backward, first repetition: {sharded})", ""]
+        if rows[0].get("exchange"):
+            named = {k: k.split() for k in rows[0]["exchange"]}
+            exchange = ", ".join(f"{int(n) / 2**20:.1f} MiB {'fp32' if b == 'None' else 'int' + b} "
+                                 f"{rows[0]['exchange'][k] * 1e3:.0f} ms" for k, (n, b) in named.items())
+            lines += [f"Gradient exchange timed at setup (slowest rank, first repetition): {exchange}", ""]
         summary.append(f"{key} {rho:.2f}")
     lines.append(f"Spearman per model: {', '.join(summary)}; pooled over the models (step times relative to each "
                  f"model's fastest): {spearman(pooled_pred, pooled_meas):.2f}")

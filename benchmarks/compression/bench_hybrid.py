@@ -4,7 +4,8 @@ Loopback (2 processes on this machine)::
 
     flock /work/wt/bench.lock .venv/bin/python benchmarks/compression/bench_hybrid.py
 
-Network testbed (root; 2 emulated nodes x 2 ranks, namespaces ``ldsb*``, subnet ``10.213.74.0/24``)::
+Network testbed (root; 2 emulated nodes x 2 ranks, namespaces ``ldsb*``, subnet ``10.213.74.0/24`` unless
+``--prefix``/``--subnet``)::
 
     flock /work/wt/bench.lock .venv/bin/python benchmarks/compression/bench_hybrid.py --testbed --rate 1gbit
 
@@ -117,8 +118,9 @@ def worker(args: argparse.Namespace) -> None:
                 strategy, callbacks = "ddp", []
             else:
                 tp, ep, bits, extra = parsed
+                # the real micro-batch: the placement the cost model assumes (TimedGPT has no example_input_array)
                 strategy = HybridParallelStrategy(tensor_parallel_size=tp, expert_parallel_size=ep,
-                                                  min_shard_params=0)
+                                                  min_shard_params=0, micro_batch_tokens=batch * seq)
                 callbacks = [GradientCompression(bits=bits, warmup_steps=0, **extra)] if bits else []
             trainer = pl.Trainer(accelerator="cpu", devices=world // nodes, num_nodes=nodes, strategy=strategy,
                                  max_steps=args.steps, logger=False, enable_checkpointing=False,
@@ -163,7 +165,7 @@ def main(args: argparse.Namespace) -> None:
         run_ranks(common, 29741, args.timeout, ROOT)
         where = "loopback, 2 processes, 1 thread each"
     else:
-        with Testbed(num_hosts=2, rate=args.rate, prefix="ldsb", subnet="10.213.74") as bed:
+        with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
             run_ranks(common, 29742, args.timeout, ROOT, bed)
         where = f"testbed, 2 emulated nodes x 2 ranks, {args.rate} link"
     results = json.loads(out.read_text())
@@ -175,6 +177,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--testbed", action="store_true")
     parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--prefix", default="ldsb", help="testbed namespace prefix (one per concurrent user)")
+    parser.add_argument("--subnet", default="10.213.74", help="testbed /24 (one per concurrent user)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--model", default="ffn", choices=sorted(MODELS))

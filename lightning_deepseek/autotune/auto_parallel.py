@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -32,6 +33,7 @@ from lightning_deepseek.autotune.cost_model import (
     candidate_grid,
     candidates,
     decide,
+    exchange_bytes,
     memory_bytes,
 )
 from lightning_deepseek.autotune.measure import (
@@ -40,9 +42,11 @@ from lightning_deepseek.autotune.measure import (
     Shard,
     agree,
     agree_compute,
+    agree_exchange,
     agree_quantize,
     device_memory_bytes,
     measure_compute,
+    measure_exchange,
     measure_quantize,
     measure_sharded,
     micro_batch,
@@ -83,7 +87,8 @@ def measure(module: pl.LightningModule, trainer: pl.Trainer | None, topology: To
 def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology: Topology, local_size: int,
                     links: dict[str, LinkCost] | None, plan_for: Callable[[int], Plan], tp_sizes: Iterable[int],
                     ep_sizes: Iterable[int] | None, bits: Iterable[int | None], tokens: int | None,
-                    placement: str, bucket_bytes: int, setting: str, sharded_repeats: int = 3) -> Decision:
+                    placement: str, bucket_bytes: int, setting: str, sharded_repeats: int = 3,
+                    exchange_repeats: int = 3) -> Decision:
     """Choose ``(tp, ep, bits)`` for ``HybridParallelStrategy`` (collective).
 
     Args:
@@ -93,6 +98,8 @@ def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology
         tokens: rows per rank and micro-batch entering a feed-forward layer (None: the measured batch's).
         setting: the user's setting, named in the table and in errors.
         sharded_repeats: timed steps of each sharded copy (0: predict sharding by the formulas alone).
+        exchange_repeats: timed gradient exchanges of each compressed candidate's bytes, fp32 and compressed (0:
+            predict compression from the kernels' speed and the links alone).
     """
     world = topology.world_size
     layers = find_expert_layers(module)
@@ -121,9 +128,10 @@ def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology
     machine = _machine(topology, measured.links, next(module.parameters()).device, local_size, bits,
                        max(v.replicated_grad_bytes for v in volumes.values()), bucket_bytes, placement)
     options = candidates(world, sorted(plans), ep_sizes if layers else [1], bits)
+    machine = _measure_exchange(machine, options, facts, next(module.parameters()).device, exchange_repeats)
     measured = _measure_sharded(module, measured, options, plans, facts, machine, repeats=sharded_repeats)
     decision = dataclasses.replace(decide(options, facts, measured.compute, machine, setting), tokens=tokens)
-    _print(decision, setting, measured, tokens)
+    _print(decision, setting, measured, tokens, machine)
     return decision
 
 
@@ -164,6 +172,21 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
     return dataclasses.replace(measured, compute=dataclasses.replace(compute, source=source))
 
 
+def _measure_exchange(machine: Machine, options: Sequence[Candidate], facts: ModelFacts, device: torch.device,
+                      repeats: int) -> Machine:
+    """``machine`` with the fp32 and compressed exchanges of every compressed candidate's replicated gradient
+    bytes timed on the world's process group (:func:`~lightning_deepseek.autotune.measure.measure_exchange`;
+    collective). Skipped (the kernels' formula then predicts compression) with ``repeats=0``, without a process
+    group or compressed candidates."""
+    compressed = [c for c in options if c.bits is not None]
+    if repeats < 1 or not compressed or not (dist.is_available() and dist.is_initialized()):
+        return machine
+    sizes = sorted({exchange_bytes(c, facts) for c in compressed} - {0})
+    bits = tuple(sorted({c.bits for c in compressed}, reverse=True))
+    seconds = agree_exchange(measure_exchange(sizes, bits, device, repeats)) if sizes else {}
+    return dataclasses.replace(machine, exchange_seconds=seconds)
+
+
 def _shard_tp(styles: dict[str, str], dims: ParallelDims, grid: list[list[int]], device_type: str,
               copy: nn.Module) -> None:
     apply_tensor_parallel(copy, styles, dims.build_mesh(device_type, grid)["tp"])
@@ -183,8 +206,10 @@ def decide_compression(module: pl.LightningModule, trainer: pl.Trainer, topology
     machine = _machine(topology, measured.links, next(module.parameters()).device, dp_size, AUTO_BITS, grad_bytes,
                        bucket_bytes, "tp_intra_node")
     setting = "GradientCompression(bits='auto')"
-    decision = decide(candidates(dp_size, [1], [1], AUTO_BITS), facts, measured.compute, machine, setting)
-    _print(decision, setting, measured, measured.tokens)
+    options = candidates(dp_size, [1], [1], AUTO_BITS)
+    machine = _measure_exchange(machine, options, facts, next(module.parameters()).device, repeats=3)
+    decision = decide(options, facts, measured.compute, machine, setting)
+    _print(decision, setting, measured, measured.tokens, machine)
     return decision
 
 
@@ -201,13 +226,18 @@ def _machine(topology: Topology, links: dict[str, LinkCost], device: torch.devic
                    busy_cores=busy, placement=placement)
 
 
-def _print(decision: Decision, setting: str, measured: Measured, tokens: int) -> None:
+def _print(decision: Decision, setting: str, measured: Measured, tokens: int, machine: Machine) -> None:
     compute = measured.compute
     links = ", ".join(f"{k} {c.bandwidth * 8 / 1e9:.2f} Gbit/s {c.latency * 1e6:.0f} us"
                       for k, c in measured.links.items())
+    sizes = sorted({n for n, _ in machine.exchange_seconds})
+    exchange = "; ".join(f"{n / 2**20:.1f} MiB " + ", ".join(
+        f"{'fp32' if b is None else f'int{b}'} {s * 1e3:.1f} ms" for (m, b), s in machine.exchange_seconds.items()
+        if m == n) for n in sizes)
+    exchange = f"; gradient exchange measured on the world's group: {exchange}" if exchange else ""
     rank_zero_info(f"{setting}: cost model (lightning_deepseek.autotune.cost_model); compute {compute.source}: "
                    f"forward {compute.forward_seconds * 1e3:.1f} ms, backward {compute.backward_seconds * 1e3:.1f} ms, "
-                   f"{tokens} tokens per rank; links {links}\n{decision.table()}")
+                   f"{tokens} tokens per rank; links {links}{exchange}\n{decision.table()}")
 
 
 __all__ = ["decide_compression", "decide_parallel", "divisors", "measure"]

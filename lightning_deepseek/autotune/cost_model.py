@@ -43,28 +43,45 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   hides. Without this term the loopback predictions missed the whole all-reduce of an 11 MB MoE model.
 - ``after_backward``: the tensor-parallel shards' all-reduce over ``dp`` and the experts' over ``world/ep`` run
   once per step after backward (the strategy's reduction), not overlapped.
-- ``quantize = replicated bytes * (q + n dq)`` with ``q``/``dq`` the measured seconds per fp32 byte of the
-  quantize / dequantize kernels on this machine, ``n`` the payloads dequantized (DDP's ranks, the world, with the
-  single all-gather exchange; 2 with the two-phase one); it runs in DDP's hook on backward's thread.
-- ``chain = c (world - 1) a`` (compressed only), ``c`` the exchange's collectives (1: the single all-gather, 2: the
-  two-phase all-to-all then all-gather): the compressed exchange of the last bucket is a chain the fp32 all-reduce
-  does not have (quantize, collective, phase 2 on a callback thread, collective, write), each collective waiting
-  for the previous step, so it pays its link latencies again after the ring's. Bytes alone predicted tp=2 and ep=2
-  with compression 15-20 ms faster than fp32 on the 1 Gbit testbed, where the replicated gradients are 1.4-2.6 MB;
-  measured there, the time from the last gradient to the end of backward grew by 19-24 ms with int8 instead
-  (``benchmarks/compression/bench_hybrid.py``; RESULTS.md, "Decisions by a cost model", 06:00-06:12 UTC). On
-  loopback (``a`` ~30 us) the term is negligible.
+- compression, **measured** (the default of the ``"auto"`` settings): the fp32 all-reduce DDP runs and the hook's own
+  compressed exchange (quantize with the residual, the collectives, phase 2, the write) of the candidate's
+  replicated gradient bytes, timed at setup on the world's process group, all ranks at once, interleaved
+  (:func:`~lightning_deepseek.autotune.measure.measure_exchange`): ``T32`` and ``Tc``. Then
+  ``exposed_dp = max(E + Tc - T32, E Tc / T32)`` with ``E`` the fp32 candidate's ``exposed_dp`` (the formula
+  below), and no ``quantize`` or ``chain`` part (they are in ``Tc``): where the fp32 exchange is exposed the step
+  moves by the measured difference; where backward hides it, compression saves at most its share of what is
+  exposed, while an exchange that costs more than fp32 adds all of the extra (CPU work on the cores backward
+  needs). Why: the kernels timed alone on one rank predicted compression ~100 ms too fast on the 1 Gbit testbed
+  (4 ranks on 2 cores): for the wide FFN's 19.5 MB the hook spent 50-107 ms of CPU per exchange where the kernels
+  alone took 19-41 ms (the ranks share the cores and gloo's threads run beside them), so tp=1 int4 was predicted
+  176 ms faster than fp32 where training measured 72-91 ms; the measured exchanges (fp32 263 ms, int4 203 ms,
+  slowest rank) give ~55 ms (benchmarks/RESULTS.md, "Compression predicted from the exchange measured at setup").
+  Not captured: what compression costs *inside* backward under tensor or expert parallelism (tp=2 int8 on the
+  testbed: +27 ms backward compute, +24 ms wait, measured; the exchange of the 2.7 MB alone costs the same as fp32).
+- ``quantize = replicated bytes * (q + n dq)`` (the fallback without the measurement) with ``q``/``dq`` the measured
+  seconds per fp32 byte of the quantize / dequantize kernels on this machine, ``n`` the payloads dequantized (DDP's
+  ranks, the world, with the single all-gather exchange; 2 with the two-phase one); it runs in DDP's hook on
+  backward's thread.
+- ``chain = c (world - 1) a`` (compressed, fallback only), ``c`` the exchange's collectives (1: the single
+  all-gather, 2: the two-phase all-to-all then all-gather): the compressed exchange of the last bucket is a chain
+  the fp32 all-reduce does not have (quantize, collective, phase 2 on a callback thread, collective, write), each
+  collective waiting for the previous step, so it pays its link latencies again after the ring's. Bytes alone
+  predicted tp=2 and ep=2 with compression 15-20 ms faster than fp32 on the 1 Gbit testbed, where the replicated
+  gradients are 1.4-2.6 MB; measured there, the time from the last gradient to the end of backward grew by 19-24 ms
+  with int8 instead (``benchmarks/compression/bench_hybrid.py``; RESULTS.md, "Decisions by a cost model",
+  06:00-06:12 UTC). On loopback (``a`` ~30 us) the term is negligible.
 
 Memory per rank: ``params + grads + state_factor * params`` (optimizer states; Adam: 2) ``+ residual`` (fp32 error
 feedback of the replicated gradients when compressed) ``+ activations`` (the bytes autograd saves for backward,
 measured) must stay under ``headroom * device memory``; a candidate that does not fit is not allowed, and when none
 fits :class:`NoCandidateFitsError` names the setting and the fixes.
 
-Choice: the fitting candidate with the lowest prediction, unless it beats the simplest fitting candidate (smallest
-``tp``, ``ep``, no compression) by less than ``margin``: sharding and compressing change numerics and add code paths,
-so they must pay clearly. The model is deliberately simple (contention between ranks is measured, not modelled,
-except for ``busy``; no kernel efficiency change with width); ``benchmarks/autotune/bench_cost_model.py``
-checks its ranking against measurements.
+Choice: the simplest fitting candidate (smallest ``tp``, ``ep``, no compression, in that order) that the fastest
+prediction does not beat by ``margin`` or more: plain DDP's layout unless something is predicted clearly faster, and
+then no compression on top of a sharding (or less sharding) unless that pays clearly too. Sharding and compressing
+change numerics and add code paths, so they must pay clearly. The model is deliberately simple (contention between
+ranks is measured, not modelled, except for ``busy``; no kernel efficiency change with width);
+``benchmarks/autotune/bench_cost_model.py`` checks its ranking against measurements.
 """
 
 from __future__ import annotations
@@ -173,6 +190,10 @@ class Machine:
         headroom: fraction of ``device_memory_bytes`` a candidate may plan for.
         single_exchange_max_world: compression's one-all-gather exchange up to this many data-parallel ranks.
         placement: placement policy for the rank grid of each ``tp``.
+        exchange_seconds: ``{(fp32 bytes, bits or None): seconds}`` of one gradient exchange of that many bytes over
+            the world, measured on all ranks at once (:func:`~lightning_deepseek.autotune.measure.measure_exchange`):
+            where a candidate's replicated bytes are here with its ``bits`` and with ``None``, its compression is
+            predicted from them instead of from ``quantize_seconds_per_byte`` and the latencies.
     """
 
     topology: Topology
@@ -185,6 +206,7 @@ class Machine:
     headroom: float = 0.9
     single_exchange_max_world: int = 2
     placement: str = "auto"
+    exchange_seconds: Mapping[tuple[int, int | None], float] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -219,6 +241,7 @@ class Decision:
     reason: str
     compute: ComputeProfile | None = None
     tokens: int | None = None  # rows per rank and micro-batch the volumes were computed for (placement reuses it)
+    exchange_seconds: Mapping[tuple[int, int | None], float] = field(default_factory=dict)  # Machine's, if measured
 
     def prediction(self, candidate: Candidate) -> Prediction:
         return next(p for p in self.predictions if p.candidate == candidate)
@@ -262,6 +285,12 @@ def _ddp_volume(candidate: Candidate, facts: ModelFacts) -> CommVolume:
                       volume.replicated_grad_bytes - facts.expert_bytes + expert_in_ddp, volume.micro_batches)
 
 
+def exchange_bytes(candidate: Candidate, facts: ModelFacts) -> int:
+    """The fp32 bytes of the gradients DDP exchanges under ``candidate`` (what tensor and expert parallelism leave
+    replicated): the sizes :attr:`Machine.exchange_seconds` is measured at."""
+    return _ddp_volume(candidate, facts).replicated_grad_bytes
+
+
 def candidate_grid(candidate: Candidate, facts: ModelFacts, machine: Machine) -> list[list[int]]:
     """The ``dp x tp`` rank grid the strategy would build for ``candidate`` (its placement policy, or the
     cheaper one by placement's estimate under ``"auto"``)."""
@@ -284,18 +313,25 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
     backward = micro * compute.backward_seconds
     world_link = group_link(topology, list(range(world)), links)
     num_buckets = -(-ddp_bytes // machine.bucket_bytes)
-    wire_bytes = int(ddp_bytes * compression_ratio(candidate.bits))
-    wire = (all_reduce_seconds(wire_bytes, world, world_link)
-            + max(0, num_buckets - 1) * all_reduce_seconds(0, world, world_link))
-    busy = min(wire, all_reduce_seconds(wire_bytes, world, links["intra"])) if machine.busy_cores else 0.0
-    hideable = wire - busy
     last_bucket = min(1.0, machine.bucket_bytes / max(ddp_bytes, 1))
+
+    def exposed(bits: int | None) -> float:
+        """The formula's exposed seconds of DDP's exchange of the replicated gradients compressed to ``bits``."""
+        wire_bytes = int(ddp_bytes * compression_ratio(bits))
+        wire = (all_reduce_seconds(wire_bytes, world, world_link)
+                + max(0, num_buckets - 1) * all_reduce_seconds(0, world, world_link))
+        busy = min(wire, all_reduce_seconds(wire_bytes, world, links["intra"])) if machine.busy_cores else 0.0
+        hideable = wire - busy
+        return busy + max(hideable - machine.overlap * backward, hideable * last_bucket) if ddp_bytes else 0.0
+
+    measured_exchange = [machine.exchange_seconds.get((ddp_bytes, b)) for b in (None, candidate.bits)]
+    measured_exchange = None if candidate.bits is None or None in measured_exchange else measured_exchange
     parts = {
         "compute": micro * (compute.forward_seconds + compute.backward_seconds),
         "optimizer": compute.optimizer_seconds + sum(m[1] for m in (tp_measured, ep_measured) if m is not None),
         "tp": comm["tp"] if tp_measured is None else micro * tp_measured[0],
         "ep": 0.0 if ep_measured is None else micro * ep_measured[0],
-        "dp": busy + max(hideable - machine.overlap * backward, hideable * last_bucket) if ddp_bytes else 0.0,
+        "dp": exposed(candidate.bits if measured_exchange is None else None),
         "after": comm["sharded"],
         "quantize": 0.0,
         "chain": 0.0,
@@ -308,7 +344,10 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
                 + all_to_all_seconds(0, candidate.ep, ep_link))
         parts["after"] += all_reduce_seconds(facts.expert_bytes // candidate.ep, world // candidate.ep,
                                              group_link(topology, list(range(0, world, candidate.ep)), links))
-    if candidate.bits is not None and ddp_bytes:
+    if measured_exchange is not None and ddp_bytes:
+        fp32, compressed = measured_exchange  # the same bytes, both exchanges measured on the real group
+        parts["dp"] = max(parts["dp"] + compressed - fp32, parts["dp"] * compressed / max(fp32, 1e-9))
+    elif candidate.bits is not None and ddp_bytes:
         q, dq = machine.quantize_seconds_per_byte[candidate.bits]
         single = world <= machine.single_exchange_max_world  # the hook runs on DDP's group: the world, not dp
         parts["quantize"] = ddp_bytes * (q + (world if single else 2) * dq)
@@ -361,13 +400,18 @@ def decide(options: Iterable[Candidate], facts: ModelFacts, compute: ComputeProf
     needed = "" if simplest.candidate == min(predictions, key=lambda p: p.candidate.simplicity).candidate else (
         f"memory requires it ({min(predictions, key=lambda p: p.candidate.simplicity).candidate.label} does not fit)")
     if best.candidate != simplest.candidate and best.seconds < (1 - margin) * simplest.seconds:
-        gain = simplest.seconds / best.seconds
-        reason = f"predicted {gain:.2f}x faster than {simplest.candidate.label}"
-        chosen = best.candidate
+        # the simplest of those the fastest does not beat by the margin either: sharding and compression each
+        # must pay on their own (tp=2 + int8 predicted 1% faster than tp=2 fp32 measured 15-25% slower)
+        near = min((p for p in fitting if (1 - margin) * p.seconds <= best.seconds),
+                   key=lambda p: p.candidate.simplicity)
+        reason = f"predicted {simplest.seconds / near.seconds:.2f}x faster than {simplest.candidate.label}"
+        if near.candidate != best.candidate:
+            reason += f" (and within {margin:.0%} of the fastest, {best.candidate.label})"
+        chosen = near.candidate
     else:
         chosen = simplest.candidate
         reason = needed or (f"nothing is predicted to beat it by {margin:.0%} or more"
                             if len(fitting) > 1 else "the only candidate")
     if chosen != simplest.candidate and needed:
         reason = f"{needed}; {reason}"
-    return Decision(chosen, tuple(predictions), reason, compute)
+    return Decision(chosen, tuple(predictions), reason, compute, exchange_seconds=dict(machine.exchange_seconds))

@@ -12,7 +12,10 @@
   ``(1 + repeats) (1 + sizes)`` training steps of one micro-batch plus the copies' memory (skipped where it does
   not fit), e.g. ~1-2 s for the demo model with ``tp`` in {1, 2}.
 - compression kernels: quantize (with the error-feedback residual) and dequantize of a gradient-sized buffer, the
-  kernels the hook runs (:mod:`lightning_deepseek.compression.quantize`), seconds per fp32 byte.
+  kernels the hook runs (:mod:`lightning_deepseek.compression.quantize`), seconds per fp32 byte (the fallback).
+- the gradient exchange: the fp32 all-reduce and the compression hook's own exchange of each candidate's replicated
+  gradient bytes, on the world's process group, all ranks at once, interleaved (:func:`measure_exchange`): what
+  the compressed exchange costs against the fp32 one where the ranks share the cores and gloo's threads.
 - links: :func:`lightning_deepseek.parallel.placement.probe_links` (reused, not duplicated).
 - device memory: the GPU's total memory, or the host's physical memory shared by its processes.
 Ranks measure different figures; :func:`agree` takes the slowest of every figure so that every rank decides the
@@ -36,7 +39,10 @@ from lightning.fabric.utilities import move_data_to_device
 from torch import nn
 
 from lightning_deepseek.autotune.cost_model import DEFAULT_BLOCK_SIZE, ComputeProfile
+from lightning_deepseek.compression.config import CompressionConfig
+from lightning_deepseek.compression.hook import compressed_average
 from lightning_deepseek.compression.quantize import dequantize, quantize
+from lightning_deepseek.compression.state import CompressionState
 from lightning_deepseek.parallel.placement import probe_device
 
 
@@ -305,6 +311,51 @@ def measure_quantize(num_bytes: int, bits_options: tuple[int, ...] = (8, 4), dev
     return result
 
 
+EXCHANGE_MAX_BYTES = 32 * 2**20  # above DDP's default bucket (25 MiB): one exchange is one real bucket's
+
+
+def measure_exchange(sizes: list[int], bits_options: tuple[int, ...], device: torch.device, repeats: int = 3,
+                     max_bytes: int = EXCHANGE_MAX_BYTES) -> dict[tuple[int, int | None], float]:
+    """``{(fp32 bytes, bits or None): seconds}`` of one exchange of that many gradient bytes over the world, on
+    every rank at once (collective): ``None`` the fp32 all-reduce DDP runs, ``bits`` the compression hook's own
+    exchange (:func:`~lightning_deepseek.compression.hook.compressed_average`: quantize with the residual, the
+    collectives, phase 2, the write), each timed from a barrier until its future completes, interleaved, the median
+    of ``repeats`` (after one warm-up). So what the ranks' competition for the cores and gloo's threads cost the
+    exchange is in the figure, as it is in training; the quantize kernels timed alone on one rank miss it
+    (:mod:`.cost_model`). A size above ``max_bytes`` is timed at ``max_bytes`` and scaled by the bytes (setup cost:
+    ``(1 + repeats)`` rounds of every size and compression; the payloads are random, the global random state is
+    not touched). The world's process group gets one more communicator for the two-phase exchange's phase 2."""
+    world = dist.group.WORLD
+    ranks = dist.get_process_group_ranks(world)
+    configs = {bits: CompressionConfig(bits=bits, block_size=DEFAULT_BLOCK_SIZE[bits], warmup_steps=0)
+               for bits in bits_options}
+    single = all(len(ranks) <= c.single_exchange_max_world for c in configs.values())
+    second = world if single else dist.new_group(ranks, backend=dist.get_backend(world))  # phase 2's communicator
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    timed = {n: min(n, max_bytes) // 4 * 4 for n in sizes if n > 0}
+    buffers = {n: torch.randn(m // 4, generator=generator).to(device) for n, m in timed.items()}
+    states = {(n, bits): CompressionState(config, world, second) for n in timed for bits, config in configs.items()}
+    times: dict[tuple[int, int | None], list[float]] = {(n, b): [] for n in timed for b in (None, *bits_options)}
+    for i in range(repeats + 1):
+        for n in timed:
+            for bits in (None, *bits_options):
+                flat = buffers[n].clone()
+                dist.barrier()
+                _synchronize(device)
+                start = time.perf_counter()
+                if bits is None:
+                    flat.div_(len(ranks))
+                    dist.all_reduce(flat, group=world, async_op=True).get_future().wait()
+                else:
+                    state = states[(n, bits)]
+                    state.begin_step()
+                    compressed_average(state, [flat], ["exchange"], flat).wait()
+                _synchronize(device)
+                if i:  # the first round makes the plans and warms the communicators
+                    times[(n, bits)].append(time.perf_counter() - start)
+    return {(n, b): statistics.median(v) * n / timed[n] for (n, b), v in times.items()}
+
+
 def device_memory_bytes(device: torch.device, processes_per_node: int) -> int:
     """Memory one rank may plan for: the GPU's, or the host's physical memory over its processes."""
     if device.type == "cuda":
@@ -330,6 +381,12 @@ def agree_compute(profile: ComputeProfile) -> ComputeProfile:
                                      profile.optimizer_seconds, *(v for k in keys for v in profile.sharded[k])])
     return ComputeProfile(f, b, int(a), int(r), profile.source, o,
                           {k: (sharded[2 * i], sharded[2 * i + 1]) for i, k in enumerate(keys)})
+
+
+def agree_exchange(seconds: dict[tuple[int, int | None], float]) -> dict[tuple[int, int | None], float]:
+    """``seconds`` with the slowest rank's figures (collective; every rank measured the same keys)."""
+    keys = sorted(seconds, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+    return dict(zip(keys, agree([seconds[k] for k in keys])))
 
 
 def agree_quantize(costs: dict[int, tuple[float, float]]) -> dict[int, tuple[float, float]]:

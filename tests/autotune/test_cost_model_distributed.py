@@ -6,7 +6,8 @@
 - ``GradientCompression(bits="auto")`` under Lightning's ``"ddp"`` on a transformers Llama from a tiny config (a
   model we did not write, measured through its own ``training_step``);
 - ``expert_parallel_size="auto"`` on a tiny MoE GPT: ep 1 or 2 by the cost model (routed bytes measured by hooks on
-  the experts), and the experts sharded accordingly (ep=2 timed on an expert-parallel copy).
+  the experts), and the experts sharded accordingly (ep=2 timed on an expert-parallel copy);
+- the gradient exchange timed at setup (fp32 and the hook's compressed exchange on the world's group).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_deepseek.autotune.cost_model import Candidate
+from lightning_deepseek.autotune.measure import measure_exchange
 from lightning_deepseek.compression import GradientCompression
 from lightning_deepseek.parallel import HybridParallelStrategy
 from tests.helpers import run_distributed
@@ -66,6 +68,9 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
     hook_bits = compression.hook_state.config.bits if compression.hook_state is not None else None
     ddp_compression = GradientCompression(bits="auto", min_bucket_numel=256)
     llama = _fit(world_size, "ddp", TinyLlama(), [ddp_compression])
+    rng = torch.get_rng_state()
+    exchange = measure_exchange([1 << 16, 3 << 20], (8, 4), torch.device("cpu"), repeats=1, max_bytes=1 << 20)
+    exchange_kept_rng = torch.equal(rng, torch.get_rng_state())
     moe = HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size="auto", min_shard_params=0)
     moe_run = _fit(world_size, moe, TinyLM(**MOE), [])
     return {
@@ -82,6 +87,9 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "sharded": sorted(decision.compute.sharded), "optimizer_seconds": decision.compute.optimizer_seconds,
         "moe_sharded": sorted(moe.autotune_decision.compute.sharded),
         "tp2_parts": dict(decision.prediction(Candidate(2)).parts),
+        "exchange": exchange, "exchange_kept_rng": exchange_kept_rng, "decided_exchange": decision.exchange_seconds,
+        "int8_parts": dict(decision.prediction(Candidate(1, 1, 8)).parts),
+        "llama_exchange": ddp_compression.decision.exchange_seconds,
     }
 
 
@@ -131,3 +139,18 @@ def test_expert_parallel_size_auto_decides_and_shards_accordingly(ranks) -> None
     ep = rank0["moe_ep"]
     assert rank0["moe_chosen"] == f"tp=1 ep={ep} fp32"
     assert ("expert_parallel" in rank0["moe_summary"]) == (ep == 2)
+
+
+def test_the_gradient_exchange_is_timed_on_the_world_group_and_decides_compression(ranks) -> None:
+    rank0, rank1 = ranks
+    # measure_exchange itself: every size, fp32 and each compression, positive; the random state untouched
+    assert set(rank0["exchange"]) == {(n, b) for n in (1 << 16, 3 << 20) for b in (None, 8, 4)}
+    assert all(v > 0 for v in rank0["exchange"].values()) and rank0["exchange_kept_rng"]
+    # the auto settings timed the tp=1 candidates' replicated bytes, agreed over ranks, and predicted from them
+    decided = rank0["decided_exchange"]
+    assert decided == rank1["decided_exchange"] and all(v > 0 for v in decided.values())
+    (size,) = {n for n, _ in decided}
+    assert set(decided) == {(size, b) for b in (None, 8, 4)}
+    assert rank0["int8_parts"]["quantize"] == rank0["int8_parts"]["chain"] == 0.0
+    assert "gradient exchange measured on the world's group" in rank0["hybrid_tables"][0]
+    assert rank0["llama_exchange"] == rank1["llama_exchange"] and len(rank0["llama_exchange"]) == 3
