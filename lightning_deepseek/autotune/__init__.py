@@ -3,7 +3,7 @@
 - Decisions by a cost model (``cost_model``, ``measure``, ``auto_parallel``): ``HybridParallelStrategy(
   tensor_parallel_size="auto")``, ``expert_parallel_size="auto"`` and ``GradientCompression(bits="auto")`` predict
   each candidate's step time from measured compute and links, at setup.
-- Calibration (``candidates``, ``checks``, ``calibrate``, ``table``): ``lds-train tune=auto|quick|grid`` measures
+- Calibration (``candidates``, ``checks``, ``calibrate``, ``choice``, ``table``): ``lds-train tune=auto|quick|grid`` measures
   candidate configurations in the training processes and trains with the fastest.
 
 The candidates and the checks import neither torch nor Optuna (``lds-train`` checks ``tune`` before loading them);
@@ -18,7 +18,8 @@ from lightning_deepseek.autotune.candidates import PLAIN_DDP, Candidate, candida
 from lightning_deepseek.autotune.checks import check_tune, check_tune_option
 
 _LAZY = {
-    **dict.fromkeys(("calibrate", "calibrated_config", "choose"), "calibrate"),
+    **dict.fromkeys(("calibrate", "calibrated_config"), "calibrate"),
+    **dict.fromkeys(("Choice", "choose"), "choice"),
     **dict.fromkeys(("Calibration", "Row", "TuneReport"), "table"),
     **dict.fromkeys(("ComputeProfile", "Decision", "Machine", "ModelFacts", "NoCandidateFitsError", "Prediction",
                      "decide", "predict"), "cost_model"),
