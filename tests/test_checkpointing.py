@@ -23,7 +23,7 @@ from lightning_deepseek.checkpointing import RunCheckpoint, checkpoints_in
 from lightning_deepseek.data import TextDataModule
 from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
 from lightning_deepseek.run import RunFolder, resolve_resume
-from tests.helpers import context
+from tests.helpers import Background, context
 
 BIN = Path(sys.executable).parent
 QUICK = ["model=tiny", "strategy=ddp", "compression=none", "trainer.devices=1", "data.batch_size=2",
@@ -52,18 +52,15 @@ def _train_and_die_while_saving(folder: str) -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def together(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[subprocess.Popen]]]:
+def together(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[Background]]]:
     """Two ``lds-train`` runs started at the same moment in one folder, for
     ``test_two_runs_started_together_get_their_own_folders``."""
-    cwd = tmp_path_factory.mktemp("together")
-    procs = [subprocess.Popen([str(BIN / "lds-train"), *QUICK, "trainer.max_steps=2", "trainer.val_check_interval=2"],
-                              cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    yield cwd, procs
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    cwd, logs = tmp_path_factory.mktemp("together"), tmp_path_factory.mktemp("together-logs")
+    runs = [Background([str(BIN / "lds-train"), *QUICK, "trainer.max_steps=2", "trainer.val_check_interval=2"],
+                       logs / str(i), cwd=cwd) for i in range(2)]
+    yield cwd, runs
+    for run in runs:
+        run.kill()
 
 
 def test_a_kill_while_saving_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> None:
@@ -117,10 +114,10 @@ def _wait(condition: object, proc: subprocess.Popen, timeout: float = 240) -> No
         time.sleep(0.1)
 
 
-def test_two_runs_started_together_get_their_own_folders(together: tuple[Path, list[subprocess.Popen]]) -> None:
-    cwd, procs = together
-    results = [proc.communicate(timeout=240) for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in results]
+def test_two_runs_started_together_get_their_own_folders(together: tuple[Path, list[Background]]) -> None:
+    cwd, runs = together
+    results = [run.finish() for run in runs]
+    assert [result.returncode for result in results] == [0, 0], [result.stderr[-2000:] for result in results]
     folders = sorted(cwd.glob("outputs/*/*"))
     assert len(folders) == 2
     assert all((folder / "summary.json").exists() and (folder / "checkpoints" / "last.ckpt").exists()
