@@ -20,11 +20,13 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import traceback
 from collections.abc import Callable
 from multiprocessing import forkserver
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -154,3 +156,31 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if errors:
         raise AssertionError("\n".join(errors + ([tails] if tails else [])))
     return [results[r] for r in range(world_size)]
+
+
+class Background:
+    """A command started now and finished later: a test module starts its independent real processes together, so
+    that one's imports (~10 s on one core) run while another test uses the other core.
+
+    Its stdout and stderr go to files in ``folder`` (a pipe nobody reads while it runs would fill and block it).
+    """
+
+    def __init__(self, args: list[str], folder: Path, **popen_kwargs: Any) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.args, self.out, self.err = args, folder / "stdout.txt", folder / "stderr.txt"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=err, text=True, **popen_kwargs)
+
+    def finish(self, timeout: float = 240) -> subprocess.CompletedProcess:
+        """Wait for the exit (killing the command after ``timeout`` seconds); its exit code and output."""
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+        return subprocess.CompletedProcess(self.args, self.proc.returncode, self.out.read_text(errors="replace"),
+                                           self.err.read_text(errors="replace"))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

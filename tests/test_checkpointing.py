@@ -1,16 +1,21 @@
-"""``RunCheckpoint`` and the run folder on real processes: a kill during a save, SLURM's requeue, concurrent runs."""
+"""``RunCheckpoint`` and the run folder on real processes: a kill during a save, SLURM's requeue, concurrent runs.
+
+The two runs started together begin with the module (``together``) and finish while the other tests run: each
+``lds-train`` spends ~10 s importing on one core, and the tests in between leave the other core idle.
+"""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from lightning_deepseek.checkpoint_files import not_a_checkpoint
@@ -18,6 +23,7 @@ from lightning_deepseek.checkpointing import RunCheckpoint, checkpoints_in
 from lightning_deepseek.data import TextDataModule
 from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
 from lightning_deepseek.run import RunFolder, resolve_resume
+from tests.helpers import Background, context
 
 BIN = Path(sys.executable).parent
 QUICK = ["model=tiny", "strategy=ddp", "compression=none", "trainer.devices=1", "data.batch_size=2",
@@ -45,8 +51,21 @@ def _train_and_die_while_saving(folder: str) -> None:
     trainer.fit(model, datamodule=data)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def together(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[Background]]]:
+    """Two ``lds-train`` runs started at the same moment in one folder, for
+    ``test_two_runs_started_together_get_their_own_folders``."""
+    cwd, logs = tmp_path_factory.mktemp("together"), tmp_path_factory.mktemp("together-logs")
+    runs = [Background([str(BIN / "lds-train"), *QUICK, "trainer.max_steps=2", "trainer.val_check_interval=2"],
+                       logs / str(i), cwd=cwd) for i in range(2)]
+    yield cwd, runs
+    for run in runs:
+        run.kill()
+
+
 def test_a_kill_while_saving_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> None:
-    proc = mp.get_context("spawn").Process(target=_train_and_die_while_saving, args=(str(tmp_path),))
+    # Forked from run_distributed's preloaded server: a fresh process (its own SIGKILL), without ~10 s of imports.
+    proc = context().Process(target=_train_and_die_while_saving, args=(str(tmp_path),))
     proc.start()
     proc.join(timeout=240)
     assert proc.exitcode == -signal.SIGKILL
@@ -95,13 +114,11 @@ def _wait(condition: object, proc: subprocess.Popen, timeout: float = 240) -> No
         time.sleep(0.1)
 
 
-def test_two_runs_started_together_get_their_own_folders(tmp_path: Path) -> None:
-    procs = [subprocess.Popen([str(BIN / "lds-train"), *QUICK, "trainer.max_steps=2", "trainer.val_check_interval=2"],
-                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    results = [proc.communicate(timeout=240) for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in results]
-    folders = sorted(tmp_path.glob("outputs/*/*"))
+def test_two_runs_started_together_get_their_own_folders(together: tuple[Path, list[Background]]) -> None:
+    cwd, runs = together
+    results = [run.finish() for run in runs]
+    assert [result.returncode for result in results] == [0, 0], [result.stderr[-2000:] for result in results]
+    folders = sorted(cwd.glob("outputs/*/*"))
     assert len(folders) == 2
     assert all((folder / "summary.json").exists() and (folder / "checkpoints" / "last.ckpt").exists()
                for folder in folders)

@@ -1,4 +1,4 @@
-"""End-to-end tests of the ``lds-train`` and ``lds-sample`` console scripts, run as real processes."""
+"""End-to-end tests of the ``lds-train`` console script, run as real processes, and of ``lds-sample``'s code."""
 
 import csv
 import json
@@ -7,6 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+
+from lightning_deepseek.cli import run_sampling
+from lightning_deepseek.run import CONFIG_DIR
 
 BIN = Path(sys.executable).parent
 TINY = ["model=tiny", "data.batch_size=8", "trainer.val_check_interval=20", "trainer.limit_val_batches=5",
@@ -56,11 +60,16 @@ def test_run_folder_has_plot_logs_and_checkpoint(trained_run) -> None:
     assert summary["checkpoint_saves"] >= 3 and summary["checkpoint_s_per_save"] > 0
 
 
-def test_sample_prints_text_from_checkpoint(trained_run) -> None:
+def test_sample_prints_text_from_checkpoint(trained_run, capsys: pytest.CaptureFixture[str]) -> None:
+    # lds-sample's own code on Hydra's compose, in this process (a fresh one would spend ~10 s importing torch):
+    # tests/test_config_errors.py runs the console script itself.
     run_dir, _ = trained_run
-    result = run("lds-sample", f"ckpt={run_dir / 'checkpoints' / 'last.ckpt'}", "prompt=Python", "max_new_tokens=40")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith("Python") and len(result.stdout) >= 40
+    overrides = [f"ckpt={run_dir / 'checkpoints' / 'last.ckpt'}", "prompt=Python", "max_new_tokens=40"]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("sample", overrides=overrides)
+    run_sampling(cfg)  # a user error would exit 2
+    stdout = capsys.readouterr().out
+    assert stdout.startswith("Python") and len(stdout) >= 40
 
 
 # Two cases as real processes, for the run folder's log; tests/test_config_errors.py has the whole battery in-process.

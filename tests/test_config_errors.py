@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from lightning_deepseek.errors import user_errors_exit
 from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
 from lightning_deepseek.run import CONFIG_DIR, RunFolder
 from lightning_deepseek.training import prepare_training
+from tests.helpers import Background
 
 BIN = Path(sys.executable).parent
 BASE = ["model=tiny", "trainer.devices=1"]
@@ -276,12 +278,22 @@ def test_sample_prefix(tmp_path: Path) -> None:
     _assert_one_paragraph(result.stderr, "lds-sample: error: ", "is a folder with no complete checkpoint")
 
 
-def test_an_error_found_by_the_running_ranks_is_printed_once(tmp_path: Path) -> None:
+@pytest.fixture(scope="module", autouse=True)
+def running_ranks_error(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Background]:
+    """The run of ``test_an_error_found_by_the_running_ranks_is_printed_once``, started with the module: its two
+    ranks import torch one after the other (~20 s on one core) while the battery and the other tests run."""
+    cwd = tmp_path_factory.mktemp("running-ranks")
+    run = Background([str(BIN / "lds-train"), "model=tiny", "strategy=ddp", "compression=none", "trainer.devices=2",
+                      "trainer.max_steps=4", "precision=staged", "plot=false",
+                      "precision.plugin.schedule=[{precision: 32-true, until: 50}, {precision: bf16-mixed}]",
+                      "hydra.run.dir=run"], cwd / "logs", cwd=cwd)
+    yield run
+    run.kill()
+
+
+def test_an_error_found_by_the_running_ranks_is_printed_once(running_ranks_error: Background) -> None:
     # A precision schedule past the run's end is only known once the plugin sees the trainer (in every rank).
-    result = _run("lds-train", "model=tiny", "strategy=ddp", "compression=none", "trainer.devices=2",
-                  "trainer.max_steps=4", "precision=staged", "plot=false",
-                  "precision.plugin.schedule=[{precision: 32-true, until: 50}, {precision: bf16-mixed}]",
-                  "hydra.run.dir=run", cwd=tmp_path)
+    result = running_ranks_error.finish()
     assert result.returncode == 2, result.stderr[-3000:]
     _assert_one_paragraph(result.stderr, "lds-train: error: ", "until=50 step ends at optimizer step 50")
 

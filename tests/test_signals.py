@@ -6,6 +6,9 @@ process group, as Ctrl-C sends it (exit 130), ``resume=auto`` to the end, with a
 (exit 143, the final checkpoint complete). The losses of every step then equal those of one uninterrupted run
 (which gets a SIGINT after its teardown: exit 130): each resume continued the data order and the optimizer
 exactly. One more launch gets a Ctrl-C while its ranks start (exit 130, nothing left behind).
+
+The uninterrupted reference run starts with the module (``reference``) and trains while the chain runs: a launch
+spends most of its time importing, one rank after the other, on one core of two.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -68,10 +72,11 @@ def send_signal_at(name: str, hook: str) -> list[str]:
             f"+callbacks.late.hook={hook}"]
 
 
-def start(run_dir: Path | None, *extra: str, cwd: Path | None = None) -> subprocess.Popen:
+def start(run_dir: Path | None, *extra: str, cwd: Path | None = None, stdout: Any = subprocess.PIPE,
+          stderr: Any = subprocess.PIPE) -> subprocess.Popen:
     run_dir_arg = [f"hydra.run.dir={run_dir}"] if run_dir else []
     proc = subprocess.Popen([str(BIN / "lds-train"), *ARGS, *run_dir_arg, *extra], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            stdout=stdout, stderr=stderr, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})  # tests.test_signals.SendSignal
     _STARTED.append(proc)
     return proc
@@ -122,6 +127,21 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("signals") / "run"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Callable[[], tuple[int, str, str]]]]:
+    """The uninterrupted run, started before the chain (it gets a SIGINT after the trainer's teardown), and how to
+    wait for its exit code, stdout and stderr. Its output goes to files: nobody reads a pipe while it runs."""
+    folder = tmp_path_factory.mktemp("signals")
+    with open(folder / "out.txt", "w+") as out, open(folder / "err.txt", "w+") as err:
+        proc = start(folder / "reference", *send_signal_at("SIGINT", "on_fit_end"), stdout=out, stderr=err)
+
+        def finished() -> tuple[int, str, str]:
+            proc.wait(timeout=240)
+            return proc.returncode, (folder / "out.txt").read_text(), (folder / "err.txt").read_text()
+
+        yield folder / "reference", finished
+
+
 def test_sigterm_to_rank_0_checkpoints_and_exits_143(run_dir: Path) -> None:
     # A scheduler's stop reaches rank 0 only: both ranks agree at a step boundary, save, exit 143.
     proc = start(run_dir)
@@ -159,7 +179,7 @@ def test_sigint_to_process_group_checkpoints_and_exits_130(run_dir: Path) -> Non
     assert saved_step(run_dir) < MAX_STEPS
 
 
-def test_resumed_run_equals_an_uninterrupted_one(run_dir: Path, tmp_path: Path) -> None:
+def test_resumed_run_equals_an_uninterrupted_one(run_dir: Path, reference: tuple[Path, Callable]) -> None:
     # The last part gets a SIGTERM during its final save: the save completes, then the run exits 143, not 0.
     code, out, err = finish(start(run_dir, "resume=auto", *send_signal_at("SIGTERM", "on_train_end")), timeout=240)
     assert code == 143, err[-3000:]
@@ -169,12 +189,13 @@ def test_resumed_run_equals_an_uninterrupted_one(run_dir: Path, tmp_path: Path) 
     final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert final["global_step"] == MAX_STEPS
     # The reference gets a SIGINT after the trainer's teardown: exit 130 all the same, its summary written.
-    code, out, err = finish(start(tmp_path / "reference", *send_signal_at("SIGINT", "on_fit_end")), timeout=240)
+    reference_dir, reference_finished = reference
+    code, out, err = reference_finished()
     assert code == 130, err[-3000:]
     assert "stopped by SIGINT after the last step" in out and "Traceback" not in err
-    resumed, reference = train_curve(run_dir), train_curve(tmp_path / "reference")
-    assert [s for s, _ in resumed] == [s for s, _ in reference] == list(range(1, MAX_STEPS + 1))
-    assert resumed == reference  # bitwise: same data order, same optimizer and scheduler state
+    resumed, uninterrupted = train_curve(run_dir), train_curve(reference_dir)
+    assert [s for s, _ in resumed] == [s for s, _ in uninterrupted] == list(range(1, MAX_STEPS + 1))
+    assert resumed == uninterrupted  # bitwise: same data order, same optimizer and scheduler state
 
 
 def test_ctrl_c_while_the_ranks_start_exits_130_and_leaves_nothing(tmp_path: Path) -> None:

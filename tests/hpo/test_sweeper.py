@@ -6,6 +6,7 @@ import csv
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
@@ -14,6 +15,7 @@ from optuna.trial import TrialState
 
 from hydra_plugins.lightning_deepseek_sweeper._impl import _exit_error
 from lightning_deepseek.hpo import FatalTrialError, open_storage
+from tests.helpers import Background
 
 BIN = Path(sys.executable).parent
 TRIAL = ["model=tiny", "model.block_size=16", "data.batch_size=4", "trainer.devices=1", "trainer.max_steps=8",
@@ -76,12 +78,33 @@ def test_sweep_prunes_then_resumes_only_the_remaining_trials(tmp_path: Path) -> 
     assert (tmp_path / str(study.best_trial.number) / "summary.json").exists()
 
 
-def test_crashing_job_is_marked_fail_and_the_sweep_goes_on(tmp_path: Path) -> None:
-    # n_head=3 does not divide n_embd=64: lds-train rejects it (exit code 2) inside the job.
-    result = subprocess.run(
-        sweep_cmd(tmp_path, "hydra.sweeper.n_trials=2", "hydra/sweeper/sampler=grid", "hydra/sweeper/pruner=none",
-                  "hydra.sweeper.max_failure_rate=1.0", "model.n_head=choice(3,4)"),
-        capture_output=True, text=True, timeout=240)
+@pytest.fixture(scope="module", autouse=True)
+def early(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, Background]]]:
+    """Three of the sweeps below, started with the module: each spends ~10 s importing on one core, while the first
+    test's sweeps use the other. Name -> (sweep folder, its process)."""
+    sweeps = {
+        # n_head=3 does not divide n_embd=64: lds-train rejects it (exit code 2) inside the job.
+        "crashing": ["hydra.sweeper.n_trials=2", "hydra/sweeper/sampler=grid", "hydra/sweeper/pruner=none",
+                     "hydra.sweeper.max_failure_rate=1.0", "model.n_head=choice(3,4)"],
+        # hpo.monitor (a documented override, once rejected by Hydra as "not in struct") names a metric that is
+        # never logged: lds-train exits 2 whatever the learning rate, so the sweep must not try 4 trials.
+        "repeated_error": ["hydra.sweeper.n_trials=4", "hydra.sweeper.max_failure_rate=1.0", "hpo.monitor=val_los",
+                           "optim.learning_rate=tag(log, interval(1e-4, 1e-2))"],
+        "bad_sampler": ["hydra.sweeper.sampler._target_=optuna.samplers.TPESamplr",
+                        "optim.learning_rate=interval(1e-4, 1e-2)"],
+    }
+    started = {}
+    for name, args in sweeps.items():
+        folder = tmp_path_factory.mktemp(name)
+        started[name] = (folder / "sweep", Background(sweep_cmd(folder / "sweep", *args), folder / "logs"))
+    yield started
+    for _, run in started.values():
+        run.kill()
+
+
+def test_crashing_job_is_marked_fail_and_the_sweep_goes_on(early: dict[str, tuple[Path, Background]]) -> None:
+    tmp_path, run = early["crashing"]
+    result = run.finish(timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     study = load(tmp_path)
     by_head = {t.params["model.n_head"]: t for t in study.trials}
@@ -112,12 +135,10 @@ def test_an_exiting_job_fails_with_its_printed_error(code: int, stderr: str, sea
     assert str(error) == reason and isinstance(error, FatalTrialError) == fatal
 
 
-def test_a_config_error_that_every_trial_would_repeat_stops_the_sweep_at_once(tmp_path: Path) -> None:
-    # hpo.monitor (a documented override, once rejected by Hydra as "not in struct") names a metric that is
-    # never logged: lds-train exits 2 whatever the learning rate, so the sweep must not try 4 trials.
-    result = subprocess.run(
-        sweep_cmd(tmp_path, "hydra.sweeper.n_trials=4", "hydra.sweeper.max_failure_rate=1.0", "hpo.monitor=val_los",
-                  "optim.learning_rate=tag(log, interval(1e-4, 1e-2))"), capture_output=True, text=True, timeout=240)
+def test_a_config_error_that_every_trial_would_repeat_stops_the_sweep_at_once(
+        early: dict[str, tuple[Path, Background]]) -> None:
+    tmp_path, run = early["repeated_error"]  # hpo.monitor=val_los, 4 trials asked for (see ``early``)
+    result = run.finish(timeout=240)
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     study = load(tmp_path)
     assert states(study) == ["FAIL"]
@@ -129,11 +150,10 @@ def test_a_config_error_that_every_trial_would_repeat_stops_the_sweep_at_once(tm
     assert "names none of the searched settings (optim.learning_rate)" in result.stderr
 
 
-def test_bad_sampler_fails_before_any_trial_with_the_field_named(tmp_path: Path) -> None:
+def test_bad_sampler_fails_before_any_trial_with_the_field_named(early: dict[str, tuple[Path, Background]]) -> None:
     # (Every kind of bad search-space string is covered in-process by test_space.py.)
-    result = subprocess.run(
-        sweep_cmd(tmp_path, "hydra.sweeper.sampler._target_=optuna.samplers.TPESamplr",
-                  "optim.learning_rate=interval(1e-4, 1e-2)"), capture_output=True, text=True, timeout=120)
+    tmp_path, run = early["bad_sampler"]  # sampler._target_=optuna.samplers.TPESamplr (see ``early``)
+    result = run.finish(timeout=120)
     assert result.returncode == 2
     assert "hydra.sweeper.sampler._target_='optuna.samplers.TPESamplr' could not be built" in result.stderr
     assert not list(tmp_path.glob("[0-9]*"))  # no trial folder: nothing was launched

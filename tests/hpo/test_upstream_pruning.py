@@ -3,7 +3,10 @@
 From optuna-integration's ``tests/pytorch_lightning/test_pytorch_lightning.py``; each test names its upstream
 test. Changes: the callback's name; Trainers write into ``tmp_path``; where our behaviour deliberately differs
 (docs/hpo.md, "Differences from PyTorchLightningPruningCallback") the test asserts ours and says so. The
-``ddp_spawn`` runs are real: two spawned processes on gloo, each with its own copy of the callback.
+``ddp_spawn`` runs are real: two new processes on gloo, each with its own copy of the callback. They are started
+by ``ddp_spawn``'s own launcher with the ``forkserver`` start method (Lightning's ``start_method`` option), from
+``run_distributed``'s server, which has imported torch and Lightning already: a spawned rank spent ~10 s importing
+them, six times in this module.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import optuna
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
 from optuna.testing.pruners import DeterministicPruner
 from torch import nn
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from lightning_deepseek.hpo import OptunaPruning, PruningConfigError
+from tests.helpers import start_forkserver
 
 
 class Model(pl.LightningModule):
@@ -109,10 +114,16 @@ def test_pytorch_lightning_pruning_callback_monitor_is_invalid(tmp_path: Path) -
         callback.on_validation_end(trainer, Model())
 
 
+def _ddp_spawn() -> DDPStrategy:
+    """``strategy="ddp_spawn"`` (gloo on CPU), its ranks forked from the preloaded forkserver."""
+    start_forkserver()
+    return DDPStrategy(start_method="forkserver", process_group_backend="gloo")
+
+
 def _ddp_objective(root: Path):
     def objective(trial: optuna.trial.Trial) -> float:
         callback = OptunaPruning(trial, monitor="accuracy")
-        _trainer(root, callback, max_epochs=2, devices=2, strategy="ddp_spawn").fit(ModelDDP())
+        _trainer(root, callback, max_epochs=2, devices=2, strategy=_ddp_spawn()).fit(ModelDDP())
         callback.check_pruned()  # as upstream: under ddp_spawn the decision is read back in this process
         return 1.0
     return objective
