@@ -3,8 +3,8 @@
 - Decisions by a cost model (``cost_model``, ``measure``, ``auto_parallel``): ``HybridParallelStrategy(
   tensor_parallel_size="auto")``, ``expert_parallel_size="auto"`` and ``GradientCompression(bits="auto")`` predict
   each candidate's step time from measured compute and links, at setup.
-- Calibration (``candidates``, ``checks``, ``calibrate``, ``choice``, ``table``): ``lds-train tune=auto|quick|grid`` measures
-  candidate configurations in the training processes and trains with the fastest.
+- Calibration (``candidates``, ``checks``, ``calibrate``, ``choice``, ``table``): ``lds-train tune=auto|quick|grid``
+  measures candidate configurations in the training processes and trains with the fastest.
 
 The candidates and the checks import neither torch nor Optuna (``lds-train`` checks ``tune`` before loading them);
 everything else is imported on first use. The cost model's own ``Candidate`` (tp, ep, bits) is

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -86,14 +88,18 @@ def test_measure_sharded_times_copies_and_leaves_the_model_alone() -> None:
     before_rng = torch.get_rng_state()
     batch = MicroBatch(token_data(2)[:2], False, "2 sequences", 32)
 
-    def widen(copy: torch.nn.Module) -> None:  # a "sharding" that makes the copy's step do twice the forward work
+    def widen(copy: torch.nn.Module) -> None:  # a "sharding" whose step waits 0.1 s more (a collective, say)
         forward = copy.training_step
-        copy.training_step = lambda data, i: forward(data, i) + forward(data, i)
+
+        def slower(data, i):
+            time.sleep(0.1)  # a fixed wait, not more arithmetic: other jobs on the cores cannot hide it
+            return forward(data, i)
+        copy.training_step = slower
 
     optimizer, sharded = measure_sharded(module, batch, {("tp", 2): widen}, repeats=3)
     assert optimizer > 0 and set(sharded) == {("tp", 2)}
     extra_pass, extra_optimizer = sharded[("tp", 2)]
-    assert extra_pass > 0  # twice the forward and backward of the replicated copy
+    assert extra_pass > 0.05  # the wait, measured on the copy's pass and not on the replicated one
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # the optimizer stepped copies
     assert all(p.grad is None for p in module.parameters())
     assert torch.equal(torch.get_rng_state(), before_rng)
