@@ -38,6 +38,7 @@ the summary rows come from :class:`~lightning_deepseek.autotune.table.Calibratio
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import logging
@@ -152,6 +153,7 @@ class _Calibrator:
         earlier = self.results.get(candidate.name)
         started = time.perf_counter()
         timer = self._timer(candidate, trial, first=trial.number == 0)
+        gc.collect()  # the earlier fits' trainers and models are cyclic garbage: collect it before, not in, the timing
         try:
             self._measure(candidate, timer)
         except Exception as exc:  # noqa: BLE001 - a configuration that cannot run is a row of the table
