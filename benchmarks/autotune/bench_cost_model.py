@@ -22,6 +22,7 @@ choice against the measured best and plain DDP, and the load average before and 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -72,6 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     nodes = int(os.environ.get("NUM_NODES", "1"))
 
     def fit(config: dict, batch: int, seq: int, strategy, callbacks) -> tuple[float, object]:
+        gc.collect()  # the earlier fits' garbage, outside the timing (lds-train's calibration does the same)
         pl.seed_everything(0, verbose=False)
         preset = PRESETS.get(config.get("preset", ""), {})
         model_config = GPTConfig(**{**preset, **{k: v for k, v in config.items() if k != "preset"}})
