@@ -9,6 +9,7 @@ namespaces this module creates (addresses come from a private /24 that exists on
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -16,6 +17,15 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+
+def add_arguments(parser: argparse.ArgumentParser, prefix: str, subnet: str) -> None:
+    """The testbed's command-line options: ``--testbed``, ``--rate``, and a namespace prefix and a private /24 that
+    each concurrent user of the machine must choose apart (``prefix`` and ``subnet`` are the script's defaults)."""
+    parser.add_argument("--testbed", action="store_true", help="2 emulated nodes x 2 ranks over a throttled link")
+    parser.add_argument("--rate", default="1gbit", help="the link between the emulated nodes (tc's rate)")
+    parser.add_argument("--prefix", default=prefix, help="the testbed's namespace prefix (one per concurrent user)")
+    parser.add_argument("--subnet", default=subnet, help="the testbed's private /24 (one per concurrent user)")
 
 
 def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -221,10 +221,8 @@ def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--testbed", action="store_true")
-    parser.add_argument("--rate", default="1gbit")
-    parser.add_argument("--prefix", default="ldsm", help="testbed namespace prefix (one per concurrent user)")
-    parser.add_argument("--subnet", default="10.213.73", help="testbed /24 (one per concurrent user)")
+    from benchmarks.testbed import add_arguments
+    add_arguments(parser, prefix="ldsm", subnet="10.213.73")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--models", default="demo,ffn,moe", help=f"comma-separated, of {', '.join(MODELS)}")

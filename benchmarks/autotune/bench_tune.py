@@ -107,10 +107,8 @@ def main() -> None:
     parser.add_argument("--model", default="small", help="model preset (model=...)")
     parser.add_argument("--set", action="append", default=[], metavar="OVERRIDE",
                         help="an lds-train override for every run, repeatable (e.g. --set data.batch_size=2)")
-    parser.add_argument("--testbed", action="store_true")
-    parser.add_argument("--rate", default="1gbit")
-    parser.add_argument("--prefix", default="ldsc", help="the testbed's namespace prefix (one per concurrent user)")
-    parser.add_argument("--subnet", default="10.213.72", help="the testbed's private /24 (one per concurrent user)")
+    from benchmarks.testbed import add_arguments
+    add_arguments(parser, prefix="ldsc", subnet="10.213.72")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--skip-ddp-run", action="store_true", help="no separate plain-DDP run (time-limited runs)")
     parser.add_argument("--grid-out", type=Path, default=None)

@@ -175,10 +175,8 @@ def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--testbed", action="store_true")
-    parser.add_argument("--rate", default="1gbit")
-    parser.add_argument("--prefix", default="ldsb", help="testbed namespace prefix (one per concurrent user)")
-    parser.add_argument("--subnet", default="10.213.74", help="testbed /24 (one per concurrent user)")
+    from benchmarks.testbed import add_arguments
+    add_arguments(parser, prefix="ldsb", subnet="10.213.74")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--model", default="ffn", choices=sorted(MODELS))
