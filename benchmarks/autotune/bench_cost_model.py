@@ -62,6 +62,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
+    from benchmarks.steal import cpu_times, stolen_share
     from benchmarks.timed_gpt import TimedGPT
     from lightning_deepseek import HybridParallelStrategy
     from lightning_deepseek.compression import GradientCompression
@@ -72,8 +73,10 @@ def worker(args: argparse.Namespace) -> None:
     world = int(os.environ["WORLD_SIZE"])
     nodes = int(os.environ.get("NUM_NODES", "1"))
 
-    def fit(config: dict, batch: int, seq: int, strategy, callbacks) -> tuple[float, object]:
+    def fit(config: dict, batch: int, seq: int, strategy, callbacks) -> tuple[float, float]:
+        """The median step (slowest rank's) and the share of the machine's CPU the host took meanwhile."""
         gc.collect()  # the earlier fits' garbage, outside the timing (lds-train's calibration does the same)
+        before = cpu_times()
         pl.seed_everything(0, verbose=False)
         preset = PRESETS.get(config.get("preset", ""), {})
         model_config = GPTConfig(**{**preset, **{k: v for k, v in config.items() if k != "preset"}})
@@ -87,27 +90,32 @@ def worker(args: argparse.Namespace) -> None:
         trainer.fit(module, data)
         times = torch.tensor(module.step_times[3:])
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends on its last rank
-        return times.median().item(), strategy
+        return times.median().item(), stolen_share(before, cpu_times())
 
     results = []
     for repeat in range(args.repeats):
         for key in args.models.split(","):
             name, config, batch, seq = MODELS[key]
-            row: dict = {"repeat": repeat, "model": key, "measured": {}}
+            row: dict = {"repeat": repeat, "model": key, "measured": {}, "steal": {}}
             cells = grid(key, world)
-            shift = repeat % len(cells)
-            for tp, ep, bits in cells[shift:] + cells[:shift]:
+            # Counterbalanced: every other repetition in reverse, so that a drift during the run (the host's steal
+            # comes and goes) does not always fall on the same neighbours (a rotation kept tp=2 int8 right after
+            # tp=2 fp32 in every repetition); rotated by one every two repetitions.
+            shift = repeat // 2 % len(cells)
+            order = cells[shift:] + cells[:shift]
+            for tp, ep, bits in (order if repeat % 2 == 0 else order[::-1]):
                 callbacks = [GradientCompression(bits=bits, warmup_steps=0)] if bits else []
                 # The micro-batch's real token count: the placement then assumes the batch the cost model measured
                 # (TimedGPT has no example_input_array, so the default would be 2048).
                 strategy = HybridParallelStrategy(tensor_parallel_size=tp, expert_parallel_size=ep, min_shard_params=0,
                                                   micro_batch_tokens=batch * seq)
-                row["measured"][_label(tp, ep, bits)], _ = fit(config, batch, seq, strategy, callbacks)
-            row["ddp"], _ = fit(config, batch, seq, "ddp", [])
+                label = _label(tp, ep, bits)
+                row["measured"][label], row["steal"][label] = fit(config, batch, seq, strategy, callbacks)
+            row["ddp"], row["steal"]["ddp"] = fit(config, batch, seq, "ddp", [])
             auto = (HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size="auto", min_shard_params=0)
                     if key == "moe" else HybridParallelStrategy(tensor_parallel_size="auto", min_shard_params=0))
             compression = GradientCompression(bits="auto", warmup_steps=0)
-            row["auto"], _ = fit(config, batch, seq, auto, [compression])
+            row["auto"], row["steal"]["auto"] = fit(config, batch, seq, auto, [compression])
             decision = auto.autotune_decision
             row["chosen"] = decision.chosen.label
             row["predicted"] = {p.candidate.label: p.seconds for p in decision.predictions}
@@ -117,10 +125,30 @@ def worker(args: argparse.Namespace) -> None:
                                   optimizer=c.optimizer_seconds, routed_bytes=c.routed_bytes,
                                   sharded={f"{k}={n}": v for (k, n), v in c.sharded.items()}, source=c.source)
             row["exchange"] = {f"{n} {b}": v for (n, b), v in decision.exchange_seconds.items()}
+            row["in_backward"] = {f"tp={tp} int{b}": v for (tp, b), v in c.exchange_in_backward.items()}
+            row["alone"] = alone_predictions(decision)
             row["tokens_per_step"] = batch * seq * world
             results.append(row)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))
+
+
+def alone_predictions(decision) -> dict[str, float]:
+    """The predictions had compression under tensor parallelism come from the exchange timed alone (the cost
+    model's rule before it was timed inside backward): ``dp = max(E + Tc - T32, E Tc / T32)``, ``E`` the fp32
+    candidate's. The grids here have tp 1 and 2 only: tp=2's replicated bytes are the smaller measured size."""
+    out = {p.candidate.label: p.seconds for p in decision.predictions}
+    if not decision.exchange_seconds:
+        return out
+    size = min(n for n, _ in decision.exchange_seconds)
+    for p in decision.predictions:
+        c = p.candidate
+        if (c.tp, c.bits) not in decision.compute.exchange_in_backward:
+            continue
+        fp32 = decision.prediction(type(c)(c.tp, c.ep, None)).parts["dp"]
+        t32, tc = decision.exchange_seconds[(size, None)], decision.exchange_seconds[(size, c.bits)]
+        out[c.label] += max(fp32 + tc - t32, fp32 * tc / t32) - p.parts["dp"]
+    return out
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -136,6 +164,11 @@ def spearman(a: list[float], b: list[float]) -> float:
     cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
     var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
     return cov / var if var else float("nan")
+
+
+def stolen(rows: list[dict], key: str) -> str:
+    shares = [r["steal"][key] for r in rows if key in r.get("steal", {})]
+    return f"{statistics.median(shares):.0%} ({min(shares):.0%}-{max(shares):.0%})" if shares else "-"
 
 
 def report(results: list[dict], argv: list[str], where: str, load: tuple[float, float]) -> str:
@@ -160,16 +193,18 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
         # a choice outside the grid (the MoE grid has no int4) counts by the auto run's own step time
         chosen = statistics.median(measured.get(c, r["auto"]) for c, r in zip(choices, rows))
         lines += [f"**{MODELS[key][0]}**, {rows[0]['tokens_per_step']} tokens per step", "",
-                  "| candidate | predicted step | measured step | tokens/s vs plain DDP | measured rank |",
-                  "|---|---|---|---|---|"]
+                  "| candidate | predicted step | measured step | tokens/s vs plain DDP | measured rank | CPU stolen "
+                  "by the host (median) |",
+                  "|---|---|---|---|---|---|"]
         order = sorted(labels, key=measured.get)
         outside = sorted(set(choices) - set(labels))
         for k in labels:
             mark = f" (auto's choice, {choices.count(k)} of {len(rows)})" if k in choices else ""
             lines.append(f"| {k}{mark} | {predicted[k] * 1e3:.1f} ms | {measured[k] * 1e3:.1f} ms | "
-                         f"{ddp / measured[k]:.2f}x | {order.index(k) + 1} |")
-        lines += [f"| plain DDP (`strategy=\"ddp\"`) | | {ddp * 1e3:.1f} ms | 1.00x | |",
-                  f"| auto run (its own step time, setup excluded) | | {auto * 1e3:.1f} ms | {ddp / auto:.2f}x | |",
+                         f"{ddp / measured[k]:.2f}x | {order.index(k) + 1} | {stolen(rows, k)} |")
+        lines += [f"| plain DDP (`strategy=\"ddp\"`) | | {ddp * 1e3:.1f} ms | 1.00x | | {stolen(rows, 'ddp')} |",
+                  f"| auto run (its own step time, setup excluded) | | {auto * 1e3:.1f} ms | {ddp / auto:.2f}x | | "
+                  f"{stolen(rows, 'auto')} |",
                   "", f"Spearman predicted vs measured ({len(labels)} candidates): **{rho:.2f}**; measured vs "
                   f"measured between repetitions: {', '.join(f'{x:.2f}' for x in stability) or 'n/a'}. Auto chose "
                   f"{', '.join(sorted(set(choices)))}; measured best {best}; the choice's measured step / the best's: "
@@ -187,6 +222,16 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
             exchange = ", ".join(f"{int(n) / 2**20:.1f} MiB {'fp32' if b == 'None' else 'int' + b} "
                                  f"{rows[0]['exchange'][k] * 1e3:.0f} ms" for k, (n, b) in named.items())
             lines += [f"Gradient exchange timed at setup (slowest rank, first repetition): {exchange}", ""]
+        if any(r.get("in_backward") for r in rows):
+            def rho_of(field: str, row: dict, labels: list[str] = labels) -> str:
+                return f"{spearman([row[field][k] for k in labels], [row['measured'][k] for k in labels]):.2f}"
+            alone = {k: statistics.median(r["alone"][k] for r in rows) for k in labels}
+            inside = ", ".join(f"{k} {v * 1e3:+.0f} ms" for k, v in rows[0]["in_backward"].items())
+            lines += [f"Compression under tensor parallelism timed inside backward at setup (over fp32, first "
+                      f"repetition): {inside}. Spearman had it come from the exchange timed alone instead: "
+                      f"{spearman([alone[k] for k in labels], [measured[k] for k in labels]):.2f} (per repetition "
+                      f"{', '.join(rho_of('alone', r) for r in rows)}; with it: "
+                      f"{', '.join(rho_of('predicted', r) for r in rows)})", ""]
         summary.append(f"{key} {rho:.2f}")
     lines.append(f"Spearman per model: {', '.join(summary)}; pooled over the models (step times relative to each "
                  f"model's fastest): {spearman(pooled_pred, pooled_meas):.2f}")

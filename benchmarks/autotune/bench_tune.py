@@ -44,6 +44,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from benchmarks.steal import cpu_times, stolen_share  # noqa: E402
+
 LDS_TRAIN = ROOT / ".venv" / "bin" / "lds-train"
 COMMON = ["plot=false", "trainer.enable_progress_bar=false", "trainer.limit_val_batches=2"]
 
@@ -53,8 +55,16 @@ class Runner:
 
     def __init__(self, bed: object | None, timeout: float) -> None:
         self.bed, self.timeout, self.port = bed, timeout, 29700
+        self.stolen: dict[str, float] = {}  # each run's share of the machine's CPU taken by the host
 
     def __call__(self, run_dir: Path, *overrides: str) -> dict:
+        before = cpu_times()
+        try:
+            return self._run(run_dir, *overrides)
+        finally:
+            self.stolen[run_dir.name] = stolen_share(before, cpu_times())
+
+    def _run(self, run_dir: Path, *overrides: str) -> dict:
         if self.bed is None:
             subprocess.run([str(LDS_TRAIN), *COMMON, f"hydra.run.dir={run_dir}", *overrides], check=True,
                            capture_output=True, text=True, cwd=ROOT, timeout=self.timeout)
@@ -158,6 +168,7 @@ def main() -> None:
                 run.update(ddp_tokens_per_s=plain["tokens_per_s"], ddp_train_wall_s=plain["wall_time_s"])
             longest = max(longest, time.perf_counter() - rep_began)
             run.update(load_1min_start_end=[round(load_start, 1), round(os.getloadavg()[0], 1)],
+                       cpu_stolen_by_host=dict(lds_train.stolen),
                        rep_seconds=round(time.perf_counter() - rep_began),
                        auto_step_seconds={r["name"]: r["step_seconds"] for r in auto_table["rows"]},
                        grid_step_seconds={r["name"]: r["step_seconds"] for r in table["rows"]})
@@ -183,12 +194,13 @@ def main() -> None:
         print(f"| {name}{' (grid best)' if name == best else ''} | {spread(grid[name])} | "
               f"{medians[name] / medians['ddp/none']:.2f}x |")
     print("\n| rep | auto choice | choice vs grid best (grid medians) | auto training vs plain DDP run | "
-          "calibration s (launch s) |")
-    print("|---|---|---|---|---|")
+          "calibration s (launch s) | CPU stolen by the host: grid, auto, ddp runs |")
+    print("|---|---|---|---|---|---|")
     for i, r in enumerate(runs):
         vs_ddp = f"{r['auto_tokens_per_s'] / r['ddp_tokens_per_s']:.2f}x" if "ddp_tokens_per_s" in r else "-"
         print(f"| {i} | {r['choice']} | {medians.get(r['choice'].split(' ')[0], 0) / medians[best]:.2f}x | "
-              f"{vs_ddp} | {r['tune_seconds']} ({r['launch_seconds']}) |")
+              f"{vs_ddp} | {r['tune_seconds']} ({r['launch_seconds']}) | "
+              f"{', '.join(f'{v:.0%}' for v in r['cpu_stolen_by_host'].values())} |")
     calibration = spread([r["tune_seconds"] for r in runs])
     print(f"\ncalibration: {calibration} s, against {spread([r['auto_train_wall_s'] for r in runs])} s for the "
           f"{args.steps} training steps of the same run")

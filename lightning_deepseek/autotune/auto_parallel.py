@@ -47,6 +47,7 @@ from lightning_deepseek.autotune.measure import (
     device_memory_bytes,
     measure_compute,
     measure_exchange,
+    measure_exchange_in_backward,
     measure_quantize,
     measure_sharded,
     micro_batch,
@@ -153,7 +154,11 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
         why = " (sharding predicted by the formulas: not measured)" if shardings else ""
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=measured.compute.source + why))
-    copies = (1 + len(shardings)) * memory_bytes(Candidate(), facts, measured.compute)
+    # compression beside tensor parallelism: one more copy per tp size and exchange, timed inside backward
+    tp_bits = tuple(sorted({c.bits for c in options if c.tp > 1 and c.bits is not None}, reverse=True))
+    tp_sharded = {tp: shard for (kind, tp), shard in shardings.items() if kind == "tp"} if tp_bits else {}
+    copies = (1 + len(shardings) + len(tp_sharded) * (1 + len(tp_bits))) * memory_bytes(Candidate(), facts,
+                                                                                      measured.compute)
     room = machine.headroom * machine.device_memory_bytes - memory_bytes(Candidate(), facts, measured.compute)
     if agree([float(copies > room)])[0]:  # hosts may differ in memory: all ranks skip, or none (collectives follow)
         why = " (sharding predicted by the formulas: no room for copies of the model)"
@@ -165,10 +170,23 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
     except CopyError as exc:
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=f"{measured.compute.source} (sharding predicted by the formulas: {exc})"))
-    compute = dataclasses.replace(measured.compute, optimizer_seconds=optimizer, sharded=sharded)
+    middle = time.perf_counter()
+    in_backward: dict[tuple[int, int], float] = {}
+    if tp_sharded:
+        try:
+            in_backward = measure_exchange_in_backward(module, measured.batch, tp_sharded, tp_bits,
+                                                       machine.bucket_bytes, repeats)
+        except RuntimeError as exc:  # DDP's own refusal (unused parameters...), alike on every rank: keep the rest
+            rank_zero_info(f"cost model: compression under tensor parallelism not timed inside backward ({exc}); "
+                           "predicted from the exchange timed alone")
+    compute = dataclasses.replace(measured.compute, optimizer_seconds=optimizer, sharded=sharded,
+                                  exchange_in_backward=in_backward)
     compute = agree_compute(compute)
     source = (f"{compute.source}; sharding measured on copies ({', '.join(f'{k}={n}' for k, n in shardings)}, "
-              f"{repeats} interleaved steps each, {time.perf_counter() - start:.1f} s)")
+              f"{repeats} interleaved steps each, {middle - start:.1f} s)")
+    if in_backward:
+        source += (f"; compression under tp measured inside backward on DDP-wrapped copies "
+                   f"({time.perf_counter() - middle:.1f} s)")
     return dataclasses.replace(measured, compute=dataclasses.replace(compute, source=source))
 
 
@@ -235,6 +253,9 @@ def _print(decision: Decision, setting: str, measured: Measured, tokens: int, ma
         f"{'fp32' if b is None else f'int{b}'} {s * 1e3:.1f} ms" for (m, b), s in machine.exchange_seconds.items()
         if m == n) for n in sizes)
     exchange = f"; gradient exchange measured on the world's group: {exchange}" if exchange else ""
+    if compute.exchange_in_backward:
+        exchange += "; compression inside a tensor-parallel backward, over fp32: " + ", ".join(
+            f"tp={tp} int{b} {s * 1e3:+.1f} ms" for (tp, b), s in sorted(compute.exchange_in_backward.items()))
     rank_zero_info(f"{setting}: cost model (lightning_deepseek.autotune.cost_model); compute {compute.source}: "
                    f"forward {compute.forward_seconds * 1e3:.1f} ms, backward {compute.backward_seconds * 1e3:.1f} ms, "
                    f"{tokens} tokens per rank; links {links}{exchange}\n{decision.table()}")

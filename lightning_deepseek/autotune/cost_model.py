@@ -56,8 +56,14 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   alone took 19-41 ms (the ranks share the cores and gloo's threads run beside them), so tp=1 int4 was predicted
   176 ms faster than fp32 where training measured 72-91 ms; the measured exchanges (fp32 263 ms, int4 203 ms,
   slowest rank) give ~55 ms (benchmarks/RESULTS.md, "Compression predicted from the exchange measured at setup").
-  Not captured: what compression costs *inside* backward under tensor or expert parallelism (tp=2 int8 on the
-  testbed: +27 ms backward compute, +24 ms wait, measured; the exchange of the 2.7 MB alone costs the same as fp32).
+  Under tensor parallelism (``tp > 1``), **measured inside backward** where that was measured
+  (:func:`~lightning_deepseek.autotune.measure.measure_exchange_in_backward`: copies sharded at ``tp``, wrapped in
+  DDP as the strategy wraps them, with the fp32 exchange and with the hook, forward + backward timed interleaved):
+  ``exposed_dp = max(0, E + D)`` with ``D`` the measured difference. Why: the exchange timed alone costs the same
+  compressed as fp32 for the wide FFN's 2.7 MB at tp=2 on the 1 Gbit testbed, while training measured tp=2 int8
+  40-95 ms slower than tp=2 fp32 (+27 ms backward compute, +24 ms wait after the last gradient): the hook's
+  quantize and collectives run beside tensor parallelism's collectives on oversubscribed cores, and every delay on
+  one rank stalls its tensor-parallel partners. Not captured for expert parallelism (its copies are not wrapped).
 - ``quantize = replicated bytes * (q + n dq)`` (the fallback without the measurement) with ``q``/``dq`` the measured
   seconds per fp32 byte of the quantize / dequantize kernels on this machine, ``n`` the payloads dequantized (DDP's
   ranks, the world, with the single all-gather exchange; 2 with the two-phase one); it runs in DDP's hook on
@@ -143,6 +149,10 @@ class ComputeProfile:
             one micro-batch's forward + backward (its collectives included) and to an optimizer step, over a
             replicated copy timed interleaved with it (may be negative: noise, or less work). A size missing here
             is predicted by the formulas.
+        exchange_in_backward: ``{(tp, bits): seconds}``: what compressing DDP's exchange to ``bits`` adds to the
+            forward + backward of a copy sharded at ``tp`` and wrapped in DDP, over the same with the fp32
+            exchange (negative: saves). Where present, a ``tp > 1`` compressed candidate's exchange is predicted
+            from it.
     """
 
     forward_seconds: float
@@ -152,6 +162,7 @@ class ComputeProfile:
     source: str = "given"
     optimizer_seconds: float = 0.0
     sharded: Mapping[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    exchange_in_backward: Mapping[tuple[int, int], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -324,14 +335,17 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
         hideable = wire - busy
         return busy + max(hideable - machine.overlap * backward, hideable * last_bucket) if ddp_bytes else 0.0
 
+    in_backward = compute.exchange_in_backward.get((candidate.tp, candidate.bits)) if candidate.tp > 1 else None
     measured_exchange = [machine.exchange_seconds.get((ddp_bytes, b)) for b in (None, candidate.bits)]
     measured_exchange = None if candidate.bits is None or None in measured_exchange else measured_exchange
+    if in_backward is not None:
+        measured_exchange = None
     parts = {
         "compute": micro * (compute.forward_seconds + compute.backward_seconds),
         "optimizer": compute.optimizer_seconds + sum(m[1] for m in (tp_measured, ep_measured) if m is not None),
         "tp": comm["tp"] if tp_measured is None else micro * tp_measured[0],
         "ep": 0.0 if ep_measured is None else micro * ep_measured[0],
-        "dp": exposed(candidate.bits if measured_exchange is None else None),
+        "dp": exposed(candidate.bits if measured_exchange is None and in_backward is None else None),
         "after": comm["sharded"],
         "quantize": 0.0,
         "chain": 0.0,
@@ -344,7 +358,9 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
                 + all_to_all_seconds(0, candidate.ep, ep_link))
         parts["after"] += all_reduce_seconds(facts.expert_bytes // candidate.ep, world // candidate.ep,
                                              group_link(topology, list(range(0, world, candidate.ep)), links))
-    if measured_exchange is not None and ddp_bytes:
+    if in_backward is not None and ddp_bytes:  # measured where it runs: beside tensor parallelism's collectives
+        parts["dp"] = max(0.0, parts["dp"] + in_backward)
+    elif measured_exchange is not None and ddp_bytes:
         fp32, compressed = measured_exchange  # the same bytes, both exchanges measured on the real group
         parts["dp"] = max(parts["dp"] + compressed - fp32, parts["dp"] * compressed / max(fp32, 1e-9))
     elif candidate.bits is not None and ddp_bytes:

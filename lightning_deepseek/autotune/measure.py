@@ -16,6 +16,11 @@
 - the gradient exchange: the fp32 all-reduce and the compression hook's own exchange of each candidate's replicated
   gradient bytes, on the world's process group, all ranks at once, interleaved (:func:`measure_exchange`): what
   the compressed exchange costs against the fp32 one where the ranks share the cores and gloo's threads.
+- the exchange inside a tensor-parallel backward: copies of the model sharded at each ``tp`` size and wrapped in
+  DDP as the strategy wraps them, one per exchange (fp32 and each compression, the hook registered as training
+  registers it), forward + backward timed interleaved (:func:`measure_exchange_in_backward`): what compression
+  adds or saves where the exchange runs beside tensor parallelism's collectives. The exchange timed alone put tp=2
+  int8 level with tp=2 fp32 on the 1 Gbit testbed, where training measured it 40-95 ms slower (benchmarks/RESULTS.md).
 - links: :func:`lightning_deepseek.parallel.placement.probe_links` (reused, not duplicated).
 - device memory: the GPU's total memory, or the host's physical memory shared by its processes.
 Ranks measure different figures; :func:`agree` takes the slowest of every figure so that every rank decides the
@@ -37,10 +42,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities import move_data_to_device
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_deepseek.autotune.cost_model import DEFAULT_BLOCK_SIZE, ComputeProfile
 from lightning_deepseek.compression.config import CompressionConfig
-from lightning_deepseek.compression.hook import compressed_average
+from lightning_deepseek.compression.hook import compressed_average, register_compression_hook
 from lightning_deepseek.compression.quantize import dequantize, quantize
 from lightning_deepseek.compression.state import CompressionState
 from lightning_deepseek.parallel.placement import probe_device
@@ -281,6 +288,75 @@ def measure_sharded(module: pl.LightningModule, batch: MicroBatch, shardings: Ma
     return base[1], {key: (f - base[0], o - base[1]) for key, (f, o) in med.items()}
 
 
+class _Forward(nn.Module):
+    """A module whose forward is ``step`` (a micro-batch through ``module``): DDP wraps it and runs its forward,
+    which prepares DDP's reducer for the backward that follows (as Lightning's wrapper does with
+    ``training_step``)."""
+
+    def __init__(self, module: nn.Module, step: Callable[[], Any]) -> None:
+        super().__init__()
+        self.module = module
+        self._step = step
+
+    def forward(self) -> Any:
+        return self._step()
+
+
+def measure_exchange_in_backward(module: pl.LightningModule, batch: MicroBatch, shardings: Mapping[int, Shard],
+                                 bits_options: tuple[int, ...], bucket_bytes: int,
+                                 repeats: int = 3) -> dict[tuple[int, int], float]:
+    """``{(tp, bits): seconds}``: what compressing DDP's exchange to ``bits`` adds to a micro-batch's forward +
+    backward under each tensor-parallel sharding (negative: saves), against the fp32 exchange (collective).
+
+    For each ``tp`` of ``shardings`` (each sharding a copy in place) and each exchange (fp32, then every
+    ``bits``): a copy of ``module``, sharded, wrapped in ``DistributedDataParallel`` over the world with the
+    tensor-parallel parameters ignored and ``bucket_bytes`` buckets, as ``HybridParallelStrategy`` wraps it, and
+    the compression hook registered on it (warm-up steps 0). Every copy runs ``repeats`` timed forward + backward
+    passes (after one warm-up: DDP's bucket rebuild and the hook's plans), interleaved, aligned by a barrier;
+    backward returns once DDP's exchange has completed, so its exposed part is in the figure. The differences of
+    the medians from the fp32 copy's are returned. ``module`` and the random state are not touched.
+
+    Raises:
+        CopyError: ``module`` cannot be deep-copied (raised before any collective, on every rank alike).
+    """
+    device = next(module.parameters()).device
+    keys = [(tp, bits) for tp in shardings for bits in (None, *bits_options)]
+    copies = {key: replica(module) for key in keys}
+    world = dist.group.WORLD
+    ranks = dist.get_process_group_ranks(world)
+    configs = {bits: CompressionConfig(bits=bits, block_size=DEFAULT_BLOCK_SIZE[bits], warmup_steps=0)
+               for bits in bits_options}
+    single = all(len(ranks) <= c.single_exchange_max_world for c in configs.values())
+    second = world if single else dist.new_group(ranks, backend=dist.get_backend(world))  # phase 2's communicator
+    wrapped: dict[tuple[int, int | None], DistributedDataParallel] = {}
+    for (tp, bits), m in copies.items():
+        shardings[tp](m)
+        if isinstance(m, pl.LightningModule):
+            m.log = m.log_dict = lambda *args, **kwargs: None
+        forward = _Forward(m, batch.step(m))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            forward, [name for name, p in forward.named_parameters() if isinstance(p, DTensor)])
+        ddp = DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda" else None,
+                                      bucket_cap_mb=bucket_bytes / 2**20)
+        if bits is not None:
+            register_compression_hook(ddp, configs[bits], exchange_group=second)
+        wrapped[(tp, bits)] = ddp
+    passes: dict[tuple[int, int | None], list[float]] = {key: [] for key in keys}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for i in range(repeats + 1):
+            for key, ddp in wrapped.items():
+                dist.barrier()
+                _synchronize(device)
+                start = time.perf_counter()
+                _loss_of(ddp()).backward()
+                _synchronize(device)
+                if i:  # the first round rebuilds DDP's buckets and makes the hook's plans
+                    passes[key].append(time.perf_counter() - start)
+                ddp.zero_grad(set_to_none=True)
+    return {(tp, bits): statistics.median(passes[(tp, bits)]) - statistics.median(passes[(tp, None)])
+            for tp, bits in keys if bits is not None}
+
+
 def measure_quantize(num_bytes: int, bits_options: tuple[int, ...] = (8, 4), device: torch.device | None = None,
                      repeats: int = 5) -> dict[int, tuple[float, float]]:
     """``{bits: (quantize, dequantize)}`` seconds per fp32 byte on a buffer of up to ``num_bytes`` (at least 1 MiB,
@@ -376,11 +452,15 @@ def agree(values: list[float]) -> list[float]:
 def agree_compute(profile: ComputeProfile) -> ComputeProfile:
     """``profile`` with the slowest rank's figures (collective; every rank measured the same shardings)."""
     keys = sorted(profile.sharded)
-    f, b, a, r, o, *sharded = agree([profile.forward_seconds, profile.backward_seconds,
-                                     float(profile.activation_bytes), float(profile.routed_bytes),
-                                     profile.optimizer_seconds, *(v for k in keys for v in profile.sharded[k])])
+    in_backward = sorted(profile.exchange_in_backward)
+    f, b, a, r, o, *rest = agree([profile.forward_seconds, profile.backward_seconds,
+                                  float(profile.activation_bytes), float(profile.routed_bytes),
+                                  profile.optimizer_seconds, *(v for k in keys for v in profile.sharded[k]),
+                                  *(profile.exchange_in_backward[k] for k in in_backward)])
+    sharded, exchange = rest[:2 * len(keys)], rest[2 * len(keys):]
     return ComputeProfile(f, b, int(a), int(r), profile.source, o,
-                          {k: (sharded[2 * i], sharded[2 * i + 1]) for i, k in enumerate(keys)})
+                          {k: (sharded[2 * i], sharded[2 * i + 1]) for i, k in enumerate(keys)},
+                          dict(zip(in_backward, exchange)))
 
 
 def agree_exchange(seconds: dict[tuple[int, int | None], float]) -> dict[tuple[int, int | None], float]:

@@ -7,11 +7,13 @@
   model we did not write, measured through its own ``training_step``);
 - ``expert_parallel_size="auto"`` on a tiny MoE GPT: ep 1 or 2 by the cost model (routed bytes measured by hooks on
   the experts), and the experts sharded accordingly (ep=2 timed on an expert-parallel copy);
-- the gradient exchange timed at setup (fp32 and the hook's compressed exchange on the world's group).
+- the gradient exchange timed at setup (fp32 and the hook's compressed exchange on the world's group), and timed
+  inside a tensor-parallel backward (DDP-wrapped tp=2 copies, fp32 against each compression).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -20,10 +22,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_deepseek.autotune.auto_parallel import _shard_tp
 from lightning_deepseek.autotune.cost_model import Candidate
-from lightning_deepseek.autotune.measure import measure_exchange
+from lightning_deepseek.autotune.measure import MicroBatch, measure_exchange, measure_exchange_in_backward
 from lightning_deepseek.compression import GradientCompression
 from lightning_deepseek.parallel import HybridParallelStrategy
+from lightning_deepseek.parallel.dims import ParallelDims
+from lightning_deepseek.parallel.plan import decide_plan
 from tests.helpers import run_distributed
 from tests.parallel.common import LogRecords, TinyLM, loader, make_trainer, token_data
 
@@ -71,6 +76,7 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
     rng = torch.get_rng_state()
     exchange = measure_exchange([1 << 16, 3 << 20], (8, 4), torch.device("cpu"), repeats=1, max_bytes=1 << 20)
     exchange_kept_rng = torch.equal(rng, torch.get_rng_state())
+    in_backward = _in_backward(world_size)
     moe = HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size="auto", min_shard_params=0)
     moe_run = _fit(world_size, moe, TinyLM(**MOE), [])
     return {
@@ -90,7 +96,24 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "exchange": exchange, "exchange_kept_rng": exchange_kept_rng, "decided_exchange": decision.exchange_seconds,
         "int8_parts": dict(decision.prediction(Candidate(1, 1, 8)).parts),
         "llama_exchange": ddp_compression.decision.exchange_seconds,
+        "in_backward": in_backward,
     }
+
+
+def _in_backward(world_size: int) -> dict[str, Any]:
+    """``measure_exchange_in_backward`` on tp=2 copies of the tiny GPT; the module itself must stay untouched."""
+    pl.seed_everything(1, verbose=False)
+    module = TinyLM()
+    before = [p.detach().clone() for p in module.parameters()]
+    plan = decide_plan(module, "auto", world_size, 2, False, 0)
+    shard = functools.partial(_shard_tp, plan.styles, ParallelDims(world_size, tp=2), [[0, 1]], "cpu")
+    data = token_data(4)[:2]
+    rng = torch.get_rng_state()
+    seconds = measure_exchange_in_backward(module, MicroBatch(data, False, "two rows", 32), {2: shard}, (8, 4),
+                                           25 << 20, repeats=1)
+    return {"seconds": seconds, "untouched": all(torch.equal(a, p) for a, p in zip(before, module.parameters())),
+            "grads": all(p.grad is None for p in module.parameters()),
+            "kept_rng": torch.equal(rng, torch.get_rng_state())}
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +177,11 @@ def test_the_gradient_exchange_is_timed_on_the_world_group_and_decides_compressi
     assert rank0["int8_parts"]["quantize"] == rank0["int8_parts"]["chain"] == 0.0
     assert "gradient exchange measured on the world's group" in rank0["hybrid_tables"][0]
     assert rank0["llama_exchange"] == rank1["llama_exchange"] and len(rank0["llama_exchange"]) == 3
+
+
+def test_compression_is_timed_inside_a_tensor_parallel_backward(ranks) -> None:
+    rank0, rank1 = ranks
+    for rank in ranks:  # fp32 against int8 and int4 on DDP-wrapped tp=2 copies: finite differences, no side effects
+        assert set(rank["in_backward"]["seconds"]) == {(2, 8), (2, 4)}
+        assert all(abs(v) < 5 for v in rank["in_backward"]["seconds"].values())
+        assert all(rank["in_backward"][k] for k in ("untouched", "grads", "kept_rng"))
