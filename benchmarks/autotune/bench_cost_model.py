@@ -62,9 +62,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
-    from benchmarks.steal import cpu_times, stolen_share
     from benchmarks.timed_gpt import TimedGPT
     from lightning_deepseek import HybridParallelStrategy
+    from lightning_deepseek.autotune.steal import cpu_times, stolen_share
     from lightning_deepseek.compression import GradientCompression
     from lightning_deepseek.models import GPTConfig
     from lightning_deepseek.models.gpt import PRESETS
@@ -224,7 +224,7 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
             lines += [f"Gradient exchange timed at setup (slowest rank, first repetition): {exchange}", ""]
         if all(k in r.get("steal", {}) for r in rows for k in labels):
             # A rough correction, not the target's figure: 4 ranks on 2 vCPUs are CPU-bound, so a step takes about
-            # 1 / (1 - s) longer when the host takes a share s of the machine's CPU (benchmarks/steal.py).
+            # 1 / (1 - s) longer when the host takes a share s of the machine's CPU (autotune/steal.py).
             def unstolen(row: dict, k: str) -> float:
                 return row["measured"][k] * (1 - row["steal"][k])
             adjusted = {k: statistics.median(unstolen(r, k) for r in rows) for k in labels}

@@ -62,6 +62,7 @@ from typing_extensions import override
 from lightning_deepseek.autotune.candidates import PLAIN_DDP, Candidate, candidates, describe_forced, forced_settings
 from lightning_deepseek.autotune.checks import nothing_to_choose, task_overrides
 from lightning_deepseek.autotune.choice import choose
+from lightning_deepseek.autotune.steal import cpu_times, stolen_share
 from lightning_deepseek.autotune.sweep_choice import publish, reused, shared_choice, sweep_table
 from lightning_deepseek.autotune.table import Calibration, Row, TuneReport
 from lightning_deepseek.hpo.loop import run_trials
@@ -309,7 +310,7 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
         plan: the run's ``RunPlan`` (model shape, data arguments).
         folder: the run's ``RunFolder`` (the data cache, and where ``tune.txt`` goes).
     """
-    started = time.perf_counter()
+    started, cpu_before = time.perf_counter(), cpu_times()
     forced = forced_settings(cfg, task_overrides())
     experts = int(getattr(plan.model_config, "n_routed_experts", 0) or 0)
     eligible = candidates(cfg, forced, experts)
@@ -340,7 +341,7 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
     up_at = calibrator.up_at or started
     return Calibration(str(cfg.tune.mode), rows, choice.candidate, time.perf_counter() - up_at,
                        describe_forced(cfg, forced), float(cfg.tune.min_gain), launch_seconds=up_at - started,
-                       reason=choice.reason, margin=choice.margin)
+                       reason=choice.reason, margin=choice.margin, stolen=stolen_share(cpu_before, cpu_times()))
 
 
 def calibrated_config(cfg: DictConfig, plan: Any, folder: Any) -> DictConfig:

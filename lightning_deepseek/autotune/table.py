@@ -16,6 +16,8 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_deepseek.autotune.candidates import Candidate
 
+STEAL_WARNING = 0.05  # the table warns from this share of the CPU taken by the host during the calibration
+
 
 @dataclass(frozen=True)
 class Row:
@@ -56,6 +58,8 @@ class Calibration:
         reason: why the choice (``calibrate.choose``): its gain over plain DDP against the margin, or why plain
             DDP stayed.
         margin: the gain over plain DDP the fastest other needed (``min_gain`` or the measured noise, the larger).
+        stolen: the share of this machine's CPU its hypervisor gave to other guests during the calibration
+            (:mod:`~lightning_deepseek.autotune.steal`; 0 on bare metal or where unknown).
     """
 
     mode: str
@@ -67,6 +71,7 @@ class Calibration:
     launch_seconds: float = 0.0
     reason: str = ""
     margin: float = 0.0
+    stolen: float = 0.0
 
     def phases(self) -> dict[str, float]:
         """Where the calibration's seconds went (this rank): each phase summed over the candidates."""
@@ -107,6 +112,10 @@ class Calibration:
             lines.append(f"kept as set (forced): {self.kept}; candidates that would change it were not tried")
         lines.append(f"choice: {self.choice.name} = lds-train {' '.join(self.choice.overrides())} tune=none")
         lines.append(f"why: {self.reason}")
+        if self.stolen >= STEAL_WARNING:
+            lines.append(f"host: the hypervisor took {self.stolen:.0%} of this machine's CPU during the calibration "
+                         "(steal), so its timings are less reliable than usual; calibrate again when the host is "
+                         "quieter, or give the settings (strategy=..., compression=...) with tune=none")
         return "\n".join(lines)
 
     def summary(self) -> dict[str, Any]:
@@ -130,7 +139,8 @@ class Calibration:
         (folder / "tune.json").write_text(json.dumps(
             {"mode": self.mode, "seconds": self.seconds, "launch_seconds": self.launch_seconds,
              "phases": self.phases(), "kept": self.kept, "min_gain": self.min_gain, "margin": self.margin,
-             "reason": self.reason, "choice": self.choice.name, "choice_overrides": self.choice.overrides(),
+             "reason": self.reason, "cpu_stolen_by_host": self.stolen,
+             "choice": self.choice.name, "choice_overrides": self.choice.overrides(),
              "choice_fields": asdict(self.choice), "rows": rows}, indent=2))
 
 

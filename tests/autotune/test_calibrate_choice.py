@@ -75,3 +75,27 @@ def test_without_a_spread_min_gain_decides_and_the_table_says_why() -> None:
                         margin=choice.margin)
     assert table.table().splitlines()[-1] == f"why: {choice.reason}"
     assert table.summary()["tune_reason"] == choice.reason
+
+
+def test_the_table_says_when_the_host_took_the_cpu_during_the_calibration(tmp_path) -> None:
+    import json
+
+    from lightning_deepseek.autotune.steal import cpu_times, stolen_share
+
+    plain, int8 = _row("ddp/none", 1000.0, [0.5, 0.5]), _row("ddp/int8", 1020.0, [0.49, 0.5])
+    quiet = Calibration("auto", [plain, int8], plain.candidate, 3.0, reason="r", stolen=0.01)
+    assert "hypervisor" not in quiet.table()
+    busy = Calibration("auto", [plain, int8], plain.candidate, 3.0, reason="r", stolen=0.23)
+    assert busy.table().splitlines()[-1].startswith("host: the hypervisor took 23% of this machine's CPU during the "
+                                                    "calibration (steal)")
+    busy.write(tmp_path)
+    assert json.loads((tmp_path / "tune.json").read_text())["cpu_stolen_by_host"] == 0.23
+    # /proc/stat's first line: user nice system idle iowait irq softirq steal (guest...): steal over all states
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3\n")
+    before = cpu_times(str(stat))
+    stat.write_text("cpu  200 0 100 1500 20 0 10 170 0 0\n")
+    after = cpu_times(str(stat))
+    assert (before.steal, before.total) == (35, 1000) and stolen_share(before, after) == round(135 / 1000, 4)
+    assert cpu_times(str(tmp_path / "missing")) == (before.__class__(0, 0))
+    assert stolen_share(after, after) == 0.0
