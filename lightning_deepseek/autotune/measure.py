@@ -288,6 +288,18 @@ def measure_sharded(module: pl.LightningModule, batch: MicroBatch, shardings: Ma
     return base[1], {key: (f - base[0], o - base[1]) for key, (f, o) in med.items()}
 
 
+def _exchange_settings(bits_options: tuple[int, ...]) -> tuple[dict[int, CompressionConfig], dist.ProcessGroup]:
+    """The hook's settings for each ``bits`` (the presets' block sizes, no warm-up) and the communicator of the
+    two-phase exchange's phase 2 over the world (a new one, collective; the world itself where every exchange is a
+    single all-gather)."""
+    world = dist.group.WORLD
+    ranks = dist.get_process_group_ranks(world)
+    configs = {bits: CompressionConfig(bits=bits, block_size=DEFAULT_BLOCK_SIZE[bits], warmup_steps=0)
+               for bits in bits_options}
+    single = all(len(ranks) <= c.single_exchange_max_world for c in configs.values())
+    return configs, world if single else dist.new_group(ranks, backend=dist.get_backend(world))
+
+
 class _Forward(nn.Module):
     """A module whose forward is ``step`` (a micro-batch through ``module``): DDP wraps it and runs its forward,
     which prepares DDP's reducer for the backward that follows (as Lightning's wrapper does with
@@ -322,12 +334,7 @@ def measure_exchange_in_backward(module: pl.LightningModule, batch: MicroBatch, 
     device = next(module.parameters()).device
     keys = [(tp, bits) for tp in shardings for bits in (None, *bits_options)]
     copies = {key: replica(module) for key in keys}
-    world = dist.group.WORLD
-    ranks = dist.get_process_group_ranks(world)
-    configs = {bits: CompressionConfig(bits=bits, block_size=DEFAULT_BLOCK_SIZE[bits], warmup_steps=0)
-               for bits in bits_options}
-    single = all(len(ranks) <= c.single_exchange_max_world for c in configs.values())
-    second = world if single else dist.new_group(ranks, backend=dist.get_backend(world))  # phase 2's communicator
+    configs, second = _exchange_settings(bits_options)
     wrapped: dict[tuple[int, int | None], DistributedDataParallel] = {}
     for (tp, bits), m in copies.items():
         shardings[tp](m)
@@ -403,10 +410,7 @@ def measure_exchange(sizes: list[int], bits_options: tuple[int, ...], device: to
     not touched). The world's process group gets one more communicator for the two-phase exchange's phase 2."""
     world = dist.group.WORLD
     ranks = dist.get_process_group_ranks(world)
-    configs = {bits: CompressionConfig(bits=bits, block_size=DEFAULT_BLOCK_SIZE[bits], warmup_steps=0)
-               for bits in bits_options}
-    single = all(len(ranks) <= c.single_exchange_max_world for c in configs.values())
-    second = world if single else dist.new_group(ranks, backend=dist.get_backend(world))  # phase 2's communicator
+    configs, second = _exchange_settings(bits_options)
     generator = torch.Generator().manual_seed(dist.get_rank())
     timed = {n: min(n, max_bytes) // 4 * 4 for n in sizes if n > 0}
     buffers = {n: torch.randn(m // 4, generator=generator).to(device) for n, m in timed.items()}
