@@ -59,11 +59,12 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   Under tensor parallelism (``tp > 1``), **measured inside backward** where that was measured
   (:func:`~lightning_deepseek.autotune.measure.measure_exchange_in_backward`: copies sharded at ``tp``, wrapped in
   DDP as the strategy wraps them, with the fp32 exchange and with the hook, forward + backward timed interleaved):
-  ``exposed_dp = max(0, E + D)`` with ``D`` the measured difference. Why: the exchange timed alone costs the same
-  compressed as fp32 for the wide FFN's 2.7 MB at tp=2 on the 1 Gbit testbed, while training measured tp=2 int8
-  40-95 ms slower than tp=2 fp32 (+27 ms backward compute, +24 ms wait after the last gradient): the hook's
-  quantize and collectives run beside tensor parallelism's collectives on oversubscribed cores, and every delay on
-  one rank stalls its tensor-parallel partners. Not captured for expert parallelism (its copies are not wrapped).
+  ``exposed_dp = max(0, E + D)`` with ``D`` the measured difference. Why: the hook's quantize and collectives run
+  beside tensor parallelism's collectives, on oversubscribed cores where a delay on one rank stalls its
+  tensor-parallel partners, which the exchange timed alone does not see (on the 1 Gbit testbed it put the wide
+  FFN's tp=2 int8 level with tp=2 fp32 where one benchmark measured it 40-95 ms slower; with that benchmark's order
+  counterbalanced, -28 to +53 ms). Over 17 repetitions it ranked a little better than the exchange alone (Spearman
+  0.61 against 0.55 per repetition; benchmarks/RESULTS.md, "Session 13"). Not done for expert parallelism.
 - ``quantize = replicated bytes * (q + n dq)`` (the fallback without the measurement) with ``q``/``dq`` the measured
   seconds per fp32 byte of the quantize / dequantize kernels on this machine, ``n`` the payloads dequantized (DDP's
   ranks, the world, with the single all-gather exchange; 2 with the two-phase one); it runs in DDP's hook on
@@ -337,8 +338,7 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
 
     in_backward = compute.exchange_in_backward.get((candidate.tp, candidate.bits)) if candidate.tp > 1 else None
     measured_exchange = [machine.exchange_seconds.get((ddp_bytes, b)) for b in (None, candidate.bits)]
-    measured_exchange = None if candidate.bits is None or None in measured_exchange else measured_exchange
-    if in_backward is not None:
+    if candidate.bits is None or in_backward is not None or None in measured_exchange:
         measured_exchange = None
     parts = {
         "compute": micro * (compute.forward_seconds + compute.backward_seconds),

@@ -19,8 +19,8 @@
 - the exchange inside a tensor-parallel backward: copies of the model sharded at each ``tp`` size and wrapped in
   DDP as the strategy wraps them, one per exchange (fp32 and each compression, the hook registered as training
   registers it), forward + backward timed interleaved (:func:`measure_exchange_in_backward`): what compression
-  adds or saves where the exchange runs beside tensor parallelism's collectives. The exchange timed alone put tp=2
-  int8 level with tp=2 fp32 on the 1 Gbit testbed, where training measured it 40-95 ms slower (benchmarks/RESULTS.md).
+  adds or saves where the exchange runs beside tensor parallelism's collectives, which the exchange timed alone
+  does not see (benchmarks/RESULTS.md, "Session 13").
 - links: :func:`lightning_deepseek.parallel.placement.probe_links` (reused, not duplicated).
 - device memory: the GPU's total memory, or the host's physical memory shared by its processes.
 Ranks measure different figures; :func:`agree` takes the slowest of every figure so that every rank decides the
