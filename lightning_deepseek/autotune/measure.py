@@ -50,6 +50,7 @@ from lightning_deepseek.compression.config import CompressionConfig
 from lightning_deepseek.compression.hook import compressed_average, register_compression_hook
 from lightning_deepseek.compression.quantize import dequantize, quantize
 from lightning_deepseek.compression.state import CompressionState
+from lightning_deepseek.parallel.groups import reused
 from lightning_deepseek.parallel.placement import probe_device
 
 
@@ -297,7 +298,9 @@ def _exchange_settings(bits_options: tuple[int, ...]) -> tuple[dict[int, Compres
     configs = {bits: CompressionConfig(bits=bits, block_size=DEFAULT_BLOCK_SIZE[bits], warmup_steps=0)
                for bits in bits_options}
     single = all(len(ranks) <= c.single_exchange_max_world for c in configs.values())
-    return configs, world if single else dist.new_group(ranks, backend=dist.get_backend(world))
+    backend = dist.get_backend(world)
+    return configs, world if single else reused(("exchange_group", backend, tuple(ranks)),
+                                                lambda: dist.new_group(ranks, backend=backend))
 
 
 class _Forward(nn.Module):

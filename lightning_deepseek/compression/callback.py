@@ -45,6 +45,7 @@ from lightning_deepseek.compression import native
 from lightning_deepseek.compression.config import CompressionConfig
 from lightning_deepseek.compression.hook import register_compression_hook
 from lightning_deepseek.compression.state import CompressionState
+from lightning_deepseek.parallel.groups import reused
 from lightning_deepseek.parallel.topology import discover_topology
 
 if TYPE_CHECKING:
@@ -145,7 +146,8 @@ class GradientCompression(Callback):
             raise CompressionStrategyError(
                 f"GradientCompression could not install its hook ({exc}). A DDP module takes one comm hook: "
                 "drop the strategy's `ddp_comm_hook` argument when using GradientCompression.") from exc
-        self._gather_group = dist.new_group(backend="gloo")  # collective: every rank gets here, in this order
+        # collective: every rank gets here, in this order; a later fit in the same processes reuses it
+        self._gather_group = reused(("gather_group", "gloo"), lambda: dist.new_group(backend="gloo"))
         if self._pending is not None:
             self._restore(self._pending)
             self._pending = None

@@ -72,6 +72,7 @@ from lightning_deepseek.compression.config import CompressionConfig
 from lightning_deepseek.compression.plan import BucketPlan
 from lightning_deepseek.compression.quantize import TILE_VALUES, dequantize, quantize
 from lightning_deepseek.compression.state import CompressionState, fp32_allreduce_bytes
+from lightning_deepseek.parallel.groups import reused
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -283,7 +284,9 @@ def _exchange_group(process_group: dist.ProcessGroup) -> dist.ProcessGroup:
     backend = dist.get_backend(process_group)
     mine = None
     for group_ranks in sorted({tuple(r) for r in everyone if r is not None}):
-        group = dist.new_group(list(group_ranks), backend=backend)
+        # the same ranks again (a later fit in the same processes): the same communicator, not one more
+        group = reused(("exchange_group", backend, group_ranks),
+                       lambda group_ranks=group_ranks: dist.new_group(list(group_ranks), backend=backend))
         if dist.get_rank() in group_ranks:
             mine = group
     assert mine is not None

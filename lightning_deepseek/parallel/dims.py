@@ -3,7 +3,8 @@
 
 The strategy builds one when the world size is known (``setup_environment``) and reads it everywhere else: the
 data-parallel size, whether tensor or expert parallelism is on, and the ``(dp, tp)`` device mesh, built once from
-the rank grid that placement chose. Tests build it without a process group.
+the rank grid that placement chose (the same mesh again for the same grid in the same processes:
+:mod:`~lightning_deepseek.parallel.groups`). Tests build it without a process group.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_deepseek.parallel.groups import reused
 
 
 @dataclass(frozen=True)
@@ -57,4 +60,5 @@ class ParallelDims:
         shape = (len(grid), len(grid[0]) if grid else 0)
         if shape != (self.dp, self.tp):
             raise ValueError(f"rank grid of shape {shape} does not match dp={self.dp} x tp={self.tp}.")
-        return DeviceMesh(device_type, torch.tensor(grid), mesh_dim_names=("dp", "tp"))
+        key = ("dp_tp_mesh", device_type, tuple(tuple(row) for row in grid))
+        return reused(key, lambda: DeviceMesh(device_type, torch.tensor(grid), mesh_dim_names=("dp", "tp")))

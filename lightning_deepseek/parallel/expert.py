@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from lightning_deepseek.moe.protocol import ExpertLayer, find_expert_layers
 from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.gradients import reduce_shard_gradients
+from lightning_deepseek.parallel.groups import reused
 
 EP_DIM, REPLICA_DIM = "ep", "edp"
 
@@ -94,7 +95,8 @@ class ExpertParallelDims:
 def build_expert_mesh(device_type: str, dims: ExpertParallelDims) -> DeviceMesh:
     """The ``(edp, ep)`` mesh over the world: contiguous ranks form an ``ep`` group (collective: all ranks)."""
     grid = torch.arange(dims.world_size).view(dims.replicas, dims.ep_size)
-    return DeviceMesh(device_type, grid, mesh_dim_names=(REPLICA_DIM, EP_DIM))
+    return reused(("expert_mesh", device_type, dims.replicas, dims.ep_size),
+                  lambda: DeviceMesh(device_type, grid, mesh_dim_names=(REPLICA_DIM, EP_DIM)))
 
 
 def is_expert_param(param: torch.Tensor) -> bool:

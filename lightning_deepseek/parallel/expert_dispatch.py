@@ -52,6 +52,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from lightning_deepseek.moe.protocol import ExpertLayer
 from lightning_deepseek.parallel.expert import ExpertParallel, exchange_pairs
+from lightning_deepseek.parallel.groups import reused
 from lightning_deepseek.parallel.topology import Topology
 
 SETTING = "expert_dispatch"
@@ -193,8 +194,10 @@ def build_island_dispatch(topology: Topology, grid: list[list[int]]) -> IslandDi
     layouts = [island_layout(topology, row) for row in grid]
     island_lists = [lay.island_ranks(i) for lay in layouts for i in range(lay.num_islands)]
     peer_lists = [lay.peer_ranks(j) for lay in layouts for j in range(len(lay.island_ranks(0)))]
-    island_group, _ = dist.new_subgroups_by_enumeration(island_lists)
-    peer_group, _ = dist.new_subgroups_by_enumeration(peer_lists)
+    # the same subgroups again for a later fit in the same processes (lightning_deepseek.parallel.groups)
+    island_group = reused(("islands", *map(tuple, island_lists)),
+                          lambda: dist.new_subgroups_by_enumeration(island_lists)[0])
+    peer_group = reused(("peers", *map(tuple, peer_lists)), lambda: dist.new_subgroups_by_enumeration(peer_lists)[0])
     rank = dist.get_rank()
     layout = next(lay for lay in layouts if rank in lay.ranks)
     return IslandDispatch(layout, rank, island_group, peer_group)

@@ -1,0 +1,38 @@
+"""Process groups and device meshes that later fits in the same processes reuse instead of creating again.
+
+Why: torch keeps every ``new_group`` (and every ``DeviceMesh``'s groups) until the default process group is
+destroyed, and an idle gloo group still costs its process time: a 2-process DDP loop ran 20.3 ms per step with no
+extra group and 31.9 ms with 400 (benchmarks/RESULTS.md, "Session 13"). Every fit of ``HybridParallelStrategy``
+builds a mesh, every ``GradientCompression`` a second communicator, the cost model's setup several more; a
+calibration or a benchmark fits dozens of times in the same processes, so later candidates ran slower than earlier
+ones. torch has no such cache (``init_device_mesh`` and ``new_group`` always create).
+
+A cached entry holds the default process group it was made under and is used only while that is still the default
+group (the same object on every rank after the same calls), so a destroyed and re-initialised world starts afresh
+and every rank takes the same branch (``new_group`` is collective over the world).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+_CACHE: dict[Hashable, tuple[object, object]] = {}
+
+
+def reused(key: Hashable, make: Callable[[], T]) -> T:
+    """The value made by ``make`` for ``key`` under the current default process group, made once (collective where
+    ``make`` is: every rank must ask for the same keys in the same order)."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    cached = _CACHE.get(key)
+    if cached is not None and world is not None and cached[0] is world:
+        return cached[1]  # type: ignore[return-value]
+    if cached is not None and cached[0] is not world:
+        _CACHE.clear()  # a new world: every entry belongs to the old one
+    value = make()
+    if world is not None:
+        _CACHE[key] = (world, value)
+    return value
