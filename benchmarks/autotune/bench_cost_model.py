@@ -22,6 +22,7 @@ choice against the measured best and plain DDP, and the load average before and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -145,7 +146,7 @@ def alone_predictions(decision) -> dict[str, float]:
         c = p.candidate
         if (c.tp, c.bits) not in decision.compute.exchange_in_backward:
             continue
-        fp32 = decision.prediction(type(c)(c.tp, c.ep, None)).parts["dp"]
+        fp32 = decision.prediction(dataclasses.replace(c, bits=None)).parts["dp"]
         t32, tc = decision.exchange_seconds[(size, None)], decision.exchange_seconds[(size, c.bits)]
         out[c.label] += max(fp32 + tc - t32, fp32 * tc / t32) - p.parts["dp"]
     return out

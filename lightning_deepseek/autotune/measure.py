@@ -337,7 +337,7 @@ def measure_exchange_in_backward(module: pl.LightningModule, batch: MicroBatch, 
     device = next(module.parameters()).device
     keys = [(tp, bits) for tp in shardings for bits in (None, *bits_options)]
     copies = {key: replica(module) for key in keys}
-    configs, second = _exchange_settings(bits_options)
+    configs, _ = _exchange_settings(bits_options)
     wrapped: dict[tuple[int, int | None], DistributedDataParallel] = {}
     for (tp, bits), m in copies.items():
         shardings[tp](m)
@@ -349,7 +349,7 @@ def measure_exchange_in_backward(module: pl.LightningModule, batch: MicroBatch, 
         ddp = DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda" else None,
                                       bucket_cap_mb=bucket_bytes / 2**20)
         if bits is not None:
-            register_compression_hook(ddp, configs[bits], exchange_group=second)
+            register_compression_hook(ddp, configs[bits])  # its communicator: the one measure_exchange reuses
         wrapped[(tp, bits)] = ddp
     passes: dict[tuple[int, int | None], list[float]] = {key: [] for key in keys}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -294,14 +294,12 @@ def _exchange_group(process_group: dist.ProcessGroup) -> dist.ProcessGroup:
 
 
 def register_compression_hook(ddp_module: DistributedDataParallel, config: CompressionConfig | None = None,
-                              exchange_group: dist.ProcessGroup | None = None, **kwargs: object) -> CompressionState:
+                              **kwargs: object) -> CompressionState:
     """Install the compressed exchange on ``ddp_module``; every rank of the world must call this together.
 
     Args:
         ddp_module: a ``DistributedDataParallel`` module; its own process group is used.
         config: exchange settings; or pass them as keyword arguments (``bits=4, block_size=64``).
-        exchange_group: the second communicator over the module's ranks (phase 2 of the two-phase exchange);
-            None: a new one (:func:`_exchange_group`, collective over the world).
 
     Returns:
         The hook state (residuals, counters); keep it to read telemetry or to save/restore residuals.
@@ -312,7 +310,7 @@ def register_compression_hook(ddp_module: DistributedDataParallel, config: Compr
     config = CompressionConfig.from_settings("register_compression_hook", config, kwargs)
     config.check_decided("register_compression_hook")
     group = ddp_module.process_group
-    state = CompressionState(config, group, _exchange_group(group) if exchange_group is None else exchange_group)
+    state = CompressionState(config, group, _exchange_group(group))
     named = list(ddp_module.module.named_parameters())
     state.param_names = {id(p): name for name, p in named}
     state.param_order = {id(p): i for i, (_, p) in enumerate(named)}
