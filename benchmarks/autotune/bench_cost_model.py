@@ -15,8 +15,9 @@ the MoE GPT: ``expert_parallel_size`` x compression fp32/int8; each as ``HybridP
 table reports medians over steps and then over repetitions. One run with the ``"auto"`` settings per repetition
 records the cost model's predictions (from its own measurements at setup, sharded copies included) and its choice,
 and its own step time. Reported: Spearman's rank correlation of predicted and measured step times over the grid
-(target >= 0.8), the same between the repetitions' measured rankings (how stable the measured side is), the auto
-choice against the measured best and plain DDP, and the load average before and after.
+(target >= 0.8), the same between the repetitions' measured rankings and between the medians of the first and the
+second half of the repetitions (how reliable the measured side is: no prediction can be expected to agree with it
+much better), the auto choice against the measured best and plain DDP, and the load average before and after.
 """
 
 from __future__ import annotations
@@ -137,15 +138,17 @@ def worker(args: argparse.Namespace) -> None:
 def alone_predictions(decision) -> dict[str, float]:
     """The predictions had compression under tensor parallelism come from the exchange timed alone (the cost
     model's rule before it was timed inside backward): ``dp = max(E + Tc - T32, E Tc / T32)``, ``E`` the fp32
-    candidate's. The grids here have tp 1 and 2 only: tp=2's replicated bytes are the smaller measured size."""
+    candidate's. The grids here have tp 1 and 2 only: tp=1's replicated bytes are the larger measured size, tp=2's
+    the smaller."""
     out = {p.candidate.label: p.seconds for p in decision.predictions}
     if not decision.exchange_seconds:
         return out
-    size = min(n for n, _ in decision.exchange_seconds)
+    sizes = sorted({n for n, _ in decision.exchange_seconds})
     for p in decision.predictions:
         c = p.candidate
-        if (c.tp, c.bits) not in decision.compute.exchange_in_backward:
+        if c.ep > 1 or (c.tp, c.bits) not in decision.compute.exchange_in_backward:
             continue
+        size = sizes[-1] if c.tp == 1 else sizes[0]
         fp32 = decision.prediction(dataclasses.replace(c, bits=None)).parts["dp"]
         t32, tc = decision.exchange_seconds[(size, None)], decision.exchange_seconds[(size, c.bits)]
         out[c.label] += max(fp32 + tc - t32, fp32 * tc / t32) - p.parts["dp"]
@@ -188,6 +191,11 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
         rho = spearman([predicted[k] for k in labels], [measured[k] for k in labels])
         stability = [spearman([a["measured"][k] for k in labels], [b["measured"][k] for k in labels])
                      for i, a in enumerate(rows) for b in rows[i + 1:]]
+        # the measured ranking's own reliability: the first half of the repetitions' medians against the second's
+        # (each half holds forward and reversed orders alike); no prediction can agree with it much better
+        halves = [{k: statistics.median(r["measured"][k] for r in part) for k in labels}
+                  for part in (rows[:len(rows) // 2], rows[len(rows) // 2:])]
+        split = spearman(*([h[k] for k in labels] for h in halves)) if len(rows) >= 2 else float("nan")
         pooled_pred += [predicted[k] / min(predicted.values()) for k in labels]
         pooled_meas += [measured[k] / min(measured.values()) for k in labels]
         best = min(measured, key=measured.get)
@@ -207,7 +215,8 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
                   f"| auto run (its own step time, setup excluded) | | {auto * 1e3:.1f} ms | {ddp / auto:.2f}x | | "
                   f"{stolen(rows, 'auto')} |",
                   "", f"Spearman predicted vs measured ({len(labels)} candidates): **{rho:.2f}**; measured vs "
-                  f"measured between repetitions: {', '.join(f'{x:.2f}' for x in stability) or 'n/a'}. Auto chose "
+                  f"measured between repetitions: {', '.join(f'{x:.2f}' for x in stability) or 'n/a'}; the first half "
+                  f"of the repetitions' medians against the second half's: {split:.2f}. Auto chose "
                   f"{', '.join(sorted(set(choices)))}; measured best {best}; the choice's measured step / the best's: "
                   f"{chosen / measured[best]:.2f}x (tokens/s {measured[best] / chosen:.2f}x of the best, "
                   f"{ddp / chosen:.2f}x of DDP); the auto run itself {ddp / auto:.2f}x of DDP."
@@ -244,7 +253,7 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
                       f"{spearman([alone[k] for k in labels], [measured[k] for k in labels]):.2f} (per repetition "
                       f"{', '.join(rho_of('alone', r) for r in rows)}; with it: "
                       f"{', '.join(rho_of('predicted', r) for r in rows)})", ""]
-        summary.append(f"{key} {rho:.2f}")
+        summary.append(f"{key} {rho:.2f} (measured half against half {split:.2f})")
     lines.append(f"Spearman per model: {', '.join(summary)}; pooled over the models (step times relative to each "
                  f"model's fastest): {spearman(pooled_pred, pooled_meas):.2f}")
     return "\n".join(lines)
