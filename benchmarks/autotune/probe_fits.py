@@ -1,7 +1,7 @@
 """One process group of 4 CPU ranks on loopback fitting the wide-FFN model again and again (issue #16: later fits
-in one process ran slower): each fit's median step (slowest rank), the process's peak RSS, threads, gc objects,
-process groups, and the CPU jiffies the host stole meanwhile. Kinds: ``tp1``, ``tp2``, ``tp1int8``, ``tp2int8``,
-``auto`` (the cost model's ``"auto"`` settings for tp and bits).
+in one process ran slower): each fit's median step (slowest rank), the process's RSS after it and its peak, threads,
+gc objects, process groups, and the CPU jiffies the host stole meanwhile. Kinds: ``tp1``, ``tp2``, ``tp1int8``,
+``tp2int8``, ``auto`` (the cost model's ``"auto"`` settings for tp and bits).
 
 Run: ``LDS_TOPOLOGY="0,1;2,3" .venv/bin/python benchmarks/autotune/probe_fits.py tp2int8,tp2int8,auto,tp2int8``
 (benchmarks/RESULTS.md, "Session 13").
@@ -59,7 +59,9 @@ def main() -> None:
         stolen = cpu_times().steal - before.steal
         if dist.get_rank() == 0:
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            print(f"fit {i} {kind}: {step * 1e3:.0f} ms  maxrss {rss:.0f} MiB  threads "
+            with open("/proc/self/statm") as statm:
+                now = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+            print(f"fit {i} {kind}: {step * 1e3:.0f} ms  rss {now:.0f} MiB (peak {rss:.0f})  threads "
                   f"{len(os.listdir('/proc/self/task'))}  objects {len(gc.get_objects())}  groups "
                   f"{len(dist.distributed_c10d._world.pg_map)}  steal {stolen}", flush=True)
 
