@@ -47,10 +47,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_deepseek.autotune.cost_model import DEFAULT_BLOCK_SIZE, ComputeProfile
 from lightning_deepseek.compression.config import CompressionConfig
-from lightning_deepseek.compression.hook import compressed_average, register_compression_hook
+from lightning_deepseek.compression.hook import compressed_average, exchange_communicator, register_compression_hook
 from lightning_deepseek.compression.quantize import dequantize, quantize
 from lightning_deepseek.compression.state import CompressionState
-from lightning_deepseek.parallel.groups import reused
 from lightning_deepseek.parallel.placement import probe_device
 
 
@@ -298,9 +297,7 @@ def _exchange_settings(bits_options: tuple[int, ...]) -> tuple[dict[int, Compres
     configs = {bits: CompressionConfig(bits=bits, block_size=DEFAULT_BLOCK_SIZE[bits], warmup_steps=0)
                for bits in bits_options}
     single = all(len(ranks) <= c.single_exchange_max_world for c in configs.values())
-    backend = dist.get_backend(world)
-    return configs, world if single else reused(("exchange_group", backend, tuple(ranks)),
-                                                lambda: dist.new_group(ranks, backend=backend))
+    return configs, world if single else exchange_communicator(tuple(ranks), dist.get_backend(world))
 
 
 class _Forward(nn.Module):

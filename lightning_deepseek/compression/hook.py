@@ -272,6 +272,12 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     return fut
 
 
+def exchange_communicator(ranks: tuple[int, ...], backend: str) -> dist.ProcessGroup:
+    """The phase-2 communicator over ``ranks``: made once (collective over the world), the same one for every later
+    exchange over these ranks in the same processes (:mod:`~lightning_deepseek.parallel.groups`)."""
+    return reused(("exchange_group", backend, tuple(ranks)), lambda: dist.new_group(list(ranks), backend=backend))
+
+
 def _exchange_group(process_group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A second communicator over the ranks of ``process_group``.
 
@@ -284,9 +290,7 @@ def _exchange_group(process_group: dist.ProcessGroup) -> dist.ProcessGroup:
     backend = dist.get_backend(process_group)
     mine = None
     for group_ranks in sorted({tuple(r) for r in everyone if r is not None}):
-        # the same ranks again (a later fit in the same processes): the same communicator, not one more
-        group = reused(("exchange_group", backend, group_ranks),
-                       lambda group_ranks=group_ranks: dist.new_group(list(group_ranks), backend=backend))
+        group = exchange_communicator(group_ranks, backend)
         if dist.get_rank() in group_ranks:
             mine = group
     assert mine is not None

@@ -20,19 +20,19 @@ from typing import TypeVar
 import torch.distributed as dist
 
 T = TypeVar("T")
-_CACHE: dict[Hashable, tuple[object, object]] = {}
+_CACHE: dict[Hashable, object] = {}
+_OWNER: list[object] = [None]  # the default process group the cached entries were made under
 
 
 def reused(key: Hashable, make: Callable[[], T]) -> T:
     """The value made by ``make`` for ``key`` under the current default process group, made once (collective where
     ``make`` is: every rank must ask for the same keys in the same order)."""
     world = dist.group.WORLD if dist.is_initialized() else None
-    cached = _CACHE.get(key)
-    if cached is not None and world is not None and cached[0] is world:
-        return cached[1]  # type: ignore[return-value]
-    if cached is not None and cached[0] is not world:
-        _CACHE.clear()  # a new world: every entry belongs to the old one
-    value = make()
-    if world is not None:
-        _CACHE[key] = (world, value)
-    return value
+    if world is None:
+        return make()
+    if _OWNER[0] is not world:  # a new world: every entry belongs to the old one
+        _CACHE.clear()
+        _OWNER[0] = world
+    if key not in _CACHE:
+        _CACHE[key] = make()
+    return _CACHE[key]  # type: ignore[return-value]
