@@ -8,7 +8,9 @@ On one island (one node) every rank order communicates over the same links: noth
 and ``auto`` is ``tp_intra_node``. A fixed policy without ``link_costs`` is not probed either.
 
 Cost model (per optimizer step, ring algorithms, ``n`` ranks in a group, link of bandwidth ``B`` and latency
-``a``; a group crossing islands runs at the slow link's figures):
+``a``; a group crossing islands runs at the slow link's figures, and ``k`` groups of one kind that leave the same
+island at once share its link, ``B / k`` each: on the 1 Gbit testbed two pairs all-reducing across the link at once
+took 2.0x one pair's time, 78 ms against 38 ms for 4.5 MiB, benchmarks/RESULTS.md "Session 15"):
 - tensor-parallel activations, per micro-batch: each column-wise layer all-gathers its input in forward and
   reduce-scatters the input gradient in backward, each row-wise layer reduce-scatters its output and
   all-gathers the output gradient: ``(n - 1) * (M / B + a)`` each, ``M`` the bytes of one rank's activations;
@@ -95,19 +97,28 @@ def _link(topology: Topology, ranks: list[int], links: dict[str, LinkCost]) -> L
     return links["inter"] if topology.spans_islands(ranks) else links["intra"]
 
 
+def concurrent_link(topology: Topology, groups: list[list[int]], links: dict[str, LinkCost]) -> LinkCost:
+    """The link each of ``groups`` gets when they all communicate at once (the slowest group's): a group crossing
+    islands runs at the slow link, whose bandwidth is shared by every group leaving the same island."""
+    slowest = max((_link(topology, g, links) for g in groups), key=lambda c: c.latency + 1 / c.bandwidth)
+    crossing = [set(g) for g in groups if topology.spans_islands(g)]
+    sharing = max((sum(1 for g in crossing if g & set(island)) for island in topology.islands), default=1)
+    return LinkCost(slowest.bandwidth / max(sharing, 1), slowest.latency)
+
+
 def estimate_comm_seconds(mesh: list[list[int]], topology: Topology, volume: CommVolume,
                           links: dict[str, LinkCost]) -> dict[str, float]:
-    """Communication seconds of one optimizer step on ``mesh``, by kind (the slowest group of each kind counts):
+    """Communication seconds of one optimizer step on ``mesh``, by kind (the slowest group of each kind counts,
+    the groups of a kind sharing the links they cross):
     ``tp`` (activations), ``sharded`` (shard gradients over ``dp``), ``replicated`` (gradients over the world)."""
     tp_size, dp_size = len(mesh[0]), len(mesh)
     seconds = {"tp": 0.0, "sharded": 0.0, "replicated": 0.0}
     if tp_size > 1:
-        link = max((_link(topology, row, links) for row in mesh), key=lambda c: c.latency + 1 / c.bandwidth)
+        link = concurrent_link(topology, mesh, links)
         per_op = (tp_size - 1) * (volume.activation_bytes / link.bandwidth + link.latency)
         seconds["tp"] = volume.micro_batches * 2 * (volume.num_colwise + volume.num_rowwise) * per_op
     if dp_size > 1 and volume.sharded_grad_bytes:
-        columns = [[row[j] for row in mesh] for j in range(tp_size)]
-        link = max((_link(topology, col, links) for col in columns), key=lambda c: c.latency + 1 / c.bandwidth)
+        link = concurrent_link(topology, [[row[j] for row in mesh] for j in range(tp_size)], links)
         seconds["sharded"] = all_reduce_seconds(volume.sharded_grad_bytes, dp_size, link)
     world = [r for row in mesh for r in row]
     if len(world) > 1:

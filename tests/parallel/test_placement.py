@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_deepseek.parallel.placement import CommVolume, LinkCost, candidate_mesh, choose_placement, probe_device
+from lightning_deepseek.parallel.placement import (
+    CommVolume,
+    LinkCost,
+    candidate_mesh,
+    choose_placement,
+    concurrent_link,
+    estimate_comm_seconds,
+    probe_device,
+)
 from lightning_deepseek.parallel.topology import Topology, parse_topology, validate_topology
 
 TWO_NODES = Topology(((0, 1), (2, 3)))
@@ -41,6 +49,18 @@ def test_accumulation_multiplies_activation_traffic_only() -> None:
     eight = choose_placement("auto", TWO_NODES, 2, 2, CommVolume(**volume, micro_batches=8), LINKS)[2]
     assert eight["tp_intra_node"] == pytest.approx(one["tp_intra_node"], rel=0.1)  # its tp traffic is on fast links
     assert eight["dp_intra_node"] > 4 * one["dp_intra_node"]
+
+
+def test_groups_leaving_one_island_at_once_share_its_link() -> None:
+    # measured on the 1 Gbit testbed: two pairs all-reducing across the link at once took 2.0x one pair's time
+    assert concurrent_link(TWO_NODES, [[0, 2], [1, 3]], LINKS) == LinkCost(117e6 / 2, 1e-4)
+    assert concurrent_link(TWO_NODES, [[0, 2]], LINKS) == LINKS["inter"]
+    assert concurrent_link(TWO_NODES, [[0, 1, 2, 3]], LINKS) == LINKS["inter"]  # one ring: its own link
+    assert concurrent_link(TWO_NODES, [[0, 1], [2, 3]], LINKS) == LINKS["intra"]  # nothing crosses
+    # the shard gradients' all-reduce over dp (two columns crossing at once) takes twice one column's time
+    volume = CommVolume(0, 0, 0, 10_000_000, 0)
+    shared = estimate_comm_seconds(candidate_mesh("tp_intra_node", TWO_NODES, 2, 2), TWO_NODES, volume, LINKS)
+    assert shared["sharded"] == pytest.approx(2 * 10_000_000 / 117e6 + 2 * 1e-4)
 
 
 def test_explicit_policy_is_kept_and_estimates_logged() -> None:
