@@ -1,18 +1,20 @@
-"""Why is compression predicted faster than training measures it? (issue #16, session 14)
+"""Why is compression predicted faster than training measures it? (issue #16, sessions 14-15)
 
-On the 1 Gbit testbed the cost model predicts the wide FFN's tp=1 int8/int4 steps 12-28 ms faster than training
-measures them, while its fp32 step comes out within a few percent. This probe times the same DDP-wrapped replicas
-(fp32, int8, int4 exchange; the hook as training registers it) three ways, on all 4 ranks, slowest rank's figures:
+The cost model predicts some compressed candidates faster than training measures them on the 1 Gbit testbed. This
+probe times DDP-wrapped copies of a model (fp32, int8, int4 exchange; the hook as training registers it), sharded as
+a candidate shards them (``--shard tp=2``, ``ep=2``...; DDP ignores the shards as ``HybridParallelStrategy`` does),
+several ways, on all 4 ranks, slowest rank's figures:
 
 - ``aligned``: one forward + backward after a barrier, interleaved across the exchanges (the setup's
   ``measure_exchange_in_backward``);
-- ``consecutive``: ``--steps`` forward + backward + optimizer steps back to back after one barrier (as training
-  runs them), the median step;
-- ``alone``: the exchange of the whole gradient alone (the setup's ``measure_exchange``).
+- ``consecutive``: ``--steps`` forward + backward + optimizer steps back to back after one barrier, the median step;
+- ``training``: the same with the strategy's reduction of the shards' gradients after backward (a training step);
+- ``alone``: the exchange of DDP's gradient bytes alone (the setup's ``measure_exchange``).
 
 Run (root)::
 
-    flock /work/wt/bench.lock .venv/bin/python benchmarks/autotune/probe_exchange.py --testbed --rate 1gbit
+    flock /work/wt/bench.lock .venv/bin/python benchmarks/autotune/probe_exchange.py --testbed --rate 1gbit \
+        [--model demo --shard tp=2]
 """
 
 from __future__ import annotations
@@ -28,53 +30,89 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-WIDE_FFN = (dict(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=256, mlp_ratio=16), 2, 16)
-
-
 def worker(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
 
+    from benchmarks.autotune.bench_cost_model import MODELS
     from benchmarks.timed_gpt import TimedGPT
     from lightning_deepseek.autotune.cost_model import DEFAULT_BLOCK_SIZE
-    from lightning_deepseek.autotune.measure import MicroBatch, _Forward, measure_exchange
+    from lightning_deepseek.autotune.measure import MicroBatch, _Forward, first_optimizer, measure_exchange
     from lightning_deepseek.compression import CompressionConfig, register_compression_hook
     from lightning_deepseek.models import GPTConfig
+    from lightning_deepseek.models.gpt import PRESETS
+    from lightning_deepseek.parallel.dims import ParallelDims
+    from lightning_deepseek.parallel.expert import (
+        ExpertParallelDims,
+        apply_expert_parallel,
+        build_expert_mesh,
+        reduce_expert_gradients,
+    )
+    from lightning_deepseek.parallel.gradients import reduce_shard_gradients
+    from lightning_deepseek.parallel.plan import decide_plan
+    from lightning_deepseek.parallel.styles import apply_tensor_parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    config, batch, seq = WIDE_FFN
+    world = dist.get_world_size()
+    _, config, batch, seq = MODELS[args.model]
+    config = GPTConfig(**{**PRESETS.get(config.get("preset", ""), {}),
+                          **{k: v for k, v in config.items() if k != "preset"}})
+    kind, size = args.shard.split("=") if "=" in args.shard else ("none", "1")
+    size = int(size)
     pl.seed_everything(0, verbose=False)
     tokens = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
     data = (tokens[:, :-1], tokens[:, 1:])
     variants = (None, 8, 4)
-    wrapped, optimizers = {}, {}
+    wrapped, optimizers, reductions = {}, {}, {}
     for bits in variants:
-        module = TimedGPT(GPTConfig(**config), torch.optim.AdamW, lr=1e-4)
+        module = TimedGPT(config, torch.optim.AdamW, lr=1e-4)
         module.log = module.log_dict = lambda *a, **k: None
-        ddp = DistributedDataParallel(_Forward(module, MicroBatch(data, False, "", batch * seq).step(module)))
+        reduce = lambda: None  # noqa: E731
+        if kind == "tp":
+            # tp_intra_node on the testbed's 2 x 2 ranks: tp groups within a host, dp across
+            grid = [list(range(r, r + size)) for r in range(0, world, size)]
+            mesh = ParallelDims(world, tp=size).build_mesh("cpu", grid)
+            plan = decide_plan(module, "auto", world, size, False, 0)
+            apply_tensor_parallel(module, plan.styles, mesh["tp"])
+
+            def reduce(module=module, mesh=mesh) -> None:
+                grads = [p.grad.to_local() for p in module.parameters()
+                         if isinstance(p, DTensor) and p.grad is not None]
+                reduce_shard_gradients(grads, mesh.get_group("dp"), world)
+        elif kind == "ep":
+            mesh = build_expert_mesh("cpu", ExpertParallelDims(world, size))
+            apply_expert_parallel(module, mesh)
+            reduce = lambda module=module, mesh=mesh: reduce_expert_gradients(module.parameters(), mesh)  # noqa: E731
+        forward = _Forward(module, MicroBatch(data, False, "", batch * seq).step(module))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            forward, [name for name, p in forward.named_parameters() if isinstance(p, DTensor)])
+        ddp = DistributedDataParallel(forward)
         if bits is not None:
             register_compression_hook(ddp, CompressionConfig(bits=bits, block_size=DEFAULT_BLOCK_SIZE[bits],
                                                              warmup_steps=0))
-        wrapped[bits], optimizers[bits] = ddp, torch.optim.AdamW(module.parameters(), lr=1e-4)
+        wrapped[bits], optimizers[bits], reductions[bits] = ddp, first_optimizer(module), reduce
 
     def slowest(seconds: float) -> float:
         t = torch.tensor([seconds])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
-    def step(bits, optimize: bool) -> None:
+    def step(bits, optimize: bool, reduce: bool = False) -> None:
         wrapped[bits]().backward()
+        if reduce:
+            reductions[bits]()
         if optimize:
             optimizers[bits].step()
         optimizers[bits].zero_grad(set_to_none=True)
 
-    out: dict[str, dict] = {"aligned": {}, "consecutive": {}, "alone": {}}
+    out: dict[str, dict] = {"aligned": {}, "consecutive": {}, "training": {}, "alone": {}}
     for bits in variants:  # warm-up: DDP's bucket rebuild, the hook's plans, the optimizer states
-        step(bits, True)
-        step(bits, True)
+        step(bits, True, True)
+        step(bits, True, True)
     aligned = {b: [] for b in variants}
     for _ in range(args.repeats):
         for bits in variants:
@@ -82,25 +120,26 @@ def worker(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             step(bits, False)
             aligned[bits].append(slowest(time.perf_counter() - start))
-    consecutive = {b: [] for b in variants}
-    for _ in range(args.rounds):
-        for bits in variants:
-            dist.barrier()
-            marks = [time.perf_counter()]
-            for _ in range(args.steps):
-                step(bits, True)
-                marks.append(time.perf_counter())
-            steps = torch.tensor([b - a for a, b in zip(marks, marks[1:])])
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-            consecutive[bits] += steps.tolist()[1:]
-    grad_bytes = sum(p.numel() * 4 for p in wrapped[None].parameters())
+    for name, reduce in (("consecutive", False), ("training", True)):
+        consecutive = {b: [] for b in variants}
+        for _ in range(args.rounds):
+            for bits in variants:
+                dist.barrier()
+                marks = [time.perf_counter()]
+                for _ in range(args.steps):
+                    step(bits, True, reduce)
+                    marks.append(time.perf_counter())
+                steps = torch.tensor([b - a for a, b in zip(marks, marks[1:])])
+                dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+                consecutive[bits] += steps.tolist()[1:]
+        out[name] = {b: statistics.median(v) for b, v in consecutive.items()}
+    grad_bytes = sum(p.numel() * 4 for p in wrapped[None].parameters() if not isinstance(p, DTensor))
     alone = measure_exchange([grad_bytes], (8, 4), torch.device("cpu"), repeats=args.repeats)
-    alone = {b: slowest(alone[(grad_bytes, b)]) for b in variants}
-    name = {None: "fp32", 8: "int8", 4: "int4"}
+    label = {None: "fp32", 8: "int8", 4: "int4"}
     for bits in variants:
-        out["aligned"][name[bits]] = statistics.median(aligned[bits])
-        out["consecutive"][name[bits]] = statistics.median(consecutive[bits])
-        out["alone"][name[bits]] = alone[bits]
+        out["aligned"][bits] = statistics.median(aligned[bits])
+        out["alone"][bits] = slowest(alone[(grad_bytes, bits)])
+    out = {kind: {label[b]: v for b, v in row.items()} for kind, row in out.items()}
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -111,13 +150,15 @@ def main(args: argparse.Namespace) -> None:
 
     out = Path(tempfile.mkdtemp(prefix="ldsp-")) / "probe.json"
     common = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
-              "--rounds", str(args.rounds), "--repeats", str(args.repeats)]
+              "--rounds", str(args.rounds), "--repeats", str(args.repeats), "--model", args.model,
+              "--shard", args.shard]
     if args.testbed:
         with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
             run_ranks(common, 29752, args.timeout, ROOT, bed)
     else:
         run_ranks(common, 29751, args.timeout, ROOT)
     result = json.loads(out.read_text())
+    print(f"{args.model}, {args.shard}, {'testbed ' + args.rate if args.testbed else 'loopback'}")
     print("| timing | fp32 | int8 | int4 | int8 - fp32 | int4 - fp32 |\n|---|---|---|---|---|---|")
     for kind, row in result.items():
         print(f"| {kind} | " + " | ".join(f"{row[k] * 1e3:.1f} ms" for k in ("fp32", "int8", "int4"))
@@ -128,6 +169,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     from benchmarks.testbed import add_arguments
     add_arguments(parser, prefix="ldsp", subnet="10.213.76")
+    parser.add_argument("--model", default="ffn", choices=("ffn", "demo", "moe"), help="bench_cost_model's models")
+    parser.add_argument("--shard", default="none", help="none, tp=N or ep=N: the copies sharded as that candidate")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
