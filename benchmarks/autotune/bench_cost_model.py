@@ -127,7 +127,7 @@ def worker(args: argparse.Namespace) -> None:
                                   optimizer=c.optimizer_seconds, routed_bytes=c.routed_bytes,
                                   sharded={f"{k}={n}": v for (k, n), v in c.sharded.items()}, source=c.source)
             row["exchange"] = {f"{n} {b}": v for (n, b), v in decision.exchange_seconds.items()}
-            row["in_backward"] = {f"tp={tp} int{b}": v for (tp, b), v in c.exchange_in_backward.items()}
+            row["in_backward"] = {f"{k}={n} int{b}": v for (k, n, b), v in c.exchange_in_backward.items()}
             row["alone"] = alone_predictions(decision)
             row["tokens_per_step"] = batch * seq * world
             results.append(row)
@@ -136,19 +136,20 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def alone_predictions(decision) -> dict[str, float]:
-    """The predictions had compression under tensor parallelism come from the exchange timed alone (the cost
-    model's rule before it was timed inside backward): ``dp = max(E + Tc - T32, E Tc / T32)``, ``E`` the fp32
-    candidate's. The grids here have tp 1 and 2 only: tp=1's replicated bytes are the larger measured size, tp=2's
-    the smaller."""
+    """The predictions had compression under sharding come from the exchange timed alone (the cost model's rule
+    before it was timed in the sharded copies' steps): ``dp = max(E + Tc - T32, E Tc / T32)``, ``E`` the fp32
+    candidate's. The grids here shard at most one way: unsharded candidates' replicated bytes are the larger
+    measured size, sharded ones' the smaller."""
     out = {p.candidate.label: p.seconds for p in decision.predictions}
     if not decision.exchange_seconds:
         return out
     sizes = sorted({n for n, _ in decision.exchange_seconds})
     for p in decision.predictions:
         c = p.candidate
-        if c.ep > 1 or (c.tp, c.bits) not in decision.compute.exchange_in_backward:
+        sharding = ("tp", c.tp) if c.ep == 1 else ("ep", c.ep)
+        if (*sharding, c.bits) not in decision.compute.exchange_in_backward:
             continue
-        size = sizes[-1] if c.tp == 1 else sizes[0]
+        size = sizes[0]
         fp32 = decision.prediction(dataclasses.replace(c, bits=None)).parts["dp"]
         t32, tc = decision.exchange_seconds[(size, None)], decision.exchange_seconds[(size, c.bits)]
         out[c.label] += max(fp32 + tc - t32, fp32 * tc / t32) - p.parts["dp"]
@@ -248,7 +249,7 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
                 return f"{spearman([row[field][k] for k in labels], [row['measured'][k] for k in labels]):.2f}"
             alone = {k: statistics.median(r["alone"][k] for r in rows) for k in labels}
             inside = ", ".join(f"{k} {v * 1e3:+.0f} ms" for k, v in rows[0]["in_backward"].items())
-            lines += [f"Compression under tensor parallelism timed inside backward at setup (over fp32, first "
+            lines += [f"Compression under sharding timed in the copies' training steps at setup (over fp32, first "
                       f"repetition): {inside}. Spearman had it come from the exchange timed alone instead: "
                       f"{spearman([alone[k] for k in labels], [measured[k] for k in labels]):.2f} (per repetition "
                       f"{', '.join(rho_of('alone', r) for r in rows)}; with it: "

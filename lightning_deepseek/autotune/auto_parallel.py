@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_deepseek.autotune.cost_model import (
     Candidate,
@@ -54,7 +55,14 @@ from lightning_deepseek.autotune.measure import (
 )
 from lightning_deepseek.moe.protocol import find_expert_layers
 from lightning_deepseek.parallel.dims import ParallelDims
-from lightning_deepseek.parallel.expert import ExpertParallelDims, apply_expert_parallel, build_expert_mesh
+from lightning_deepseek.parallel.expert import (
+    ExpertParallelDims,
+    apply_expert_parallel,
+    build_expert_mesh,
+    is_expert_param,
+    reduce_expert_gradients,
+)
+from lightning_deepseek.parallel.gradients import reduce_shard_gradients
 from lightning_deepseek.parallel.placement import CommVolume, LinkCost, comm_volume, probe_links
 from lightning_deepseek.parallel.plan import Plan
 from lightning_deepseek.parallel.styles import apply_tensor_parallel
@@ -154,11 +162,14 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
         why = " (sharding predicted by the formulas: not measured)" if shardings else ""
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=measured.compute.source + why))
-    # compression beside tensor parallelism: one more copy per tp size and exchange, timed inside backward
-    tp_bits = tuple(sorted({c.bits for c in options if c.tp > 1 and c.bits is not None}, reverse=True))
-    tp_sharded = {tp: shard for (kind, tp), shard in shardings.items() if kind == "tp"} if tp_bits else {}
-    copies = (1 + len(shardings) + len(tp_sharded) * (1 + len(tp_bits))) * memory_bytes(Candidate(), facts,
-                                                                                      measured.compute)
+    # compression beside one sharding (tp or ep): one more copy per size and exchange, timed in training steps
+    sharded_bits = tuple(sorted({c.bits for c in options if c.bits is not None and (c.tp > 1) != (c.ep > 1)},
+                                reverse=True))
+    exchanged = {key: shard for key, shard in shardings.items()
+                 if any(c.bits is not None and (c.tp, c.ep) == ((key[1], 1) if key[0] == "tp" else (1, key[1]))
+                        for c in options)}
+    copies = (1 + len(shardings) + len(exchanged) * (1 + len(sharded_bits))) * memory_bytes(Candidate(), facts,
+                                                                                           measured.compute)
     room = machine.headroom * machine.device_memory_bytes - memory_bytes(Candidate(), facts, measured.compute)
     if agree([float(copies > room)])[0]:  # hosts may differ in memory: all ranks skip, or none (collectives follow)
         why = " (sharding predicted by the formulas: no room for copies of the model)"
@@ -171,13 +182,13 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=f"{measured.compute.source} (sharding predicted by the formulas: {exc})"))
     middle = time.perf_counter()
-    in_backward: dict[tuple[int, int], float] = {}
-    if tp_sharded:
+    in_backward: dict[tuple[str, int, int], float] = {}
+    if exchanged:
         try:
-            in_backward = measure_exchange_in_backward(module, measured.batch, tp_sharded, tp_bits,
+            in_backward = measure_exchange_in_backward(module, measured.batch, exchanged, sharded_bits,
                                                        machine.bucket_bytes, repeats)
         except RuntimeError as exc:  # DDP's own refusal (unused parameters...), alike on every rank: keep the rest
-            rank_zero_info(f"cost model: compression under tensor parallelism not timed inside backward ({exc}); "
+            rank_zero_info(f"cost model: compression under sharding not timed in training steps ({exc}); "
                            "predicted from the exchange timed alone")
     compute = dataclasses.replace(measured.compute, optimizer_seconds=optimizer, sharded=sharded,
                                   exchange_in_backward=in_backward)
@@ -185,7 +196,7 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
     source = (f"{compute.source}; sharding measured on copies ({', '.join(f'{k}={n}' for k, n in shardings)}, "
               f"{repeats} interleaved steps each, {middle - start:.1f} s)")
     if in_backward:
-        source += (f"; compression under tp measured inside backward on DDP-wrapped copies "
+        source += (f"; compression under sharding measured in training steps of DDP-wrapped copies "
                    f"({time.perf_counter() - middle:.1f} s)")
     return dataclasses.replace(measured, compute=dataclasses.replace(compute, source=source))
 
@@ -206,12 +217,26 @@ def _measure_exchange(machine: Machine, options: Sequence[Candidate], facts: Mod
 
 
 def _shard_tp(styles: dict[str, str], dims: ParallelDims, grid: list[list[int]], device_type: str,
-              copy: nn.Module) -> None:
-    apply_tensor_parallel(copy, styles, dims.build_mesh(device_type, grid)["tp"])
+              copy: nn.Module) -> Callable[[], None]:
+    """Shard ``copy`` as the strategy would at ``dims.tp``; returns the strategy's reduction of its shards'
+    gradients over ``dp`` (``HybridParallelStrategy.reduce_tensor_parallel_gradients``)."""
+    mesh = dims.build_mesh(device_type, grid)
+    apply_tensor_parallel(copy, styles, mesh["tp"])
+
+    def reduce() -> None:
+        grads = [p.grad.to_local() for p in copy.parameters()
+                 if isinstance(p, DTensor) and not is_expert_param(p) and p.grad is not None]
+        reduce_shard_gradients(grads, mesh.get_group("dp") if grads and dims.dp > 1 else None, dims.world_size)
+
+    return reduce
 
 
-def _shard_ep(dims: ExpertParallelDims, device_type: str, copy: nn.Module) -> None:
-    apply_expert_parallel(copy, build_expert_mesh(device_type, dims))
+def _shard_ep(dims: ExpertParallelDims, device_type: str, copy: nn.Module) -> Callable[[], None]:
+    """Shard ``copy``'s experts as the strategy would at ``dims.ep_size``; returns the reduction of the experts'
+    gradients over their replicas."""
+    mesh = build_expert_mesh(device_type, dims)
+    apply_expert_parallel(copy, mesh)
+    return functools.partial(reduce_expert_gradients, list(copy.parameters()), mesh)
 
 
 def decide_compression(module: pl.LightningModule, trainer: pl.Trainer, topology: Topology, dp_size: int,
@@ -254,8 +279,9 @@ def _print(decision: Decision, setting: str, measured: Measured, tokens: int, ma
         if m == n) for n in sizes)
     exchange = f"; gradient exchange measured on the world's group: {exchange}" if exchange else ""
     if compute.exchange_in_backward:
-        exchange += "; compression inside a tensor-parallel backward, over fp32: " + ", ".join(
-            f"tp={tp} int{b} {s * 1e3:+.1f} ms" for (tp, b), s in sorted(compute.exchange_in_backward.items()))
+        exchange += "; compression in a sharded training step, over fp32: " + ", ".join(
+            f"{kind}={size} int{b} {s * 1e3:+.1f} ms"
+            for (kind, size, b), s in sorted(compute.exchange_in_backward.items()))
     rank_zero_info(f"{setting}: cost model (lightning_deepseek.autotune.cost_model); compute {compute.source}: "
                    f"forward {compute.forward_seconds * 1e3:.1f} ms, backward {compute.backward_seconds * 1e3:.1f} ms, "
                    f"{tokens} tokens per rank; links {links}{exchange}\n{decision.table()}")

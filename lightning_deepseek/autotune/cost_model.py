@@ -42,7 +42,10 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   backward rather than running beside it (on loopback, all of the exchange); only the wait on a slower link
   hides. Without this term the loopback predictions missed the whole all-reduce of an 11 MB MoE model.
 - ``after_backward``: the tensor-parallel shards' all-reduce over ``dp`` and the experts' over ``world/ep`` run
-  once per step after backward (the strategy's reduction), not overlapped.
+  once per step after backward (the strategy's reduction), not overlapped; all groups at once, so those leaving one
+  island share its link (:func:`~lightning_deepseek.parallel.placement.concurrent_link`). Counting one group alone
+  predicted the MoE's ep=2 23-50 ms too fast on the 1 Gbit testbed, its two expert replica pairs crossing the link
+  together (benchmarks/RESULTS.md, "Session 15").
 - compression, **measured** (the default of the ``"auto"`` settings): the fp32 all-reduce DDP runs and the hook's own
   compressed exchange (quantize with the residual, the collectives, phase 2, the write) of the candidate's
   replicated gradient bytes, timed at setup on the world's process group, all ranks at once, interleaved
@@ -56,15 +59,15 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   alone took 19-41 ms (the ranks share the cores and gloo's threads run beside them), so tp=1 int4 was predicted
   176 ms faster than fp32 where training measured 72-91 ms; the measured exchanges (fp32 263 ms, int4 203 ms,
   slowest rank) give ~55 ms (benchmarks/RESULTS.md, "Compression predicted from the exchange measured at setup").
-  Under tensor parallelism (``tp > 1``), **measured inside backward** where that was measured
-  (:func:`~lightning_deepseek.autotune.measure.measure_exchange_in_backward`: copies sharded at ``tp``, wrapped in
-  DDP as the strategy wraps them, with the fp32 exchange and with the hook, forward + backward timed interleaved):
+  Under one sharding (``tp > 1`` or ``ep > 1``), **measured in training steps** where that was measured
+  (:func:`~lightning_deepseek.autotune.measure.measure_exchange_in_backward`: copies sharded that way, wrapped in
+  DDP as the strategy wraps them, with the fp32 exchange and with the hook, training steps timed back to back):
   ``exposed_dp = max(0, E + D)`` with ``D`` the measured difference. Why: the hook's quantize and collectives run
-  beside tensor parallelism's collectives, on oversubscribed cores where a delay on one rank stalls its
-  tensor-parallel partners, which the exchange timed alone does not see (on the 1 Gbit testbed it put the wide
-  FFN's tp=2 int8 level with tp=2 fp32 where one benchmark measured it 40-95 ms slower; with that benchmark's order
-  counterbalanced, -28 to +53 ms). Over 17 repetitions it ranked a little better than the exchange alone (Spearman
-  0.61 against 0.55 per repetition; benchmarks/RESULTS.md, "Session 13"). Not done for expert parallelism.
+  beside tensor or expert parallelism's collectives, on oversubscribed cores where a delay on one rank stalls its
+  partners, which the exchange timed alone does not see: on the 1 Gbit testbed, where tp=2 and ep=2 leave DDP
+  1.3-2.4 MiB, the exchange alone saw int8 save 7-21 ms while training measured it 7-18 ms slower, and single
+  aligned passes (this measurement until session 14) saw it save 6-16 ms (benchmarks/RESULTS.md, "Session 13",
+  "Session 15").
 - ``quantize = replicated bytes * (q + n dq)`` (the fallback without the measurement) with ``q``/``dq`` the measured
   seconds per fp32 byte of the quantize / dequantize kernels on this machine, ``n`` the payloads dequantized (DDP's
   ranks, the world, with the single all-gather exchange; 2 with the two-phase one); it runs in DDP's hook on
@@ -104,6 +107,7 @@ from lightning_deepseek.parallel.placement import (
     all_to_all_seconds,
     candidate_mesh,
     choose_placement,
+    concurrent_link,
     estimate_comm_seconds,
     group_link,
 )
@@ -150,10 +154,10 @@ class ComputeProfile:
             one micro-batch's forward + backward (its collectives included) and to an optimizer step, over a
             replicated copy timed interleaved with it (may be negative: noise, or less work). A size missing here
             is predicted by the formulas.
-        exchange_in_backward: ``{(tp, bits): seconds}``: what compressing DDP's exchange to ``bits`` adds to the
-            forward + backward of a copy sharded at ``tp`` and wrapped in DDP, over the same with the fp32
-            exchange (negative: saves). Where present, a ``tp > 1`` compressed candidate's exchange is predicted
-            from it.
+        exchange_in_backward: ``{(kind, size, bits): seconds}`` (kind ``"tp"`` or ``"ep"``): what compressing
+            DDP's exchange to ``bits`` adds to a training step of a copy sharded that way and wrapped in DDP, over
+            the same with the fp32 exchange (negative: saves). Where present, a compressed candidate sharded that
+            way (and only that way) is predicted from it.
     """
 
     forward_seconds: float
@@ -163,7 +167,7 @@ class ComputeProfile:
     source: str = "given"
     optimizer_seconds: float = 0.0
     sharded: Mapping[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
-    exchange_in_backward: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    exchange_in_backward: Mapping[tuple[str, int, int], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -336,7 +340,9 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
         hideable = wire - busy
         return busy + max(hideable - machine.overlap * backward, hideable * last_bucket) if ddp_bytes else 0.0
 
-    in_backward = compute.exchange_in_backward.get((candidate.tp, candidate.bits)) if candidate.tp > 1 else None
+    sharding = ("tp", candidate.tp) if candidate.ep == 1 else ("ep", candidate.ep) if candidate.tp == 1 else None
+    in_backward = (compute.exchange_in_backward.get((*sharding, candidate.bits))
+                   if sharding is not None and sharding[1] > 1 else None)
     measured_exchange = [machine.exchange_seconds.get((ddp_bytes, b)) for b in (None, candidate.bits)]
     if candidate.bits is None or in_backward is not None or None in measured_exchange:
         measured_exchange = None
@@ -352,12 +358,14 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
     }
     if candidate.ep > 1:
         if ep_measured is None:
-            ep_link = group_link(topology, list(range(candidate.ep)), links)
+            ep_groups = [list(range(r, r + candidate.ep)) for r in range(0, world, candidate.ep)]
+            ep_link = concurrent_link(topology, ep_groups, links)
             parts["ep"] = micro * facts.num_moe_layers * (
                 4 * all_to_all_seconds(compute.routed_bytes, candidate.ep, ep_link)
                 + all_to_all_seconds(0, candidate.ep, ep_link))
+        replicas = [list(range(r, world, candidate.ep)) for r in range(candidate.ep)]  # the edp groups, at once
         parts["after"] += all_reduce_seconds(facts.expert_bytes // candidate.ep, world // candidate.ep,
-                                             group_link(topology, list(range(0, world, candidate.ep)), links))
+                                             concurrent_link(topology, replicas, links))
     if in_backward is not None and ddp_bytes:  # measured where it runs: beside tensor parallelism's collectives
         parts["dp"] = max(0.0, parts["dp"] + in_backward)
     elif measured_exchange is not None and ddp_bytes:

@@ -16,11 +16,12 @@
 - the gradient exchange: the fp32 all-reduce and the compression hook's own exchange of each candidate's replicated
   gradient bytes, on the world's process group, all ranks at once, interleaved (:func:`measure_exchange`): what
   the compressed exchange costs against the fp32 one where the ranks share the cores and gloo's threads.
-- the exchange inside a tensor-parallel backward: copies of the model sharded at each ``tp`` size and wrapped in
+- the exchange in a sharded training step: copies of the model sharded at each ``tp`` or ``ep`` size and wrapped in
   DDP as the strategy wraps them, one per exchange (fp32 and each compression, the hook registered as training
-  registers it), forward + backward timed interleaved (:func:`measure_exchange_in_backward`): what compression
-  adds or saves where the exchange runs beside tensor parallelism's collectives, which the exchange timed alone
-  does not see (benchmarks/RESULTS.md, "Session 13").
+  registers it), training steps timed back to back, the copies taking turns (:func:`measure_exchange_in_backward`):
+  what compression adds or saves where the exchange runs beside tensor or expert parallelism's collectives and
+  their gradient reduction, which the exchange timed alone does not see (benchmarks/RESULTS.md, "Session 13",
+  "Session 15").
 - links: :func:`lightning_deepseek.parallel.placement.probe_links` (reused, not duplicated).
 - device memory: the GPU's total memory, or the host's physical memory shared by its processes.
 Ranks measure different figures; :func:`agree` takes the slowest of every figure so that every rank decides the
@@ -196,9 +197,10 @@ def measure_compute(module: nn.Module, step: Callable[[], Any], description: str
                           f"measured: {repeats} forward/backward passes of {description or 'a micro-batch'}")
 
 
-# Shards a copy of the model in place. The process groups of its mesh stay open: torch's DeviceMesh resolves groups
-# by name, and a mesh the strategy builds later for the same ranks may be handed a closed one.
-Shard = Callable[[nn.Module], None]
+# Shards a copy of the model in place and returns the strategy's reduction of its shards' gradients after backward.
+# The process groups of its mesh stay open: torch's DeviceMesh resolves groups by name, and a mesh the strategy
+# builds later for the same ranks may be handed a closed one.
+Shard = Callable[[nn.Module], Callable[[], None]]
 
 
 class CopyError(RuntimeError):
@@ -314,30 +316,38 @@ class _Forward(nn.Module):
         return self._step()
 
 
-def measure_exchange_in_backward(module: pl.LightningModule, batch: MicroBatch, shardings: Mapping[int, Shard],
-                                 bits_options: tuple[int, ...], bucket_bytes: int,
-                                 repeats: int = 3) -> dict[tuple[int, int], float]:
-    """``{(tp, bits): seconds}``: what compressing DDP's exchange to ``bits`` adds to a micro-batch's forward +
-    backward under each tensor-parallel sharding (negative: saves), against the fp32 exchange (collective).
+def measure_exchange_in_backward(module: pl.LightningModule, batch: MicroBatch,
+                                 shardings: Mapping[tuple[str, int], Shard], bits_options: tuple[int, ...],
+                                 bucket_bytes: int, repeats: int = 3,
+                                 steps: int = 2) -> dict[tuple[str, int, int], float]:
+    """``{(kind, size, bits): seconds}``: what compressing DDP's exchange to ``bits`` adds to a training step under
+    each sharding of ``shardings`` (``("tp", 2)``, ``("ep", 4)``...; negative: saves), against the fp32 exchange
+    (collective).
 
-    For each ``tp`` of ``shardings`` (each sharding a copy in place) and each exchange (fp32, then every
-    ``bits``): a copy of ``module``, sharded, wrapped in ``DistributedDataParallel`` over the world with the
-    tensor-parallel parameters ignored and ``bucket_bytes`` buckets, as ``HybridParallelStrategy`` wraps it, and
-    the compression hook registered on it (warm-up steps 0). Every copy runs ``repeats`` timed forward + backward
-    passes (after one warm-up: DDP's bucket rebuild and the hook's plans), interleaved, aligned by a barrier;
-    backward returns once DDP's exchange has completed, so its exposed part is in the figure. The differences of
-    the medians from the fp32 copy's are returned. ``module`` and the random state are not touched.
+    For each sharding and each exchange (fp32, then every ``bits``): a copy of ``module``, sharded, wrapped in
+    ``DistributedDataParallel`` over the world with the shards (``DTensor`` parameters) ignored and
+    ``bucket_bytes`` buckets, as ``HybridParallelStrategy`` wraps it, and the compression hook registered on it
+    (warm-up steps 0). Every copy runs ``repeats`` rounds (after one warm-up round: DDP's bucket rebuild, the hook's
+    plans, the optimizer states) of ``steps`` training steps back to back after a barrier: forward, backward (which
+    returns once DDP's exchange has completed), the sharding's reduction of the shards' gradients, a step of the
+    module's own optimizer; the copies take turns round by round. The differences of the median steps from the
+    fp32 copy's are returned. Steps back to back, not single passes after a barrier: on the 1 Gbit testbed single
+    aligned passes saw compression under tp=2 save 6-16 ms where training measured it 13-18 ms slower
+    (benchmarks/RESULTS.md, "Session 15"). ``module`` and the random state are not touched.
 
     Raises:
         CopyError: ``module`` cannot be deep-copied (raised before any collective, on every rank alike).
     """
     device = next(module.parameters()).device
-    keys = [(tp, bits) for tp in shardings for bits in (None, *bits_options)]
+    keys = [(sharding, bits) for sharding in shardings for bits in (None, *bits_options)]
     copies = {key: replica(module) for key in keys}
     configs, _ = _exchange_settings(bits_options)
-    wrapped: dict[tuple[int, int | None], DistributedDataParallel] = {}
-    for (tp, bits), m in copies.items():
-        shardings[tp](m)
+    wrapped: dict[tuple[tuple[str, int], int | None], DistributedDataParallel] = {}
+    reductions: dict[tuple[tuple[str, int], int | None], Callable[[], None]] = {}
+    optimizers: dict[tuple[tuple[str, int], int | None], torch.optim.Optimizer | None] = {}
+    for (sharding, bits), m in copies.items():
+        reductions[(sharding, bits)] = shardings[sharding](m)
+        optimizers[(sharding, bits)] = first_optimizer(m)
         if isinstance(m, pl.LightningModule):
             m.log = m.log_dict = lambda *args, **kwargs: None
         forward = _Forward(m, batch.step(m))
@@ -347,21 +357,26 @@ def measure_exchange_in_backward(module: pl.LightningModule, batch: MicroBatch, 
                                       bucket_cap_mb=bucket_bytes / 2**20)
         if bits is not None:
             register_compression_hook(ddp, configs[bits])  # its communicator: the one measure_exchange reuses
-        wrapped[(tp, bits)] = ddp
-    passes: dict[tuple[int, int | None], list[float]] = {key: [] for key in keys}
+        wrapped[(sharding, bits)] = ddp
+    seconds: dict[tuple[tuple[str, int], int | None], list[float]] = {key: [] for key in keys}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for i in range(repeats + 1):
             for key, ddp in wrapped.items():
                 dist.barrier()
-                _synchronize(device)
-                start = time.perf_counter()
-                _loss_of(ddp()).backward()
-                _synchronize(device)
-                if i:  # the first round rebuilds DDP's buckets and makes the hook's plans
-                    passes[key].append(time.perf_counter() - start)
-                ddp.zero_grad(set_to_none=True)
-    return {(tp, bits): statistics.median(passes[(tp, bits)]) - statistics.median(passes[(tp, None)])
-            for tp, bits in keys if bits is not None}
+                for _ in range(steps):
+                    _synchronize(device)
+                    start = time.perf_counter()
+                    _loss_of(ddp()).backward()
+                    reductions[key]()
+                    if optimizers[key] is not None:
+                        optimizers[key].step()
+                    _synchronize(device)
+                    if i:  # the first round rebuilds DDP's buckets and makes the hook's plans
+                        seconds[key].append(time.perf_counter() - start)
+                    ddp.zero_grad(set_to_none=True)
+    median = {key: statistics.median(times) for key, times in seconds.items()}
+    return {(*sharding, bits): median[(sharding, bits)] - median[(sharding, None)]
+            for sharding, bits in keys if bits is not None}
 
 
 def measure_quantize(num_bytes: int, bits_options: tuple[int, ...] = (8, 4), device: torch.device | None = None,

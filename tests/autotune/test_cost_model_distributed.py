@@ -22,12 +22,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_deepseek.autotune.auto_parallel import _shard_tp
+from lightning_deepseek.autotune.auto_parallel import _shard_ep, _shard_tp
 from lightning_deepseek.autotune.cost_model import Candidate
 from lightning_deepseek.autotune.measure import MicroBatch, measure_exchange, measure_exchange_in_backward
 from lightning_deepseek.compression import GradientCompression
 from lightning_deepseek.parallel import HybridParallelStrategy
 from lightning_deepseek.parallel.dims import ParallelDims
+from lightning_deepseek.parallel.expert import ExpertParallelDims
 from lightning_deepseek.parallel.plan import decide_plan
 from tests.helpers import run_distributed
 from tests.parallel.common import LogRecords, TinyLM, loader, make_trainer, token_data
@@ -101,15 +102,18 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _in_backward(world_size: int) -> dict[str, Any]:
-    """``measure_exchange_in_backward`` on tp=2 copies of the tiny GPT; the module itself must stay untouched."""
+    """``measure_exchange_in_backward`` on tp=2 and ep=2 copies of the tiny MoE GPT; the module itself must stay
+    untouched."""
     pl.seed_everything(1, verbose=False)
-    module = TinyLM()
+    module = TinyLM(**MOE)
     before = [p.detach().clone() for p in module.parameters()]
     plan = decide_plan(module, "auto", world_size, 2, False, 0)
-    shard = functools.partial(_shard_tp, plan.styles, ParallelDims(world_size, tp=2), [[0, 1]], "cpu")
+    shardings = {("tp", 2): functools.partial(_shard_tp, plan.styles, ParallelDims(world_size, tp=2), [[0, 1]],
+                                              "cpu"),
+                 ("ep", 2): functools.partial(_shard_ep, ExpertParallelDims(world_size, 2), "cpu")}
     data = token_data(4)[:2]
     rng = torch.get_rng_state()
-    seconds = measure_exchange_in_backward(module, MicroBatch(data, False, "two rows", 32), {2: shard}, (8, 4),
+    seconds = measure_exchange_in_backward(module, MicroBatch(data, False, "two rows", 32), shardings, (8, 4),
                                            25 << 20, repeats=1)
     return {"seconds": seconds, "untouched": all(torch.equal(a, p) for a, p in zip(before, module.parameters())),
             "grads": all(p.grad is None for p in module.parameters()),
@@ -179,9 +183,9 @@ def test_the_gradient_exchange_is_timed_on_the_world_group_and_decides_compressi
     assert rank0["llama_exchange"] == rank1["llama_exchange"] and len(rank0["llama_exchange"]) == 3
 
 
-def test_compression_is_timed_inside_a_tensor_parallel_backward(ranks) -> None:
+def test_compression_is_timed_in_training_steps_of_tensor_and_expert_parallel_copies(ranks) -> None:
     rank0, rank1 = ranks
-    for rank in ranks:  # fp32 against int8 and int4 on DDP-wrapped tp=2 copies: finite differences, no side effects
-        assert set(rank["in_backward"]["seconds"]) == {(2, 8), (2, 4)}
+    for rank in ranks:  # fp32 against int8 and int4 on DDP-wrapped tp=2 and ep=2 copies: finite, no side effects
+        assert set(rank["in_backward"]["seconds"]) == {(k, 2, b) for k in ("tp", "ep") for b in (8, 4)}
         assert all(abs(v) < 5 for v in rank["in_backward"]["seconds"].values())
         assert all(rank["in_backward"][k] for k in ("untouched", "grads", "kept_rng"))

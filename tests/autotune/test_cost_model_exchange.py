@@ -116,15 +116,36 @@ def test_compression_under_tensor_parallelism_is_predicted_from_inside_backward(
     import dataclasses
 
     machine = measured_testbed(ffn)
-    inside = dataclasses.replace(RECORDED, exchange_in_backward={(2, 8): 0.051, (2, 4): 0.038})
+    inside = dataclasses.replace(RECORDED, exchange_in_backward={("tp", 2, 8): 0.051, ("tp", 2, 4): 0.038})
     fp32, int8, int4 = (predict(Candidate(2, 1, b), ffn, inside, machine) for b in (None, 8, 4))
     assert int8.parts["dp"] == pytest.approx(fp32.parts["dp"] + 0.051)
     assert int4.parts["dp"] == pytest.approx(fp32.parts["dp"] + 0.038)
     assert int8.parts["quantize"] == int8.parts["chain"] == 0.0
     # tp=1 keeps the exchange timed alone (no sharded copy), and a saving never makes the exposed part negative
     assert predict(Candidate(1, 1, 8), ffn, inside, machine) == predict(Candidate(1, 1, 8), ffn, RECORDED, machine)
-    saving = dataclasses.replace(RECORDED, exchange_in_backward={(2, 8): -10.0})
+    saving = dataclasses.replace(RECORDED, exchange_in_backward={("tp", 2, 8): -10.0})
     assert predict(Candidate(2, 1, 8), ffn, saving, machine).parts["dp"] == 0.0
     # the ranking follows: compression on top of tp=2 now ranks behind tp=2 fp32 (before: level within 1-2%)
     order = [p.candidate for p in decide(candidates(4, [1, 2], [1], [None, 8, 4]), ffn, inside, machine).predictions]
     assert order.index(Candidate(2, 1, None)) < order.index(Candidate(2, 1, 4)) < order.index(Candidate(2, 1, 8))
+
+
+def test_compression_under_expert_parallelism_is_predicted_from_training_steps_of_its_copies() -> None:
+    # moe-small on the 1 Gbit testbed (RESULTS.md, "Session 15"): ep=2 leaves DDP 2.4 MiB; the exchange alone saw
+    # int8 save 15 ms, training measured it 7 ms slower; the copies' training steps (+7.5 ms) see it
+    import dataclasses
+
+    volume = CommVolume(0, 0, 0, 0, 12_000_000, 1)
+    moe = ModelFacts(param_bytes=12_000_000, volumes={1: volume}, expert_bytes=9_500_000, num_moe_layers=3)
+    machine = Machine(TWO_NODES, LINKS, 2**36, KERNELS, busy_cores=True, single_exchange_max_world=2,
+                      exchange_seconds={(2_500_000, None): 0.034, (2_500_000, 8): 0.019})
+    compute = ComputeProfile(0.03, 0.045, sharded={("ep", 2): (0.04, 0.003)})
+    alone = predict(Candidate(1, 2, 8), moe, compute, machine)
+    fp32 = predict(Candidate(1, 2), moe, compute, machine)
+    assert alone.seconds < fp32.seconds  # from the exchange alone: a saving
+    inside = dataclasses.replace(compute, exchange_in_backward={("ep", 2, 8): 0.0075, ("tp", 2, 8): -1.0})
+    steps = predict(Candidate(1, 2, 8), moe, inside, machine)
+    assert steps.parts["dp"] == pytest.approx(fp32.parts["dp"] + 0.0075) and steps.seconds > fp32.seconds
+    # a candidate sharded both ways has no such measurement: the exchange alone again
+    assert predict(Candidate(2, 2, 8), dataclasses.replace(moe, volumes={1: volume, 2: volume}), inside,
+                   machine).parts["dp"] < fp32.parts["dp"]
