@@ -20,6 +20,7 @@ Run (root)::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -39,8 +40,15 @@ def worker(args: argparse.Namespace) -> None:
 
     from benchmarks.autotune.bench_cost_model import MODELS
     from benchmarks.timed_gpt import TimedGPT
+    from lightning_deepseek.autotune.auto_parallel import _shard_ep, _shard_tp
     from lightning_deepseek.autotune.cost_model import DEFAULT_BLOCK_SIZE
-    from lightning_deepseek.autotune.measure import MicroBatch, _Forward, first_optimizer, measure_exchange
+    from lightning_deepseek.autotune.measure import (
+        MicroBatch,
+        _Forward,
+        first_optimizer,
+        measure_exchange,
+        measure_exchange_in_backward,
+    )
     from lightning_deepseek.compression import CompressionConfig, register_compression_hook
     from lightning_deepseek.models import GPTConfig
     from lightning_deepseek.models.gpt import PRESETS
@@ -52,8 +60,10 @@ def worker(args: argparse.Namespace) -> None:
         reduce_expert_gradients,
     )
     from lightning_deepseek.parallel.gradients import reduce_shard_gradients
+    from lightning_deepseek.parallel.placement import candidate_mesh
     from lightning_deepseek.parallel.plan import decide_plan
     from lightning_deepseek.parallel.styles import apply_tensor_parallel
+    from lightning_deepseek.parallel.topology import Topology
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -73,8 +83,8 @@ def worker(args: argparse.Namespace) -> None:
         module.log = module.log_dict = lambda *a, **k: None
         reduce = lambda: None  # noqa: E731
         if kind == "tp":
-            # tp_intra_node on the testbed's 2 x 2 ranks: tp groups within a host, dp across
-            grid = [list(range(r, r + size)) for r in range(0, world, size)]
+            islands = Topology(tuple(tuple(range(r, r + 2)) for r in range(0, world, 2)))  # 2 ranks per host
+            grid = candidate_mesh(args.placement, islands, world // size, size)
             mesh = ParallelDims(world, tp=size).build_mesh("cpu", grid)
             plan = decide_plan(module, "auto", world, size, False, 0)
             apply_tensor_parallel(module, plan.styles, mesh["tp"])
@@ -139,7 +149,22 @@ def worker(args: argparse.Namespace) -> None:
     for bits in variants:
         out["aligned"][bits] = statistics.median(aligned[bits])
         out["alone"][bits] = slowest(alone[(grad_bytes, bits)])
+    if kind != "none":  # the setup's own measurement (measure_exchange_in_backward), --repeats times on fresh copies
+        fresh = TimedGPT(config, torch.optim.AdamW, lr=1e-4)
+        fresh.log = fresh.log_dict = lambda *a, **k: None
+        if kind == "tp":
+            plan = decide_plan(fresh, "auto", world, size, False, 0)
+            shard = functools.partial(_shard_tp, plan.styles, ParallelDims(world, tp=size), grid, "cpu")
+        else:
+            shard = functools.partial(_shard_ep, ExpertParallelDims(world, size), "cpu")
+        runs = [measure_exchange_in_backward(fresh, MicroBatch(data, False, "", batch * seq), {(kind, size): shard},
+                                             (8, 4), 25 * 2**20) for _ in range(args.repeats)]
+        runs = [{k: slowest(v) for k, v in run.items()} for run in runs]
+        out["setup"] = {None: 0.0, **{b: statistics.median(r[(kind, size, b)] for r in runs) for b in (8, 4)}}
+        out["setup runs"] = {b: [round(r[(kind, size, b)] * 1e3, 1) for r in runs] for b in (8, 4)}
+    runs = out.pop("setup runs", {})
     out = {kind: {label[b]: v for b, v in row.items()} for kind, row in out.items()}
+    out["setup runs"] = {label[b]: v for b, v in runs.items()}
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -151,18 +176,23 @@ def main(args: argparse.Namespace) -> None:
     out = Path(tempfile.mkdtemp(prefix="ldsp-")) / "probe.json"
     common = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
               "--rounds", str(args.rounds), "--repeats", str(args.repeats), "--model", args.model,
-              "--shard", args.shard]
+              "--shard", args.shard, "--placement", args.placement]
     if args.testbed:
         with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
             run_ranks(common, 29752, args.timeout, ROOT, bed)
     else:
         run_ranks(common, 29751, args.timeout, ROOT)
     result = json.loads(out.read_text())
-    print(f"{args.model}, {args.shard}, {'testbed ' + args.rate if args.testbed else 'loopback'}")
+    placement = f", {args.placement}" if args.shard.startswith("tp") else ""
+    print(f"{args.model}, {args.shard}{placement}, {'testbed ' + args.rate if args.testbed else 'loopback'}")
     print("| timing | fp32 | int8 | int4 | int8 - fp32 | int4 - fp32 |\n|---|---|---|---|---|---|")
+    runs = result.pop("setup runs", {})
     for kind, row in result.items():
         print(f"| {kind} | " + " | ".join(f"{row[k] * 1e3:.1f} ms" for k in ("fp32", "int8", "int4"))
               + f" | {(row['int8'] - row['fp32']) * 1e3:+.1f} ms | {(row['int4'] - row['fp32']) * 1e3:+.1f} ms |")
+    if runs:
+        print("setup's runs, over fp32: " + "; ".join(f"{k} " + ", ".join(f"{v:+.1f}" for v in vs) + " ms"
+                                                    for k, vs in runs.items()))
 
 
 if __name__ == "__main__":
@@ -171,6 +201,9 @@ if __name__ == "__main__":
     add_arguments(parser, prefix="ldsp", subnet="10.213.76")
     parser.add_argument("--model", default="ffn", choices=("ffn", "demo", "moe"), help="bench_cost_model's models")
     parser.add_argument("--shard", default="none", help="none, tp=N or ep=N: the copies sharded as that candidate")
+    parser.add_argument("--placement", default="tp_intra_node", choices=("tp_intra_node", "dp_intra_node"),
+                        help="--shard tp=N: which of tp and dp stays inside a host (the strategy's auto places the "
+                             "wide FFN dp_intra_node, the demo tp_intra_node)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
