@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_deepseek.autotune.cost_model import (
     Candidate,
@@ -59,13 +58,11 @@ from lightning_deepseek.parallel.expert import (
     ExpertParallelDims,
     apply_expert_parallel,
     build_expert_mesh,
-    is_expert_param,
     reduce_expert_gradients,
 )
-from lightning_deepseek.parallel.gradients import reduce_shard_gradients
 from lightning_deepseek.parallel.placement import CommVolume, LinkCost, comm_volume, probe_links
 from lightning_deepseek.parallel.plan import Plan
-from lightning_deepseek.parallel.styles import apply_tensor_parallel
+from lightning_deepseek.parallel.styles import apply_tensor_parallel, reduce_tensor_parallel_gradients
 from lightning_deepseek.parallel.topology import Topology
 
 AUTO_BITS: tuple[int | None, ...] = (None, 8, 4)
@@ -222,13 +219,7 @@ def _shard_tp(styles: dict[str, str], dims: ParallelDims, grid: list[list[int]],
     gradients over ``dp`` (``HybridParallelStrategy.reduce_tensor_parallel_gradients``)."""
     mesh = dims.build_mesh(device_type, grid)
     apply_tensor_parallel(copy, styles, mesh["tp"])
-
-    def reduce() -> None:
-        grads = [p.grad.to_local() for p in copy.parameters()
-                 if isinstance(p, DTensor) and not is_expert_param(p) and p.grad is not None]
-        reduce_shard_gradients(grads, mesh.get_group("dp") if grads and dims.dp > 1 else None, dims.world_size)
-
-    return reduce
+    return functools.partial(reduce_tensor_parallel_gradients, list(copy.parameters()), mesh)
 
 
 def _shard_ep(dims: ExpertParallelDims, device_type: str, copy: nn.Module) -> Callable[[], None]:

@@ -70,10 +70,9 @@ from lightning_deepseek.parallel import checkpoint as _checkpoint_io
 from lightning_deepseek.parallel import clipping, zero
 from lightning_deepseek.parallel.arguments import check_ddp_kwargs
 from lightning_deepseek.parallel.dims import ParallelDims
-from lightning_deepseek.parallel.expert import is_expert_param, reduce_expert_gradients
+from lightning_deepseek.parallel.expert import reduce_expert_gradients
 from lightning_deepseek.parallel.expert_dispatch import check_expert_dispatch
 from lightning_deepseek.parallel.expert_plan import ExpertParallelPlan, setup_expert_parallel
-from lightning_deepseek.parallel.gradients import reduce_shard_gradients
 from lightning_deepseek.parallel.memory import setup_optimizer_states
 from lightning_deepseek.parallel.optimizers import (
     disable_foreach_on_mixed_groups,
@@ -88,7 +87,7 @@ from lightning_deepseek.parallel.placement import (
     tokens_per_micro_batch,
 )
 from lightning_deepseek.parallel.plan import Plan, decide_plan, format_plan_table
-from lightning_deepseek.parallel.styles import apply_tensor_parallel
+from lightning_deepseek.parallel.styles import apply_tensor_parallel, reduce_tensor_parallel_gradients
 from lightning_deepseek.parallel.topology import Topology, discover_topology, parse_topology
 from lightning_deepseek.parallel.zero import ShardedOptimizerStates
 
@@ -448,10 +447,8 @@ class HybridParallelStrategy(DDPStrategy):
 
     def reduce_tensor_parallel_gradients(self, optimizer: Optimizer) -> None:
         """Sum the tensor-parallel gradients of ``optimizer``'s parameters over ``dp``, divide by the world size."""
-        grads = [p.grad.to_local() for group in optimizer.param_groups for p in group["params"]
-                 if isinstance(p, DTensor) and not is_expert_param(p) and p.grad is not None]
-        dp_group = self.device_mesh.get_group("dp") if grads and self.parallel_dims.dp > 1 else None
-        reduce_shard_gradients(grads, dp_group, self.world_size)
+        reduce_tensor_parallel_gradients([p for group in optimizer.param_groups for p in group["params"]],
+                                         self.device_mesh)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -11,14 +11,18 @@ input/output redistribution unchanged; ``Conv1D.forward`` (``addmm`` and ``view`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_deepseek.parallel.detection import is_conv1d
+from lightning_deepseek.parallel.expert import is_expert_param
+from lightning_deepseek.parallel.gradients import reduce_shard_gradients
 
 
 def _shard_conv1d(weight: Placement, bias: Placement, src_data_rank: int | None):
@@ -67,3 +71,12 @@ def apply_tensor_parallel(module: nn.Module, styles: dict[str, str], tp_mesh: De
         "rowwise": lambda: Conv1DRowwiseParallel(output_layouts=Shard(0)),
     }
     parallelize_module(module, tp_mesh, {name: make[style]() for name, style in styles.items()})
+
+
+def reduce_tensor_parallel_gradients(params: Iterable[torch.Tensor], mesh: DeviceMesh) -> None:
+    """Sum the tensor-parallel shards' gradients among ``params`` over ``mesh``'s ``dp`` groups and divide by the
+    world size (``mesh`` is the strategy's ``dp x tp`` mesh): the reduction DDP does not do for the shards it
+    ignores, once per optimizer step."""
+    grads = [p.grad.to_local() for p in params
+             if isinstance(p, DTensor) and not is_expert_param(p) and p.grad is not None]
+    reduce_shard_gradients(grads, mesh.get_group("dp") if grads and mesh["dp"].size() > 1 else None, mesh.size())
