@@ -8,7 +8,7 @@
 - ``expert_parallel_size="auto"`` on a tiny MoE GPT: ep 1 or 2 by the cost model (routed bytes measured by hooks on
   the experts), and the experts sharded accordingly (ep=2 timed on an expert-parallel copy);
 - the gradient exchange timed at setup (fp32 and the hook's compressed exchange on the world's group), and timed
-  inside a tensor-parallel backward (DDP-wrapped tp=2 copies, fp32 against each compression).
+  in training steps of DDP-wrapped tp=2 and ep=2 copies (fp32 against each compression).
 """
 
 from __future__ import annotations
