@@ -99,13 +99,25 @@ def worker(args: argparse.Namespace) -> None:
         for key in args.models.split(","):
             name, config, batch, seq = MODELS[key]
             row: dict = {"repeat": repeat, "model": key, "measured": {}, "steal": {}}
-            cells = grid(key, world)
+            cells: list = [*grid(key, world), "ddp", "auto"]
             # Counterbalanced: every other repetition in reverse, so that a drift during the run (the host's steal
             # comes and goes) does not always fall on the same neighbours (a rotation kept tp=2 int8 right after
-            # tp=2 fp32 in every repetition); rotated by one every two repetitions.
+            # tp=2 fp32 in every repetition); rotated by one every two repetitions. Plain DDP and the auto run take
+            # their turns too (they used to run last: their ratios then carried the drift of the run).
             shift = repeat // 2 % len(cells)
             order = cells[shift:] + cells[:shift]
-            for tp, ep, bits in (order if repeat % 2 == 0 else order[::-1]):
+            for cell in (order if repeat % 2 == 0 else order[::-1]):
+                if cell == "ddp":
+                    row["ddp"], row["steal"]["ddp"] = fit(config, batch, seq, "ddp", [])
+                    continue
+                if cell == "auto":
+                    sizes = dict(tensor_parallel_size=1, expert_parallel_size="auto") if key == "moe" else dict(
+                        tensor_parallel_size="auto")
+                    auto = HybridParallelStrategy(**sizes, min_shard_params=0)
+                    compression = GradientCompression(bits="auto", warmup_steps=0)
+                    row["auto"], row["steal"]["auto"] = fit(config, batch, seq, auto, [compression])
+                    continue
+                tp, ep, bits = cell
                 callbacks = [GradientCompression(bits=bits, warmup_steps=0)] if bits else []
                 # The micro-batch's real token count: the placement then assumes the batch the cost model measured
                 # (TimedGPT has no example_input_array, so the default would be 2048).
@@ -113,11 +125,6 @@ def worker(args: argparse.Namespace) -> None:
                                                   micro_batch_tokens=batch * seq)
                 label = _label(tp, ep, bits)
                 row["measured"][label], row["steal"][label] = fit(config, batch, seq, strategy, callbacks)
-            row["ddp"], row["steal"]["ddp"] = fit(config, batch, seq, "ddp", [])
-            auto = (HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size="auto", min_shard_params=0)
-                    if key == "moe" else HybridParallelStrategy(tensor_parallel_size="auto", min_shard_params=0))
-            compression = GradientCompression(bits="auto", warmup_steps=0)
-            row["auto"], row["steal"]["auto"] = fit(config, batch, seq, auto, [compression])
             decision = auto.autotune_decision
             row["chosen"] = decision.chosen.label
             row["predicted"] = {p.candidate.label: p.seconds for p in decision.predictions}
