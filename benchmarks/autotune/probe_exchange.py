@@ -119,6 +119,37 @@ def worker(args: argparse.Namespace) -> None:
             optimizers[bits].step()
         optimizers[bits].zero_grad(set_to_none=True)
 
+    def bucketed_exchange(num_bytes: int, repeats: int) -> dict:
+        """The same exchange as ``alone``, in DDP's bucket layout (a 1 MiB first bucket, then the rest, each its
+        own exchange launched back to back, the hook holding the first bucket's write as in training)."""
+        from lightning_deepseek.autotune.measure import _exchange_settings
+        from lightning_deepseek.compression.hook import CompressionState, compressed_average
+
+        configs, second = _exchange_settings((8, 4))
+        first = min(num_bytes, 2**20) // 4
+        flat = torch.randn(num_bytes // 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+        states = {b: CompressionState(c, dist.group.WORLD, second) for b, c in configs.items()}
+        times: dict = {b: [] for b in variants}
+        for i in range(repeats + 1):
+            for bits in variants:
+                buckets = [t.clone() for t in (flat[:first], flat[first:]) if t.numel()]
+                dist.barrier()
+                start = time.perf_counter()
+                if bits is None:
+                    futures = [dist.all_reduce(b.div_(world), async_op=True).get_future() for b in buckets]
+                else:
+                    state = states[bits]
+                    state.begin_step()
+                    futures = [compressed_average(state, [b], [f"bucket{j}"], b, hold=j < len(buckets) - 1)
+                               for j, b in enumerate(buckets)]
+                    state.end_step()
+                    state.release()
+                for future in futures:
+                    future.wait()
+                if i:
+                    times[bits].append(slowest(time.perf_counter() - start))
+        return {b: statistics.median(v) for b, v in times.items()}
+
     out: dict[str, dict] = {"aligned": {}, "consecutive": {}, "training": {}, "alone": {}}
     for bits in variants:  # warm-up: DDP's bucket rebuild, the hook's plans, the optimizer states
         step(bits, True, True)
@@ -149,6 +180,7 @@ def worker(args: argparse.Namespace) -> None:
     for bits in variants:
         out["aligned"][bits] = statistics.median(aligned[bits])
         out["alone"][bits] = slowest(alone[(grad_bytes, bits)])
+    out["alone, DDP's buckets"] = bucketed_exchange(grad_bytes, args.repeats)
     if kind != "none":  # the setup's own measurement (measure_exchange_in_backward), --repeats times on fresh copies
         fresh = TimedGPT(config, torch.optim.AdamW, lr=1e-4)
         fresh.log = fresh.log_dict = lambda *a, **k: None
