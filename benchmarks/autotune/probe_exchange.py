@@ -181,6 +181,17 @@ def worker(args: argparse.Namespace) -> None:
         out["aligned"][bits] = statistics.median(aligned[bits])
         out["alone"][bits] = slowest(alone[(grad_bytes, bits)])
     out["alone, DDP's buckets"] = bucketed_exchange(grad_bytes, args.repeats)
+    skew = []  # how far apart the ranks finish a forward + backward started together (no exchange: no_sync)
+    for i in range(2 * args.repeats + 1):
+        dist.barrier()
+        with wrapped[None].no_sync():
+            wrapped[None]().backward()
+        ends = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(ends, torch.tensor([time.perf_counter()], dtype=torch.float64))  # one clock: one host
+        optimizers[None].zero_grad(set_to_none=True)
+        if i:
+            ends = [e.item() for e in ends]
+            skew.append((max(ends) - statistics.mean(ends), max(ends) - min(ends)))
     if kind != "none":  # the setup's own measurement (measure_exchange_in_backward), --repeats times on fresh copies
         fresh = TimedGPT(config, torch.optim.AdamW, lr=1e-4)
         fresh.log = fresh.log_dict = lambda *a, **k: None
@@ -197,6 +208,7 @@ def worker(args: argparse.Namespace) -> None:
     runs = out.pop("setup runs", {})
     out = {kind: {label[b]: v for b, v in row.items()} for kind, row in out.items()}
     out["setup runs"] = {label[b]: v for b, v in runs.items()}
+    out["skew"] = [statistics.median(x for x, _ in skew), statistics.median(y for _, y in skew)]
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -219,9 +231,12 @@ def main(args: argparse.Namespace) -> None:
     print(f"{args.model}, {args.shard}{placement}, {'testbed ' + args.rate if args.testbed else 'loopback'}")
     print("| timing | fp32 | int8 | int4 | int8 - fp32 | int4 - fp32 |\n|---|---|---|---|---|---|")
     runs = result.pop("setup runs", {})
+    skew = result.pop("skew")
     for kind, row in result.items():
         print(f"| {kind} | " + " | ".join(f"{row[k] * 1e3:.1f} ms" for k in ("fp32", "int8", "int4"))
               + f" | {(row['int8'] - row['fp32']) * 1e3:+.1f} ms | {(row['int4'] - row['fp32']) * 1e3:+.1f} ms |")
+    print(f"ranks finishing a forward + backward started together (median): the last {skew[0] * 1e3:.1f} ms after "
+          f"the mean, {skew[1] * 1e3:.1f} ms after the first")
     if runs:
         print("setup's runs, over fp32: " + "; ".join(f"{k} " + ", ".join(f"{v:+.1f}" for v in vs) + " ms"
                                                     for k, vs in runs.items()))
