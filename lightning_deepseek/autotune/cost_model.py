@@ -34,9 +34,12 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   ``R = all_reduce(r(bits) * replicated bytes, world) + (buckets - 1) 2 (world - 1) a`` with
   ``all_reduce(S, n) = 2 (n - 1)/n S/B + 2 (n - 1) a`` and ``r(bits)`` the compressed payload over the fp32 bytes
   (:func:`~lightning_deepseek.compression.quantize.payload_bytes`): compression shrinks the bytes, not the
-  latency. What backward hides: at most ``B`` seconds,
-  and never the last bucket (``bucket_bytes`` of it, DDP's ``bucket_cap_mb``):
-  ``exposed_dp = busy + max(H - overlap * m B, H * min(1, bucket / replicated bytes))`` with ``H = R - busy``.
+  latency. What backward hides: at most ``B`` seconds, and never the last bucket:
+  ``exposed_dp = busy + max(H - overlap * m B, H * last / replicated bytes)`` with ``H = R - busy`` and ``last``
+  the bytes of the last bucket DDP fills (its first bucket holds 1 MiB, the next ones ``bucket_cap_mb``; the last
+  holds what is left). Counting the whole exchange as the last bucket below 25 MB put the demo's fp32 wait at
+  43 ms on the 1 Gbit testbed, where training waits 29 ms after the last gradient: its first 1 MiB is exchanged
+  while backward runs (benchmarks/RESULTS.md, "Session 15").
   ``busy = min(R, all_reduce(r(bits) * replicated bytes, world) at the intra link's rate)`` where the ranks keep
   every core of the host busy (CPU training, ``busy_cores``), else 0: gloo's copies and sums then take cores from
   backward rather than running beside it (on loopback, all of the exchange); only the wait on a slower link
@@ -199,6 +202,7 @@ class Machine:
         device_memory_bytes: memory one rank may use.
         quantize_seconds_per_byte: ``{bits: (q, dq)}`` seconds per fp32 byte of quantize and dequantize.
         bucket_bytes: DDP's bucket size (the last bucket is never hidden behind backward).
+        first_bucket_bytes: DDP's first bucket (torch's ``_DEFAULT_FIRST_BUCKET_BYTES``).
         overlap: fraction of backward that can hide DDP's all-reduce (1: all of it).
         busy_cores: the ranks of a host keep all its cores busy (CPU training, a thread per core), so moving the
             gradient bytes through the host (``all_reduce`` at the intra link's rate) competes with backward
@@ -217,6 +221,7 @@ class Machine:
     device_memory_bytes: int
     quantize_seconds_per_byte: Mapping[int, tuple[float, float]] = field(default_factory=dict)
     bucket_bytes: int = 25 * 2**20
+    first_bucket_bytes: int = 2**20
     overlap: float = 1.0
     busy_cores: bool = False
     headroom: float = 0.9
@@ -317,6 +322,14 @@ def candidate_grid(candidate: Candidate, facts: ModelFacts, machine: Machine) ->
     return candidate_mesh(machine.placement, machine.topology, dp, candidate.tp)
 
 
+def last_bucket_bytes(num_bytes: int, machine: Machine) -> int:
+    """The bytes of the last of the buckets DDP fills with ``num_bytes`` of gradients: the first holds
+    ``first_bucket_bytes``, each next one ``bucket_bytes``, the last what is left."""
+    if num_bytes <= machine.first_bucket_bytes:
+        return num_bytes
+    return (num_bytes - machine.first_bucket_bytes - 1) % machine.bucket_bytes + 1
+
+
 def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, machine: Machine) -> Prediction:
     """The predicted step seconds of ``candidate`` (by part) and whether it fits (see the module docstring)."""
     world, topology, links = machine.world_size, machine.topology, dict(machine.links)
@@ -328,8 +341,8 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
     ep_measured = compute.sharded.get(("ep", candidate.ep)) if candidate.ep > 1 else (0.0, 0.0)
     backward = micro * compute.backward_seconds
     world_link = group_link(topology, list(range(world)), links)
-    num_buckets = -(-ddp_bytes // machine.bucket_bytes)
-    last_bucket = min(1.0, machine.bucket_bytes / max(ddp_bytes, 1))
+    num_buckets = 1 + -(-max(0, ddp_bytes - machine.first_bucket_bytes) // machine.bucket_bytes)
+    last_bucket = last_bucket_bytes(ddp_bytes, machine) / max(ddp_bytes, 1)
 
     def exposed(bits: int | None) -> float:
         """The formula's exposed seconds of DDP's exchange of the replicated gradients compressed to ``bits``."""
