@@ -379,7 +379,7 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
         replicas = [list(range(r, world, candidate.ep)) for r in range(candidate.ep)]  # the edp groups, at once
         parts["after"] += all_reduce_seconds(facts.expert_bytes // candidate.ep, world // candidate.ep,
                                              concurrent_link(topology, replicas, links))
-    if in_backward is not None and ddp_bytes:  # measured where it runs: beside tensor parallelism's collectives
+    if in_backward is not None and ddp_bytes:  # measured where it runs: beside the sharding's collectives
         parts["dp"] = max(0.0, parts["dp"] + in_backward)
     elif measured_exchange is not None and ddp_bytes:
         fp32, compressed = measured_exchange  # the same bytes, both exchanges measured on the real group
