@@ -9,7 +9,10 @@ several ways, on all 4 ranks, slowest rank's figures:
   ``measure_exchange_in_backward``);
 - ``consecutive``: ``--steps`` forward + backward + optimizer steps back to back after one barrier, the median step;
 - ``training``: the same with the strategy's reduction of the shards' gradients after backward (a training step);
-- ``alone``: the exchange of DDP's gradient bytes alone (the setup's ``measure_exchange``).
+- ``alone``: the exchange of DDP's gradient bytes alone (the setup's ``measure_exchange``);
+- ``setup`` (sharded only): the setup's own ``measure_exchange_in_backward``, ``--repeats`` times;
+- ``fit`` (``--fits N``): ``N`` interleaved Lightning fits of ``HybridParallelStrategy`` + ``GradientCompression``
+  (20 steps, the first 3 dropped), what ``bench_cost_model.py``'s grid measures.
 
 Run (root)::
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -205,6 +209,8 @@ def worker(args: argparse.Namespace) -> None:
         runs = [{k: slowest(v) for k, v in run.items()} for run in runs]
         out["setup"] = {None: 0.0, **{b: statistics.median(r[(kind, size, b)] for r in runs) for b in (8, 4)}}
         out["setup runs"] = {b: [round(r[(kind, size, b)] * 1e3, 1) for r in runs] for b in (8, 4)}
+    if args.fits:  # the real thing: Lightning fits of the strategy + GradientCompression, as bench_cost_model's grid
+        out["fit"] = fits(args, config, batch, seq, kind, size)
     runs = out.pop("setup runs", {})
     out = {kind: {label[b]: v for b, v in row.items()} for kind, row in out.items()}
     out["setup runs"] = {label[b]: v for b, v in runs.items()}
@@ -214,13 +220,51 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def fits(args: argparse.Namespace, config, batch: int, seq: int, kind: str, size: int) -> dict:
+    """Median step (slowest rank's, the first 3 of 20 dropped) of ``--fits`` interleaved Lightning fits of
+    ``HybridParallelStrategy`` sharded as ``--shard`` with ``GradientCompression`` (fp32, int8, int4), as
+    ``bench_cost_model.py`` fits its grid; the median over the fits."""
+    import gc
+
+    import lightning.pytorch as pl
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from benchmarks.timed_gpt import TimedGPT
+    from lightning_deepseek import HybridParallelStrategy
+    from lightning_deepseek.compression import GradientCompression
+
+    world, nodes, steps = dist.get_world_size(), int(os.environ.get("NUM_NODES", "1")), 20
+    sizes = dict(tensor_parallel_size=size if kind == "tp" else 1, expert_parallel_size=size if kind == "ep" else 1)
+    times: dict = {b: [] for b in (None, 8, 4)}
+    for i in range(args.fits):
+        for bits in ((None, 8, 4) if i % 2 == 0 else (4, 8, None)):
+            gc.collect()
+            pl.seed_everything(0, verbose=False)
+            module = TimedGPT(config, torch.optim.AdamW, lr=1e-4)
+            tokens = torch.randint(0, 256, (steps * batch * world, seq + 1), generator=torch.Generator().manual_seed(0))
+            data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch)
+            strategy = HybridParallelStrategy(**sizes, min_shard_params=0, micro_batch_tokens=batch * seq,
+                                              placement=args.placement)
+            trainer = pl.Trainer(accelerator="cpu", devices=world // nodes, num_nodes=nodes, strategy=strategy,
+                                 max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                 enable_model_summary=False,
+                                 callbacks=[GradientCompression(bits=bits, warmup_steps=0)] if bits else [])
+            trainer.fit(module, data)
+            t = torch.tensor(module.step_times[3:])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times[bits].append(t.median().item())
+    return {b: statistics.median(v) for b, v in times.items()}
+
+
 def main(args: argparse.Namespace) -> None:
     from benchmarks.testbed import Testbed, run_ranks
 
     out = Path(tempfile.mkdtemp(prefix="ldsp-")) / "probe.json"
     common = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
               "--rounds", str(args.rounds), "--repeats", str(args.repeats), "--model", args.model,
-              "--shard", args.shard, "--placement", args.placement]
+              "--shard", args.shard, "--placement", args.placement, "--fits", str(args.fits)]
     if args.testbed:
         with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
             run_ranks(common, 29752, args.timeout, ROOT, bed)
@@ -252,6 +296,7 @@ if __name__ == "__main__":
                         help="--shard tp=N: which of tp and dp stays inside a host (the strategy's auto places the "
                              "wide FFN dp_intra_node, the demo tp_intra_node)")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--fits", type=int, default=0, help="also time this many Lightning fits of each (20 steps)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=600)

@@ -147,8 +147,9 @@ class ExpertLoadBalancing(Callback):
         imbalance = update_biases(self._counter.layers, counts, self.update_rate, self.rule)
         worst, mean = imbalance.max().item(), imbalance.mean().item()
         self.history.append((trainer.global_step, worst, mean))
-        pl_module.log_dict({"moe_load_imbalance_max": worst, "moe_load_imbalance_mean": mean},
-                           on_step=True, on_epoch=False, sync_dist=False)
+        if trainer._logger_connector.should_update_logs:  # the steps the loggers write, as Lightning's monitors
+            pl_module.log_dict({"moe_load_imbalance_max": worst, "moe_load_imbalance_mean": mean},
+                               on_step=True, on_epoch=False, sync_dist=False)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

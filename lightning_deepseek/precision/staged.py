@@ -359,6 +359,8 @@ class StagedPrecision(Precision):
                        f"{self.stage_index} ({self.schedule.stages[self.stage_index].label()}) runs in {target}.")
 
     def _log(self, model: pl.LightningModule) -> None:
+        if not model.trainer._logger_connector.should_update_logs:
+            return  # only the steps the loggers write, as Lightning's own monitors (a log call costs ~0.5 ms)
         metrics = {
             "precision/stage": float(self.stage_index),
             "precision/loss_scale": self.scaler.scale,
