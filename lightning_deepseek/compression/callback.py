@@ -177,9 +177,9 @@ class GradientCompression(Callback):
         if self.hook_state is None:
             return
         self._step_before_backward = self.hook_state.step
-        # Metrics only on the steps Lightning's loggers write (as Lightning's own monitors do): logging four scalars
-        # cost ~1.7 ms of Python a step, 2-11 ms of a compressed step on 4 ranks sharing 2 cores
-        # (benchmarks/RESULTS.md, "Session 16"). The relative error (two norms per bucket, a host sync) likewise.
+        # Metrics only on the steps Lightning's loggers write (as Lightning's own monitors do): a log_dict of four
+        # scalars costs ~1.4 ms of Python a step (benchmarks/compression/bench_logging.py). The relative error (two
+        # norms per bucket, a host sync) on the same steps.
         self._log_step = trainer._logger_connector.should_update_logs
         self.hook_state.track_error = self._log_step
 
