@@ -195,6 +195,9 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
         predicted = {k: statistics.median(r["predicted"][k] for r in rows) for k in labels}
         ddp = statistics.median(r["ddp"] for r in rows)
         auto = statistics.median(r["auto"] for r in rows)
+        # each repetition's auto run against its own plain DDP run (the two in the same counterbalanced order): a
+        # drift over the run (loopback's steps went 47 -> 60 ms in session 16) does not enter the ratio
+        paired = sorted(r["ddp"] / r["auto"] for r in rows)
         choices = [r["chosen"] for r in rows]
         rho = spearman([predicted[k] for k in labels], [measured[k] for k in labels])
         stability = [spearman([a["measured"][k] for k in labels], [b["measured"][k] for k in labels])
@@ -227,7 +230,9 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
                   f"of the repetitions' medians against the second half's: {split:.2f}. Auto chose "
                   f"{', '.join(sorted(set(choices)))}; measured best {best}; the choice's measured step / the best's: "
                   f"{chosen / measured[best]:.2f}x (tokens/s {measured[best] / chosen:.2f}x of the best, "
-                  f"{ddp / chosen:.2f}x of DDP); the auto run itself {ddp / auto:.2f}x of DDP."
+                  f"{ddp / chosen:.2f}x of DDP); the auto run itself {ddp / auto:.2f}x of DDP (paired, each "
+                  f"repetition's against its own DDP run: median {statistics.median(paired):.2f}x, "
+                  f"{paired[0]:.2f}x-{paired[-1]:.2f}x)."
                   + (f" ({', '.join(outside)}: not in the grid, counted by the auto run's own steps)" if outside
                      else ""), ""]
         setup = [re.search(r"each, ([0-9.]+) s\)", r["compute"]["source"]) for r in rows]
