@@ -165,13 +165,21 @@ def worker(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             step(bits, False)
             aligned[bits].append(slowest(time.perf_counter() - start))
-    for name, reduce in (("consecutive", False), ("training", True)):
+    def spin(seconds: float) -> None:  # Python work between steps, as a training loop's own
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    timings = [("consecutive", False, 0.0), ("training", True, 0.0)]
+    timings += [(f"training + {args.spin:g} ms of Python a step", True, args.spin / 1e3)] if args.spin else []
+    for name, reduce, busy in timings:
         consecutive = {b: [] for b in variants}
         for _ in range(args.rounds):
             for bits in variants:
                 dist.barrier()
                 marks = [time.perf_counter()]
                 for _ in range(args.steps):
+                    spin(busy)
                     step(bits, True, reduce)
                     marks.append(time.perf_counter())
                 steps = torch.tensor([b - a for a, b in zip(marks, marks[1:])])
@@ -264,7 +272,7 @@ def main(args: argparse.Namespace) -> None:
     out = Path(tempfile.mkdtemp(prefix="ldsp-")) / "probe.json"
     common = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
               "--rounds", str(args.rounds), "--repeats", str(args.repeats), "--model", args.model,
-              "--shard", args.shard, "--placement", args.placement, "--fits", str(args.fits)]
+              "--shard", args.shard, "--placement", args.placement, "--fits", str(args.fits), "--spin", str(args.spin)]
     if args.testbed:
         with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
             run_ranks(common, 29752, args.timeout, ROOT, bed)
@@ -296,6 +304,8 @@ if __name__ == "__main__":
                         help="--shard tp=N: which of tp and dp stays inside a host (the strategy's auto places the "
                              "wide FFN dp_intra_node, the demo tp_intra_node)")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--spin", type=float, default=0, help="also time training steps with this many ms of "
+                        "Python (a busy loop) before each, as a training loop's own work")
     parser.add_argument("--fits", type=int, default=0, help="also time this many Lightning fits of each (20 steps)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
