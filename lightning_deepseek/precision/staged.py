@@ -360,7 +360,7 @@ class StagedPrecision(Precision):
 
     def _log(self, model: pl.LightningModule) -> None:
         if not model.trainer._logger_connector.should_update_logs:
-            return  # only the steps the loggers write, as Lightning's own monitors (a log call costs ~0.5 ms)
+            return  # the steps the loggers write, as Lightning's monitors (benchmarks/compression/bench_logging.py)
         metrics = {
             "precision/stage": float(self.stage_index),
             "precision/loss_scale": self.scaler.scale,
