@@ -58,41 +58,53 @@ def grid(key: str, world: int) -> list[tuple[int, int, int | None]]:
     return [(tp, 1, b) for tp in (1, 2) for b in (None, 8, 4) if not (world // tp < 2 and b is not None)]
 
 
-def worker(args: argparse.Namespace) -> None:
+def fit_steps(config: dict, batch: int, seq: int, steps: int, strategy, callbacks) -> tuple[float, float]:
+    """Train a ``TimedGPT`` of ``config`` (a ``MODELS`` entry's) for ``steps`` steps on every rank of the process
+    group with ``strategy`` and ``callbacks``; the median step (the slowest rank's, the first 3 dropped) and the share
+    of the machine's CPU the host took meanwhile (collective)."""
     import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
     from benchmarks.timed_gpt import TimedGPT
-    from lightning_deepseek import HybridParallelStrategy
     from lightning_deepseek.autotune.steal import cpu_times, stolen_share
-    from lightning_deepseek.compression import GradientCompression
     from lightning_deepseek.models import GPTConfig
     from lightning_deepseek.models.gpt import PRESETS
 
+    # the group is up after the first fit, and Lightning's environment deletes WORLD_SIZE at its teardown
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+    nodes = int(os.environ.get("NUM_NODES", "1"))
+    gc.collect()  # the earlier fits' garbage, outside the timing (lds-train's calibration does the same)
+    before = cpu_times()
+    pl.seed_everything(0, verbose=False)
+    preset = PRESETS.get(config.get("preset", ""), {})
+    model_config = GPTConfig(**{**preset, **{k: v for k, v in config.items() if k != "preset"}})
+    module = TimedGPT(model_config, torch.optim.AdamW, lr=1e-4)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (steps * batch * world, seq + 1), generator=generator)
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch)
+    trainer = pl.Trainer(accelerator="cpu", devices=world // nodes, num_nodes=nodes, strategy=strategy,
+                         max_steps=steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(module, data)
+    times = torch.tensor(module.step_times[3:])
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends on its last rank
+    return times.median().item(), stolen_share(before, cpu_times())
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_deepseek import HybridParallelStrategy
+    from lightning_deepseek.compression import GradientCompression
+
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
-    nodes = int(os.environ.get("NUM_NODES", "1"))
 
     def fit(config: dict, batch: int, seq: int, strategy, callbacks) -> tuple[float, float]:
-        """The median step (slowest rank's) and the share of the machine's CPU the host took meanwhile."""
-        gc.collect()  # the earlier fits' garbage, outside the timing (lds-train's calibration does the same)
-        before = cpu_times()
-        pl.seed_everything(0, verbose=False)
-        preset = PRESETS.get(config.get("preset", ""), {})
-        model_config = GPTConfig(**{**preset, **{k: v for k, v in config.items() if k != "preset"}})
-        module = TimedGPT(model_config, torch.optim.AdamW, lr=1e-4)
-        generator = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, 256, (args.steps * batch * world, seq + 1), generator=generator)
-        data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch)
-        trainer = pl.Trainer(accelerator="cpu", devices=world // nodes, num_nodes=nodes, strategy=strategy,
-                             max_steps=args.steps, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
-        trainer.fit(module, data)
-        times = torch.tensor(module.step_times[3:])
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends on its last rank
-        return times.median().item(), stolen_share(before, cpu_times())
+        return fit_steps(config, batch, seq, args.steps, strategy, callbacks)
 
     results = []
     for repeat in range(args.repeats):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -218,7 +217,7 @@ def worker(args: argparse.Namespace) -> None:
         out["setup"] = {None: 0.0, **{b: statistics.median(r[(kind, size, b)] for r in runs) for b in (8, 4)}}
         out["setup runs"] = {b: [round(r[(kind, size, b)] * 1e3, 1) for r in runs] for b in (8, 4)}
     if args.fits:  # the real thing: Lightning fits of the strategy + GradientCompression, as bench_cost_model's grid
-        out["fit"] = fits(args, config, batch, seq, kind, size)
+        out["fit"] = fits(args, kind, size)
     runs = out.pop("setup runs", {})
     out = {kind: {label[b]: v for b, v in row.items()} for kind, row in out.items()}
     out["setup runs"] = {label[b]: v for b, v in runs.items()}
@@ -228,41 +227,23 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def fits(args: argparse.Namespace, config, batch: int, seq: int, kind: str, size: int) -> dict:
-    """Median step (slowest rank's, the first 3 of 20 dropped) of ``--fits`` interleaved Lightning fits of
-    ``HybridParallelStrategy`` sharded as ``--shard`` with ``GradientCompression`` (fp32, int8, int4), as
-    ``bench_cost_model.py`` fits its grid; the median over the fits."""
-    import gc
-
-    import lightning.pytorch as pl
-    import torch
-    import torch.distributed as dist
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from benchmarks.timed_gpt import TimedGPT
+def fits(args: argparse.Namespace, kind: str, size: int) -> dict:
+    """Median step of ``--fits`` interleaved Lightning fits of ``HybridParallelStrategy`` sharded as ``--shard`` with
+    ``GradientCompression`` (fp32, int8, int4), 20 steps each, timed as ``bench_cost_model.py`` times its grid; the
+    median over the fits."""
+    from benchmarks.autotune.bench_cost_model import MODELS, fit_steps
     from lightning_deepseek import HybridParallelStrategy
     from lightning_deepseek.compression import GradientCompression
 
-    world, nodes, steps = dist.get_world_size(), int(os.environ.get("NUM_NODES", "1")), 20
+    _, config, batch, seq = MODELS[args.model]
     sizes = dict(tensor_parallel_size=size if kind == "tp" else 1, expert_parallel_size=size if kind == "ep" else 1)
     times: dict = {b: [] for b in (None, 8, 4)}
     for i in range(args.fits):
         for bits in ((None, 8, 4) if i % 2 == 0 else (4, 8, None)):
-            gc.collect()
-            pl.seed_everything(0, verbose=False)
-            module = TimedGPT(config, torch.optim.AdamW, lr=1e-4)
-            tokens = torch.randint(0, 256, (steps * batch * world, seq + 1), generator=torch.Generator().manual_seed(0))
-            data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch)
             strategy = HybridParallelStrategy(**sizes, min_shard_params=0, micro_batch_tokens=batch * seq,
                                               placement=args.placement)
-            trainer = pl.Trainer(accelerator="cpu", devices=world // nodes, num_nodes=nodes, strategy=strategy,
-                                 max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                                 enable_model_summary=False,
-                                 callbacks=[GradientCompression(bits=bits, warmup_steps=0)] if bits else [])
-            trainer.fit(module, data)
-            t = torch.tensor(module.step_times[3:])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times[bits].append(t.median().item())
+            callbacks = [GradientCompression(bits=bits, warmup_steps=0)] if bits else []
+            times[bits].append(fit_steps(config, batch, seq, 20, strategy, callbacks)[0])
     return {b: statistics.median(v) for b, v in times.items()}
 
 
