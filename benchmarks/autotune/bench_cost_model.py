@@ -216,9 +216,11 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
                      for i, a in enumerate(rows) for b in rows[i + 1:]]
         # the measured ranking's own reliability: the first half of the repetitions' medians against the second's
         # (each half holds forward and reversed orders alike); no prediction can agree with it much better
-        halves = [{k: statistics.median(r["measured"][k] for r in part) for k in labels}
-                  for part in (rows[:len(rows) // 2], rows[len(rows) // 2:])]
-        split = spearman(*([h[k] for k in labels] for h in halves)) if len(rows) >= 2 else float("nan")
+        split = float("nan")
+        if len(rows) >= 2:
+            halves = [{k: statistics.median(r["measured"][k] for r in part) for k in labels}
+                      for part in (rows[:len(rows) // 2], rows[len(rows) // 2:])]
+            split = spearman(*([h[k] for k in labels] for h in halves))
         pooled_pred += [predicted[k] / min(predicted.values()) for k in labels]
         pooled_meas += [measured[k] / min(measured.values()) for k in labels]
         best = min(measured, key=measured.get)
