@@ -17,7 +17,10 @@ records the cost model's predictions (from its own measurements at setup, sharde
 and its own step time. Reported: Spearman's rank correlation of predicted and measured step times over the grid
 (target >= 0.8), the same between the repetitions' measured rankings and between the medians of the first and the
 second half of the repetitions (how reliable the measured side is: no prediction can be expected to agree with it
-much better), the auto choice against the measured best and plain DDP, and the load average before and after.
+much better), the pairs of candidates whose order the repetitions agree on (a sign test within repetitions) and
+how many of them the prediction orders the same way (a near-tie that flips between repetitions counts in Spearman
+but no prediction can call it), the auto choice against the measured best and plain DDP, and the load average
+before and after. ``--report FILE`` prints a recorded ``--json`` run's report again (this version's statistics).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import re
 import statistics
@@ -155,10 +159,10 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def alone_predictions(decision) -> dict[str, float]:
-    """The predictions had compression under sharding come from the exchange timed alone (the cost model's rule
-    before it was timed in the sharded copies' steps): ``dp = max(E + Tc - T32, E Tc / T32)``, ``E`` the fp32
-    candidate's. The grids here shard at most one way: unsharded candidates' replicated bytes are the larger
-    measured size, sharded ones' the smaller."""
+    """The predictions had compression come from the exchange timed alone (the cost model's rule before it was
+    timed in the copies' training steps): ``dp = max(E + Tc - T32, E Tc / T32)``, ``E`` the fp32 candidate's. The
+    grids here shard at most one way: unsharded candidates' replicated bytes are the larger measured size, sharded
+    ones' the smaller."""
     out = {p.candidate.label: p.seconds for p in decision.predictions}
     if not decision.exchange_seconds:
         return out
@@ -168,7 +172,7 @@ def alone_predictions(decision) -> dict[str, float]:
         sharding = ("tp", c.tp) if c.ep == 1 else ("ep", c.ep)
         if (*sharding, c.bits) not in decision.compute.exchange_in_backward:
             continue
-        size = sizes[0]
+        size = sizes[-1] if c.tp == c.ep == 1 else sizes[0]
         fp32 = decision.prediction(dataclasses.replace(c, bits=None)).parts["dp"]
         t32, tc = decision.exchange_seconds[(size, None)], decision.exchange_seconds[(size, c.bits)]
         out[c.label] += max(fp32 + tc - t32, fp32 * tc / t32) - p.parts["dp"]
@@ -188,6 +192,22 @@ def spearman(a: list[float], b: list[float]) -> float:
     cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
     var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
     return cov / var if var else float("nan")
+
+
+def resolved_pairs(rows: list[dict], labels: list[str], predicted: dict[str, float]) -> tuple[int, list[str]]:
+    """The pairs of candidates whose measured order the repetitions agree on (compared within each repetition; a
+    two-sided sign test, p < 0.1: 7 of 8 repetitions, 12 of 16), and those of them the prediction orders the other
+    way. A near-tie whose order flips between repetitions is left out: no prediction can call it."""
+    n, resolved, wrong = len(rows), 0, []
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            faster = sum(r["measured"][a] < r["measured"][b] for r in rows)
+            k = max(faster, n - faster)
+            if 2 * sum(math.comb(n, j) for j in range(k, n + 1)) / 2**n < 0.1:
+                resolved += 1
+                if (predicted[a] < predicted[b]) != (faster > n - faster):
+                    wrong.append(f"{a} / {b} ({k} of {n})")
+    return resolved, wrong
 
 
 def stolen(rows: list[dict], key: str) -> str:
@@ -221,6 +241,7 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
             halves = [{k: statistics.median(r["measured"][k] for r in part) for k in labels}
                       for part in (rows[:len(rows) // 2], rows[len(rows) // 2:])]
             split = spearman(*([h[k] for k in labels] for h in halves))
+        resolved, misordered = resolved_pairs(rows, labels, predicted)
         pooled_pred += [predicted[k] / min(predicted.values()) for k in labels]
         pooled_meas += [measured[k] / min(measured.values()) for k in labels]
         best = min(measured, key=measured.get)
@@ -248,7 +269,11 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
                   f"repetition's against its own DDP run: median {statistics.median(paired):.2f}x, "
                   f"{paired[0]:.2f}x-{paired[-1]:.2f}x)."
                   + (f" ({', '.join(outside)}: not in the grid, counted by the auto run's own steps)" if outside
-                     else ""), ""]
+                     else ""), "",
+                  f"Pairs of candidates the repetitions order alike (sign test within repetitions, two-sided p < "
+                  f"0.1): {resolved} of {len(labels) * (len(labels) - 1) // 2}; the prediction orders "
+                  f"**{resolved - len(misordered)} of {resolved}** the same way"
+                  + (f" (not: {', '.join(misordered)})" if misordered else ""), ""]
         setup = [re.search(r"each, ([0-9.]+) s\)", r["compute"]["source"]) for r in rows]
         if any(setup):
             sharded = ", ".join(f"{k} {v[0] * 1e3:+.0f} ms" for k, v in rows[0]["compute"]["sharded"].items())
@@ -275,12 +300,13 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
                 return f"{spearman([row[field][k] for k in labels], [row['measured'][k] for k in labels]):.2f}"
             alone = {k: statistics.median(r["alone"][k] for r in rows) for k in labels}
             inside = ", ".join(f"{k} {v * 1e3:+.0f} ms" for k, v in rows[0]["in_backward"].items())
-            lines += [f"Compression under sharding timed in the copies' training steps at setup (over fp32, first "
+            lines += [f"Compression timed in the DDP-wrapped copies' training steps at setup (over fp32, first "
                       f"repetition): {inside}. Spearman had it come from the exchange timed alone instead: "
                       f"{spearman([alone[k] for k in labels], [measured[k] for k in labels]):.2f} (per repetition "
                       f"{', '.join(rho_of('alone', r) for r in rows)}; with it: "
                       f"{', '.join(rho_of('predicted', r) for r in rows)})", ""]
-        summary.append(f"{key} {rho:.2f} (measured half against half {split:.2f})")
+        summary.append(f"{key} {rho:.2f} (measured half against half {split:.2f}; resolved pairs ordered "
+                       f"{resolved - len(misordered)} of {resolved})")
     lines.append(f"Spearman per model: {', '.join(summary)}; pooled over the models (step times relative to each "
                  f"model's fastest): {spearman(pooled_pred, pooled_meas):.2f}")
     return "\n".join(lines)
@@ -301,6 +327,10 @@ def launch(args: argparse.Namespace, out: Path) -> str:
 
 
 def main(args: argparse.Namespace) -> None:
+    if args.report:  # a recorded run's report again, with this version's statistics
+        print(report(json.loads(Path(args.report).read_text()), [f"(recorded: {args.report})"], "recorded run",
+                     (float("nan"), float("nan"))))
+        return
     out = Path(tempfile.mkdtemp(prefix="ldsm-")) / "results.json"
     before = os.getloadavg()[0]
     print(f"start {time.strftime('%H:%M:%S', time.gmtime())} UTC, load {before:.1f}", flush=True)
@@ -319,8 +349,9 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--models", default="demo,ffn,moe", help=f"comma-separated, of {', '.join(MODELS)}")
-    parser.add_argument("--timeout", type=float, default=1500)
+    parser.add_argument("--timeout", type=float, default=2700)
     parser.add_argument("--json", default="")
+    parser.add_argument("--report", default="", help="report a recorded --json file again; run nothing")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", default="")
     parsed = parser.parse_args()
