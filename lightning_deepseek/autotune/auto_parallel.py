@@ -144,11 +144,9 @@ def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology
 def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Sequence[Candidate],
                      plans: dict[int, Plan], facts: ModelFacts, machine: Machine, repeats: int) -> Measured:
     """``measured`` with the sharding overheads of every ``tp`` and ``ep`` size among ``options`` timed on copies
-    of the model (:func:`~lightning_deepseek.autotune.measure.measure_sharded`), and compression timed in training
-    steps of copies laid out as each compressed candidate (replicated, or sharded one way;
-    :func:`~lightning_deepseek.autotune.measure.measure_exchange_in_backward`; collective). Skipped (the formulas
-    and the exchange timed alone then predict them) with ``repeats=0``, where the copies would not fit the device
-    memory, or where the model cannot be deep-copied."""
+    of the model (:func:`~lightning_deepseek.autotune.measure.measure_sharded`; collective). Skipped (the formulas
+    then predict them) with ``repeats=0``, where the copies would not fit the device memory, or where the model
+    cannot be deep-copied."""
     device_type, world = next(module.parameters()).device.type, machine.world_size
     shardings: dict[tuple[str, int], Shard] = {}
     for tp in sorted({c.tp for c in options if c.tp > 1}):
@@ -157,21 +155,21 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
                                                   device_type)
     for ep in sorted({c.ep for c in options if c.ep > 1}):
         shardings[("ep", ep)] = functools.partial(_shard_ep, ExpertParallelDims(world, ep), device_type)
-    # compression replicated or beside one sharding (tp or ep): a copy per layout and exchange, in training steps
-    compressed = [c for c in options if c.bits is not None and (c.tp == 1 or c.ep == 1)]
-    sharded_bits = tuple(sorted({c.bits for c in compressed}, reverse=True))
-    layouts = sorted({("tp", c.tp) if c.ep == 1 else ("ep", c.ep) for c in compressed})
-    exchanged = {key: shardings.get(key, _replicated) for key in layouts}
-    if not (shardings or exchanged) or repeats < 1 or measured.batch is None:
+    if not shardings or repeats < 1 or measured.batch is None:
         why = " (sharding predicted by the formulas: not measured)" if shardings else ""
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=measured.compute.source + why))
+    # compression beside one sharding (tp or ep): one more copy per size and exchange, timed in training steps
+    sharded_bits = tuple(sorted({c.bits for c in options if c.bits is not None and (c.tp > 1) != (c.ep > 1)},
+                                reverse=True))
+    exchanged = {key: shard for key, shard in shardings.items()
+                 if any(c.bits is not None and (c.tp, c.ep) == ((key[1], 1) if key[0] == "tp" else (1, key[1]))
+                        for c in options)}
     copies = (1 + len(shardings) + len(exchanged) * (1 + len(sharded_bits))) * memory_bytes(Candidate(), facts,
                                                                                            measured.compute)
     room = machine.headroom * machine.device_memory_bytes - memory_bytes(Candidate(), facts, measured.compute)
-    unmeasured = "sharding predicted by the formulas" if shardings else "compression predicted from the exchange alone"
     if agree([float(copies > room)])[0]:  # hosts may differ in memory: all ranks skip, or none (collectives follow)
-        why = f" ({unmeasured}: no room for copies of the model)"
+        why = " (sharding predicted by the formulas: no room for copies of the model)"
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=measured.compute.source + why))
     start = time.perf_counter()
@@ -179,7 +177,7 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
         optimizer, sharded = measure_sharded(module, measured.batch, shardings, repeats)
     except CopyError as exc:
         return dataclasses.replace(measured, compute=dataclasses.replace(
-            measured.compute, source=f"{measured.compute.source} ({unmeasured}: {exc})"))
+            measured.compute, source=f"{measured.compute.source} (sharding predicted by the formulas: {exc})"))
     middle = time.perf_counter()
     in_backward: dict[tuple[str, int, int], float] = {}
     if exchanged:
@@ -187,38 +185,32 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
             in_backward = measure_exchange_in_backward(module, measured.batch, exchanged, sharded_bits,
                                                        machine.bucket_bytes, repeats)
         except RuntimeError as exc:  # DDP's own refusal (unused parameters...), alike on every rank: keep the rest
-            rank_zero_info(f"cost model: compression not timed in training steps ({exc}); "
+            rank_zero_info(f"cost model: compression under sharding not timed in training steps ({exc}); "
                            "predicted from the exchange timed alone")
     compute = dataclasses.replace(measured.compute, optimizer_seconds=optimizer, sharded=sharded,
                                   exchange_in_backward=in_backward)
     compute = agree_compute(compute)
-    source = compute.source
-    if shardings:
-        source += (f"; sharding measured on copies ({', '.join(f'{k}={n}' for k, n in shardings)}, "
-                   f"{repeats} interleaved steps each, {middle - start:.1f} s)")
+    source = (f"{compute.source}; sharding measured on copies ({', '.join(f'{k}={n}' for k, n in shardings)}, "
+              f"{repeats} interleaved steps each, {middle - start:.1f} s)")
     if in_backward:
-        source += (f"; compression measured in training steps of DDP-wrapped copies "
-                   f"({', '.join(f'{k}={n}' for k, n in exchanged)}, {time.perf_counter() - middle:.1f} s)")
+        source += (f"; compression under sharding measured in training steps of DDP-wrapped copies "
+                   f"({time.perf_counter() - middle:.1f} s)")
     return dataclasses.replace(measured, compute=dataclasses.replace(compute, source=source))
 
 
 def _measure_exchange(machine: Machine, options: Sequence[Candidate], facts: ModelFacts, device: torch.device,
                       repeats: int) -> Machine:
-    """``machine`` with the gradient exchanges of the candidates' replicated gradient bytes timed on the world's
-    process group (:func:`~lightning_deepseek.autotune.measure.measure_exchange`; collective): the fp32 all-reduce
-    DDP runs, for every candidate, and the compressed exchanges, where a candidate compresses. Skipped (the
-    formulas and the kernels' speed then predict them) with ``repeats=0`` or without a process group."""
-    if repeats < 1 or not (dist.is_available() and dist.is_initialized()):
+    """``machine`` with the fp32 and compressed exchanges of every compressed candidate's replicated gradient
+    bytes timed on the world's process group (:func:`~lightning_deepseek.autotune.measure.measure_exchange`;
+    collective). Skipped (the kernels' formula then predicts compression) with ``repeats=0``, without a process
+    group or compressed candidates."""
+    compressed = [c for c in options if c.bits is not None]
+    if repeats < 1 or not compressed or not (dist.is_available() and dist.is_initialized()):
         return machine
-    sizes = sorted({exchange_bytes(c, facts) for c in options} - {0})
-    bits = tuple(sorted({c.bits for c in options if c.bits is not None}, reverse=True))
+    sizes = sorted({exchange_bytes(c, facts) for c in compressed} - {0})
+    bits = tuple(sorted({c.bits for c in compressed}, reverse=True))
     seconds = agree_exchange(measure_exchange(sizes, bits, device, repeats)) if sizes else {}
     return dataclasses.replace(machine, exchange_seconds=seconds)
-
-
-def _replicated(copy: nn.Module) -> Callable[[], None]:
-    """Leaves ``copy`` whole (plain DDP's layout); nothing to reduce after backward."""
-    return lambda: None
 
 
 def _shard_tp(styles: dict[str, str], dims: ParallelDims, grid: list[list[int]], device_type: str,
@@ -250,7 +242,6 @@ def decide_compression(module: pl.LightningModule, trainer: pl.Trainer, topology
     setting = "GradientCompression(bits='auto')"
     options = candidates(dp_size, [1], [1], AUTO_BITS)
     machine = _measure_exchange(machine, options, facts, next(module.parameters()).device, repeats=3)
-    measured = _measure_sharded(module, measured, options, {}, facts, machine, repeats=3)  # replicas, DDP-wrapped
     decision = decide(options, facts, measured.compute, machine, setting)
     _print(decision, setting, measured, measured.tokens, machine)
     return decision

@@ -34,11 +34,7 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   ``R = all_reduce(r(bits) * replicated bytes, world) + (buckets - 1) 2 (world - 1) a`` with
   ``all_reduce(S, n) = 2 (n - 1)/n S/B + 2 (n - 1) a`` and ``r(bits)`` the compressed payload over the fp32 bytes
   (:func:`~lightning_deepseek.compression.quantize.payload_bytes`): compression shrinks the bytes, not the
-  latency. Where the fp32 all-reduce of these bytes was timed at setup (``T32`` of the measured compression
-  below), ``R`` is that time plus the buckets' latencies: counted from the bytes, every unsharded candidate came
-  out 10-35 ms a step too fast on the testbed and on loopback, whose measured all-reduce (the ranks' copies and
-  sums on shared cores, beside the wire) took 1.05-2.6x the count (benchmarks/RESULTS.md, "Session 17"). What
-  backward hides: at most ``B`` seconds, and never the last bucket:
+  latency. What backward hides: at most ``B`` seconds, and never the last bucket:
   ``exposed_dp = busy + max(H - overlap * m B, H * last / replicated bytes)`` with ``H = R - busy`` and ``last``
   the bytes of the last bucket DDP fills (its first bucket holds 1 MiB, the next ones ``bucket_cap_mb``; the last
   holds what is left). Counting the whole exchange as the last bucket below 25 MB put the demo's fp32 wait at
@@ -57,25 +53,24 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   compressed exchange (quantize with the residual, the collectives, phase 2, the write) of the candidate's
   replicated gradient bytes, timed at setup on the world's process group, all ranks at once, interleaved
   (:func:`~lightning_deepseek.autotune.measure.measure_exchange`): ``T32`` and ``Tc``. Then
-  ``exposed_dp = max(E + Tc - T32, E Tc / T32)`` with ``E`` the fp32 candidate's ``exposed_dp`` (above), and no
-  ``quantize`` or ``chain`` part (they are in ``Tc``): where the fp32 exchange is exposed the step moves by the
-  measured difference; where backward hides it, compression saves at most its share of what is
+  ``exposed_dp = max(E + Tc - T32, E Tc / T32)`` with ``E`` the fp32 candidate's ``exposed_dp`` (the formula
+  below), and no ``quantize`` or ``chain`` part (they are in ``Tc``): where the fp32 exchange is exposed the step
+  moves by the measured difference; where backward hides it, compression saves at most its share of what is
   exposed, while an exchange that costs more than fp32 adds all of the extra (CPU work on the cores backward
   needs). Why: the kernels timed alone on one rank predicted compression ~100 ms too fast on the 1 Gbit testbed
   (4 ranks on 2 cores): for the wide FFN's 19.5 MB the hook spent 50-107 ms of CPU per exchange where the kernels
   alone took 19-41 ms (the ranks share the cores and gloo's threads run beside them), so tp=1 int4 was predicted
   176 ms faster than fp32 where training measured 72-91 ms; the measured exchanges (fp32 263 ms, int4 203 ms,
   slowest rank) give ~55 ms (benchmarks/RESULTS.md, "Compression predicted from the exchange measured at setup").
-  Replicated or under one sharding (``tp > 1`` or ``ep > 1``), **measured in training steps** where that was
-  measured (:func:`~lightning_deepseek.autotune.measure.measure_exchange_in_backward`: copies laid out that way,
-  wrapped in DDP as the strategy wraps them, with the fp32 exchange and with the hook, training steps timed back to
-  back): ``exposed_dp = max(0, E + D)`` with ``D`` the measured difference. Why: the hook's quantize and
-  collectives run beside backward and tensor or expert parallelism's collectives, on oversubscribed cores where a
-  delay on one rank stalls its partners, which the exchange timed alone does not see: on the 1 Gbit testbed, where
-  tp=2 and ep=2 leave DDP 1.3-2.4 MiB, the exchange alone saw int8 save 7-21 ms while training measured it 7-18 ms
-  slower, and single aligned passes (this measurement until session 14) saw it save 6-16 ms (benchmarks/RESULTS.md,
-  "Session 13", "Session 15"); replicated, at 10 Gbit, the exchange alone saw int8 save 7 ms of the MoE's step
-  where training measured it 10 ms slower (RESULTS.md, "Session 17").
+  Under one sharding (``tp > 1`` or ``ep > 1``), **measured in training steps** where that was measured
+  (:func:`~lightning_deepseek.autotune.measure.measure_exchange_in_backward`: copies sharded that way, wrapped in
+  DDP as the strategy wraps them, with the fp32 exchange and with the hook, training steps timed back to back):
+  ``exposed_dp = max(0, E + D)`` with ``D`` the measured difference. Why: the hook's quantize and collectives run
+  beside tensor or expert parallelism's collectives, on oversubscribed cores where a delay on one rank stalls its
+  partners, which the exchange timed alone does not see: on the 1 Gbit testbed, where tp=2 and ep=2 leave DDP
+  1.3-2.4 MiB, the exchange alone saw int8 save 7-21 ms while training measured it 7-18 ms slower, and single
+  aligned passes (this measurement until session 14) saw it save 6-16 ms (benchmarks/RESULTS.md, "Session 13",
+  "Session 15").
 - ``quantize = replicated bytes * (q + n dq)`` (the fallback without the measurement) with ``q``/``dq`` the measured
   seconds per fp32 byte of the quantize / dequantize kernels on this machine, ``n`` the payloads dequantized (DDP's
   ranks, the world, with the single all-gather exchange; 2 with the two-phase one); it runs in DDP's hook on
@@ -162,10 +157,10 @@ class ComputeProfile:
             one micro-batch's forward + backward (its collectives included) and to an optimizer step, over a
             replicated copy timed interleaved with it (may be negative: noise, or less work). A size missing here
             is predicted by the formulas.
-        exchange_in_backward: ``{(kind, size, bits): seconds}`` (kind ``"tp"`` or ``"ep"``; ``("tp", 1)``: the
-            replicated model): what compressing DDP's exchange to ``bits`` adds to a training step of a copy laid
-            out that way and wrapped in DDP, over the same with the fp32 exchange (negative: saves). Where present,
-            a compressed candidate laid out that way (and only that way) is predicted from it.
+        exchange_in_backward: ``{(kind, size, bits): seconds}`` (kind ``"tp"`` or ``"ep"``): what compressing
+            DDP's exchange to ``bits`` adds to a training step of a copy sharded that way and wrapped in DDP, over
+            the same with the fp32 exchange (negative: saves). Where present, a compressed candidate sharded that
+            way (and only that way) is predicted from it.
     """
 
     forward_seconds: float
@@ -350,18 +345,17 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
     last_bucket = last_bucket_bytes(ddp_bytes, machine) / max(ddp_bytes, 1)
 
     def exposed(bits: int | None) -> float:
-        """The exposed seconds of DDP's exchange of the replicated gradients compressed to ``bits``: the fp32
-        all-reduce as measured at setup where it was, else (and compressed) the formula's."""
+        """The formula's exposed seconds of DDP's exchange of the replicated gradients compressed to ``bits``."""
         wire_bytes = int(ddp_bytes * compression_ratio(bits))
-        measured = machine.exchange_seconds.get((ddp_bytes, None)) if bits is None else None
-        wire = ((all_reduce_seconds(wire_bytes, world, world_link) if measured is None else measured)
+        wire = (all_reduce_seconds(wire_bytes, world, world_link)
                 + max(0, num_buckets - 1) * all_reduce_seconds(0, world, world_link))
         busy = min(wire, all_reduce_seconds(wire_bytes, world, links["intra"])) if machine.busy_cores else 0.0
         hideable = wire - busy
         return busy + max(hideable - machine.overlap * backward, hideable * last_bucket) if ddp_bytes else 0.0
 
     sharding = ("tp", candidate.tp) if candidate.ep == 1 else ("ep", candidate.ep) if candidate.tp == 1 else None
-    in_backward = compute.exchange_in_backward.get((*sharding, candidate.bits)) if sharding is not None else None
+    in_backward = (compute.exchange_in_backward.get((*sharding, candidate.bits))
+                   if sharding is not None and sharding[1] > 1 else None)
     measured_exchange = [machine.exchange_seconds.get((ddp_bytes, b)) for b in (None, candidate.bits)]
     if candidate.bits is None or in_backward is not None or None in measured_exchange:
         measured_exchange = None
