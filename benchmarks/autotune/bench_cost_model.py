@@ -159,10 +159,10 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def alone_predictions(decision) -> dict[str, float]:
-    """The predictions had compression come from the exchange timed alone (the cost model's rule before it was
-    timed in the copies' training steps): ``dp = max(E + Tc - T32, E Tc / T32)``, ``E`` the fp32 candidate's. The
-    grids here shard at most one way: unsharded candidates' replicated bytes are the larger measured size, sharded
-    ones' the smaller."""
+    """The predictions had compression under sharding come from the exchange timed alone (the cost model's rule
+    before it was timed in the sharded copies' steps): ``dp = max(E + Tc - T32, E Tc / T32)``, ``E`` the fp32
+    candidate's. The grids here shard at most one way: unsharded candidates' replicated bytes are the larger
+    measured size, sharded ones' the smaller."""
     out = {p.candidate.label: p.seconds for p in decision.predictions}
     if not decision.exchange_seconds:
         return out
@@ -172,7 +172,7 @@ def alone_predictions(decision) -> dict[str, float]:
         sharding = ("tp", c.tp) if c.ep == 1 else ("ep", c.ep)
         if (*sharding, c.bits) not in decision.compute.exchange_in_backward:
             continue
-        size = sizes[-1] if c.tp == c.ep == 1 else sizes[0]
+        size = sizes[0]
         fp32 = decision.prediction(dataclasses.replace(c, bits=None)).parts["dp"]
         t32, tc = decision.exchange_seconds[(size, None)], decision.exchange_seconds[(size, c.bits)]
         out[c.label] += max(fp32 + tc - t32, fp32 * tc / t32) - p.parts["dp"]
@@ -300,7 +300,7 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
                 return f"{spearman([row[field][k] for k in labels], [row['measured'][k] for k in labels]):.2f}"
             alone = {k: statistics.median(r["alone"][k] for r in rows) for k in labels}
             inside = ", ".join(f"{k} {v * 1e3:+.0f} ms" for k, v in rows[0]["in_backward"].items())
-            lines += [f"Compression timed in the DDP-wrapped copies' training steps at setup (over fp32, first "
+            lines += [f"Compression under sharding timed in the copies' training steps at setup (over fp32, first "
                       f"repetition): {inside}. Spearman had it come from the exchange timed alone instead: "
                       f"{spearman([alone[k] for k in labels], [measured[k] for k in labels]):.2f} (per repetition "
                       f"{', '.join(rho_of('alone', r) for r in rows)}; with it: "
