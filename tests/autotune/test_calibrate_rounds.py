@@ -1,13 +1,17 @@
 """The calibration's schedule against a machine whose speed drifts while it runs (no processes started): plain DDP
 measured first and again last, so that neither a start-up slowdown wearing off nor a load rising makes another
-candidate look faster than it is."""
+candidate look faster than it is. And the heap frozen between the fits only while calibrating."""
+
+import gc
+import weakref
 
 import optuna
+import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lightning_deepseek.autotune import candidates, choose
-from lightning_deepseek.autotune.calibrate import _Calibrator, _pruner
+from lightning_deepseek.autotune.calibrate import _Calibrator, _frozen_heap, _pruner
 from lightning_deepseek.autotune.table import Row
 from lightning_deepseek.run import CONFIG_DIR
 
@@ -81,3 +85,25 @@ def test_pruner_judges_a_candidate_from_its_first_timed_step_and_is_off_without_
     slow.report(100.0, 1)  # 10x slower than the baseline at its first timed step
     assert slow.should_prune()
     assert isinstance(_pruner(OmegaConf.create({"prune": False, "steps": 2})), optuna.pruners.NopPruner)
+
+
+def test_heap_frozen_only_while_calibrating() -> None:
+    """The collections between fits skip what was alive before the calibration, still free what the fits left as
+    cyclic garbage, and the collector gets every object back at the end, also when a fit raises."""
+
+    class Cycle:
+        pass
+
+    alive = [Cycle() for _ in range(100)]
+    with _frozen_heap():
+        assert gc.get_freeze_count() >= len(alive)
+        garbage = Cycle()
+        garbage.me = garbage
+        gone = weakref.ref(garbage)
+        del garbage
+        gc.collect()
+        assert gone() is None
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError, match="fit failed"), _frozen_heap():
+        raise RuntimeError("fit failed")
+    assert gc.get_freeze_count() == 0
