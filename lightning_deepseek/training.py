@@ -21,6 +21,7 @@ from lightning_deepseek.checkpointing import RunCheckpoint, RunInterrupted
 from lightning_deepseek.data import TextDataModule
 from lightning_deepseek.errors import USER_ERROR_EXIT, exit_on_user_error, user_errors
 from lightning_deepseek.models import LightningGPT
+from lightning_deepseek.progress_bar import progress_bar
 from lightning_deepseek.run import RunFolder, RunPlan, check_config, check_with_torch
 from lightning_deepseek.signals import OUTSIDE_TRAINING, exit_code
 from lightning_deepseek.summary import RunSummary
@@ -65,7 +66,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[pl.Callback]) 
     # RunSummary before RunCheckpoint: a checkpoint then holds the curves up to its own step.
     return pl.Trainer(
         **trainer_kwargs, strategy=strategy, plugins=plugins or None, logger=_loggers(run_dir),
-        callbacks=[*callbacks, *monitors, RunSummary(run_dir, plot=cfg.plot), checkpoint, watchdog],
+        callbacks=[*callbacks, *monitors, RunSummary(run_dir, plot=cfg.plot), checkpoint, watchdog,
+                   *progress_bar(trainer_kwargs.get("enable_progress_bar", True), callbacks)],
         default_root_dir=run_dir, enable_checkpointing=False,  # RunCheckpoint writes the checkpoints
     )
 
