@@ -148,9 +148,7 @@ def worker(args: argparse.Namespace) -> None:
             c = decision.compute
             row["compute"] = dict(forward=c.forward_seconds, backward=c.backward_seconds,
                                   optimizer=c.optimizer_seconds, routed_bytes=c.routed_bytes,
-                                  sharded={f"{k}={n}": v for (k, n), v in c.sharded.items()},
-                                  after_backward={f"{k}={n}": v for (k, n), v in c.after_backward.items()},
-                                  source=c.source)
+                                  sharded={f"{k}={n}": v for (k, n), v in c.sharded.items()}, source=c.source)
             row["exchange"] = {f"{n} {b}": v for (n, b), v in decision.exchange_seconds.items()}
             row["in_backward"] = {f"{k}={n} int{b}": v for (k, n, b), v in c.exchange_in_backward.items()}
             row["alone"] = alone_predictions(decision)
@@ -279,10 +277,8 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
         setup = [re.search(r"each, ([0-9.]+) s\)", r["compute"]["source"]) for r in rows]
         if any(setup):
             sharded = ", ".join(f"{k} {v[0] * 1e3:+.0f} ms" for k, v in rows[0]["compute"]["sharded"].items())
-            after = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rows[0]["compute"].get("after_backward", {}).items())
             lines += [f"Sharded copies timed at setup in {', '.join(m[1] + ' s' for m in setup if m)} (what sharding "
-                      f"adds to a micro-batch's forward + backward, first repetition: {sharded}"
-                      + (f"; its reduction after backward: {after}" if after else "") + ")", ""]
+                      f"adds to a micro-batch's forward + backward, first repetition: {sharded})", ""]
         if rows[0].get("exchange"):
             named = {k: k.split() for k in rows[0]["exchange"]}
             exchange = ", ".join(f"{int(n) / 2**20:.1f} MiB {'fp32' if b == 'None' else 'int' + b} "

@@ -174,7 +174,7 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
             measured.compute, source=measured.compute.source + why))
     start = time.perf_counter()
     try:
-        optimizer, sharded, after_backward = measure_sharded(module, measured.batch, shardings, repeats)
+        optimizer, sharded = measure_sharded(module, measured.batch, shardings, repeats)
     except CopyError as exc:
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=f"{measured.compute.source} (sharding predicted by the formulas: {exc})"))
@@ -188,7 +188,7 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
             rank_zero_info(f"cost model: compression under sharding not timed in training steps ({exc}); "
                            "predicted from the exchange timed alone")
     compute = dataclasses.replace(measured.compute, optimizer_seconds=optimizer, sharded=sharded,
-                                  exchange_in_backward=in_backward, after_backward=after_backward)
+                                  exchange_in_backward=in_backward)
     compute = agree_compute(compute)
     source = (f"{compute.source}; sharding measured on copies ({', '.join(f'{k}={n}' for k, n in shardings)}, "
               f"{repeats} interleaved steps each, {middle - start:.1f} s)")

@@ -48,12 +48,7 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   once per step after backward (the strategy's reduction), not overlapped; all groups at once, so those leaving one
   island share its link (:func:`~lightning_deepseek.parallel.placement.concurrent_link`). Counting one group alone
   predicted the MoE's ep=2 23-50 ms too fast on the 1 Gbit testbed, its two expert replica pairs crossing the link
-  together (benchmarks/RESULTS.md, "Session 15"). **Measured** (the default of the ``"auto"`` settings): the
-  strategy's reduction itself, timed on the sharded copies at setup, all groups at once, the ranks aligned before
-  it; the formula where it was not measured. Why: the formula counts the bytes over the link, and on a fast link
-  the ranks' copies and sums on busy CPU cores take longer than that: at 10 Gbit the world's fp32 all-reduce timed
-  at setup took 2-4x the formula's count (1.0-1.3x at 1 Gbit), and the MoE's ep=2 was predicted 7-15 ms too fast
-  in each 10 Gbit run, ahead of ep=4, which measured faster (benchmarks/RESULTS.md, "Session 19").
+  together (benchmarks/RESULTS.md, "Session 15").
 - compression, **measured** (the default of the ``"auto"`` settings): the fp32 all-reduce DDP runs and the hook's own
   compressed exchange (quantize with the residual, the collectives, phase 2, the write) of the candidate's
   replicated gradient bytes, timed at setup on the world's process group, all ranks at once, interleaved
@@ -166,9 +161,6 @@ class ComputeProfile:
             DDP's exchange to ``bits`` adds to a training step of a copy sharded that way and wrapped in DDP, over
             the same with the fp32 exchange (negative: saves). Where present, a compressed candidate sharded that
             way (and only that way) is predicted from it.
-        after_backward: ``{("tp", size) or ("ep", size): seconds}``: the strategy's reduction after backward on a
-            copy sharded that way (the shards' all-reduce over ``dp``, the experts' over their replicas), every
-            group at once. A size missing here is predicted by the formula.
     """
 
     forward_seconds: float
@@ -179,7 +171,6 @@ class ComputeProfile:
     optimizer_seconds: float = 0.0
     sharded: Mapping[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
     exchange_in_backward: Mapping[tuple[str, int, int], float] = field(default_factory=dict)
-    after_backward: Mapping[tuple[str, int], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -374,7 +365,7 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
         "tp": comm["tp"] if tp_measured is None else micro * tp_measured[0],
         "ep": 0.0 if ep_measured is None else micro * ep_measured[0],
         "dp": exposed(candidate.bits if measured_exchange is None and in_backward is None else None),
-        "after": compute.after_backward.get(("tp", candidate.tp), comm["sharded"]),
+        "after": comm["sharded"],
         "quantize": 0.0,
         "chain": 0.0,
     }
@@ -386,9 +377,8 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
                 4 * all_to_all_seconds(compute.routed_bytes, candidate.ep, ep_link)
                 + all_to_all_seconds(0, candidate.ep, ep_link))
         replicas = [list(range(r, world, candidate.ep)) for r in range(candidate.ep)]  # the edp groups, at once
-        formula = all_reduce_seconds(facts.expert_bytes // candidate.ep, world // candidate.ep,
-                                     concurrent_link(topology, replicas, links))
-        parts["after"] += compute.after_backward.get(("ep", candidate.ep), formula)
+        parts["after"] += all_reduce_seconds(facts.expert_bytes // candidate.ep, world // candidate.ep,
+                                             concurrent_link(topology, replicas, links))
     if in_backward is not None and ddp_bytes:  # measured where it runs: beside the sharding's collectives
         parts["dp"] = max(0.0, parts["dp"] + in_backward)
     elif measured_exchange is not None and ddp_bytes:

@@ -237,36 +237,32 @@ def first_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
 
 
 def measure_sharded(module: pl.LightningModule, batch: MicroBatch, shardings: Mapping[tuple[str, int], Shard],
-                    repeats: int = 3) -> tuple[float, dict[tuple[str, int], tuple[float, float]],
-                                               dict[tuple[str, int], float]]:
-    """What each sharding adds to a micro-batch's forward + backward and to an optimizer step, and what its
-    reduction after backward takes (collective).
+                    repeats: int = 3) -> tuple[float, dict[tuple[str, int], tuple[float, float]]]:
+    """What each sharding adds to a micro-batch's forward + backward and to an optimizer step (collective).
 
     A replicated copy of ``module`` and one copy per entry of ``shardings`` (each sharded in place by its function)
-    run ``repeats`` timed steps each (after one warm-up): forward, backward, the sharding's reduction of its
-    gradients (what its function returned: the strategy's, over every group at once), a step of the module's own
-    optimizer, every copy once per round, the ranks aligned by a barrier before each pass and each reduction, so
-    that load that drifts during setup falls on all copies alike. ``module`` itself is not touched.
+    run ``repeats`` timed steps each (after one warm-up): forward, backward, a step of the
+    module's own optimizer, every copy once per round, the ranks aligned by a barrier before each pass, so that
+    load that drifts during setup falls on all copies alike. ``module`` itself is not touched.
 
     Raises:
         CopyError: ``module`` cannot be deep-copied (raised before any collective, on every rank alike).
 
     Returns:
-        The replicated copy's median optimizer step seconds (0 without an optimizer); for each sharding the
-        differences of its medians from the replicated copy's: ``(forward + backward, optimizer step)``; and for each
-        sharding whose function returned a reduction, its median seconds.
+        The replicated copy's median optimizer step seconds (0 without an optimizer), and for each sharding the
+        differences of its medians from the replicated copy's: ``(forward + backward, optimizer step)``.
     """
     device = next(module.parameters()).device
     # every copy before any collective: a model that cannot be copied fails alike on every rank, before a barrier
     copies: dict[tuple[str, int] | None, nn.Module] = {key: replica(module) for key in [None, *shardings]}
-    reductions = {key: shard(copies[key]) for key, shard in shardings.items()}
+    for key, shard in shardings.items():
+        shard(copies[key])
     steps = {key: batch.step(m) for key, m in copies.items()}
     optimizers = {key: first_optimizer(m) for key, m in copies.items()}
     if any(o is None for o in optimizers.values()):
         optimizers = dict.fromkeys(copies)
     passes: dict[tuple[str, int] | None, list[float]] = {key: [] for key in copies}
     steps_of_optimizer: dict[tuple[str, int] | None, list[float]] = {key: [] for key in copies}
-    reduced: dict[tuple[str, int], list[float]] = {key: [] for key, reduce in reductions.items() if reduce}
     aligned = dist.is_available() and dist.is_initialized()
     for m in copies.values():
         if isinstance(m, pl.LightningModule):
@@ -280,17 +276,7 @@ def measure_sharded(module: pl.LightningModule, batch: MicroBatch, shardings: Ma
                 start = time.perf_counter()
                 _loss_of(steps[key]()).backward()
                 _synchronize(device)
-                middle = stepping = time.perf_counter()
-                if key in reduced:  # alone: the ranks' skew in backward is the pass's, not the reduction's
-                    if aligned:
-                        dist.barrier()
-                    _synchronize(device)
-                    begin = time.perf_counter()
-                    reductions[key]()
-                    _synchronize(device)
-                    stepping = time.perf_counter()
-                    if i:
-                        reduced[key].append(stepping - begin)
+                middle = time.perf_counter()
                 if optimizers[key] is not None:
                     optimizers[key].step()
                     optimizers[key].zero_grad(set_to_none=True)
@@ -298,11 +284,10 @@ def measure_sharded(module: pl.LightningModule, batch: MicroBatch, shardings: Ma
                 end = time.perf_counter()
                 if i:  # the first round warms allocators, caches and the optimizer states
                     passes[key].append(middle - start)
-                    steps_of_optimizer[key].append(end - stepping)
+                    steps_of_optimizer[key].append(end - middle)
     med = {key: (statistics.median(passes[key]), statistics.median(steps_of_optimizer[key])) for key in copies}
     base = med.pop(None)
-    return (base[1], {key: (f - base[0], o - base[1]) for key, (f, o) in med.items()},
-            {key: statistics.median(seconds) for key, seconds in reduced.items()})
+    return base[1], {key: (f - base[0], o - base[1]) for key, (f, o) in med.items()}
 
 
 def _exchange_settings(bits_options: tuple[int, ...]) -> tuple[dict[int, CompressionConfig], dist.ProcessGroup]:
@@ -487,17 +472,14 @@ def agree_compute(profile: ComputeProfile) -> ComputeProfile:
     """``profile`` with the slowest rank's figures (collective; every rank measured the same shardings)."""
     keys = sorted(profile.sharded)
     in_backward = sorted(profile.exchange_in_backward)
-    reductions = sorted(profile.after_backward)
     f, b, a, r, o, *rest = agree([profile.forward_seconds, profile.backward_seconds,
                                   float(profile.activation_bytes), float(profile.routed_bytes),
                                   profile.optimizer_seconds, *(v for k in keys for v in profile.sharded[k]),
-                                  *(profile.exchange_in_backward[k] for k in in_backward),
-                                  *(profile.after_backward[k] for k in reductions)])
-    sharded, exchange = rest[:2 * len(keys)], rest[2 * len(keys):2 * len(keys) + len(in_backward)]
-    after = rest[2 * len(keys) + len(in_backward):]
+                                  *(profile.exchange_in_backward[k] for k in in_backward)])
+    sharded, exchange = rest[:2 * len(keys)], rest[2 * len(keys):]
     return ComputeProfile(f, b, int(a), int(r), profile.source, o,
                           {k: (sharded[2 * i], sharded[2 * i + 1]) for i, k in enumerate(keys)},
-                          dict(zip(in_backward, exchange)), dict(zip(reductions, after)))
+                          dict(zip(in_backward, exchange)))
 
 
 def agree_exchange(seconds: dict[tuple[int, int | None], float]) -> dict[tuple[int, int | None], float]:

@@ -247,34 +247,6 @@ def test_expert_all_to_all_formula_counts_the_count_exchange_and_a_measurement_r
     assert ep2.parts["ep"] == pytest.approx(2 * 0.04) and ep2.parts["optimizer"] == pytest.approx(0.001)
 
 
-def test_a_measured_reduction_after_backward_replaces_the_formula() -> None:
-    # The 10 Gbit testbed's MoE (RESULTS.md, "Session 19"): the formula counted ep=2's expert all-reduce across the
-    # link at ~9 ms, where the CPU's copies and sums take 2-4x the bytes' time; it ranked ep=2 ahead of ep=4
-    # (which needs no expert all-reduce), and ep=4 measured faster in every run.
-    volume = CommVolume(0, 0, 0, 0, 11 * MB, 1)
-    model = ModelFacts(param_bytes=11 * MB, volumes={1: volume}, expert_bytes=8 * MB, num_moe_layers=3)
-    link = LinkCost(10e9 / 8, 200e-6)
-    tenbit = Machine(TWO_NODES, {"intra": LinkCost(3e9, 30e-6), "inter": link}, 2**36)
-    sharded = {("ep", 2): (0.05, 0.005), ("ep", 4): (0.062, 0.004)}
-    formula = ComputeProfile(0.04, 0.05, sharded=sharded)
-    ep2, ep4 = (predict(Candidate(1, ep), model, formula, tenbit) for ep in (2, 4))
-    assert ep4.parts["after"] == 0.0 < ep2.parts["after"] < 0.01  # 4 MiB per replica pair, two pairs on the link
-    assert ep2.seconds < ep4.seconds
-    measured = ComputeProfile(0.04, 0.05, sharded=sharded, after_backward={("ep", 2): 0.025, ("ep", 4): 0.0004})
-    ep2, ep4 = (predict(Candidate(1, ep), model, measured, tenbit) for ep in (2, 4))
-    assert ep2.parts["after"] == pytest.approx(0.025) and ep4.parts["after"] == pytest.approx(0.0004)
-    assert ep4.seconds < ep2.seconds
-    # tensor parallelism's shards over dp alike; a size not measured keeps the formula
-    dense = facts(17, 0.9, 0.03, layers=2)
-    tp2 = Candidate(2, 1, None)
-    by_formula = predict(tp2, dense, ComputeProfile(0.05, 0.1), tenbit).parts["after"]
-    assert by_formula > 0
-    assert predict(tp2, dense, ComputeProfile(0.05, 0.1, after_backward={("tp", 2): 0.03}),
-                   tenbit).parts["after"] == pytest.approx(0.03)
-    assert predict(tp2, dense, ComputeProfile(0.05, 0.1, after_backward={("ep", 2): 0.03}),
-                   tenbit).parts["after"] == pytest.approx(by_formula)
-
-
 def test_placement_terms_add_up_to_the_placement_estimate() -> None:
     volume = CommVolume(MB, 2, 2, 10 * MB, 20 * MB, 2)
     mesh = candidate_mesh("tp_intra_node", TWO_NODES, 2, 2)

@@ -65,8 +65,7 @@ def test_quantize_cost_is_per_fp32_byte_for_each_width() -> None:
 
 
 def test_agree_compute_keeps_every_figure_of_the_sharded_copies() -> None:
-    profile = ComputeProfile(0.1, 0.2, 3, 4, "src", 0.05, {("tp", 2): (0.3, 0.01), ("ep", 2): (0.02, -0.001)},
-                             {("ep", 2, 8): -0.004}, {("tp", 2): 0.006, ("ep", 2): 0.007})
+    profile = ComputeProfile(0.1, 0.2, 3, 4, "src", 0.05, {("tp", 2): (0.3, 0.01), ("ep", 2): (0.02, -0.001)})
     assert agree_compute(profile) == profile  # no process group: every figure back in its place
 
 
@@ -97,15 +96,10 @@ def test_measure_sharded_times_copies_and_leaves_the_model_alone() -> None:
             return forward(data, i)
         copy.training_step = slower
 
-    def reduced(copy: torch.nn.Module):  # a sharding whose reduction after backward takes 0.1 s
-        return lambda: time.sleep(0.1)
-
-    optimizer, sharded, after = measure_sharded(module, batch, {("tp", 2): widen, ("ep", 2): reduced}, repeats=3)
-    assert optimizer > 0 and set(sharded) == {("tp", 2), ("ep", 2)}
+    optimizer, sharded = measure_sharded(module, batch, {("tp", 2): widen}, repeats=3)
+    assert optimizer > 0 and set(sharded) == {("tp", 2)}
     extra_pass, extra_optimizer = sharded[("tp", 2)]
     assert extra_pass > 0.05  # the wait, measured on the copy's pass and not on the replicated one
-    assert set(after) == {("ep", 2)} and 0.1 <= after[("ep", 2)] < 0.5  # only a sharding that returned a reduction
-    assert sharded[("ep", 2)][1] < 0.05 and abs(sharded[("ep", 2)][0]) < 0.05  # timed apart from pass and step
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # the optimizer stepped copies
     assert all(p.grad is None for p in module.parameters())
     assert torch.equal(torch.get_rng_state(), before_rng)
