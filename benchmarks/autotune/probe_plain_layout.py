@@ -1,11 +1,13 @@
 """Does ``HybridParallelStrategy`` at the plain layout (tp=1, ep=1, nothing sharded) train slower than Lightning's
 ``"ddp"``? (issue #16: the loopback MoE measured 0.95-0.97x in 6 of 8 recorded runs, benchmarks/RESULTS.md
-"Session 19".) Two processes on loopback train the same model with each, alternating, ``--pairs`` times
-``--steps`` steps (the first 3 dropped, the slowest rank's step); prints each pair's medians and their ratio, and
-with ``--profile`` the rank-0 functions whose cumulative time differs most between the two (cProfile over one fit
-of each).
+"Session 19".) Two processes on loopback (or, ``--testbed``, 2 emulated nodes x 2 ranks) train the same model with
+``"ddp"``, the strategy, and the strategy without its per-step reduction of shards (an ablation), in the orders ABC
+then CBA, ``--pairs`` times ``--steps`` steps (the first 3 dropped, the slowest rank's step); prints each round's
+medians and the ratios to ``"ddp"``, and with ``--profile`` the rank-0 functions whose cumulative time differs most
+between ``"ddp"`` and the strategy (cProfile over one fit of each).
 
-Run: ``flock /work/wt/bench.lock .venv/bin/python benchmarks/autotune/probe_plain_layout.py [--model moe]``.
+Run: ``flock /work/wt/bench.lock .venv/bin/python benchmarks/autotune/probe_plain_layout.py [--model moe]
+[--testbed --rate 10gbit]``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 def worker(args: argparse.Namespace) -> None:
     import torch
+    from lightning.pytorch.strategies import DDPStrategy
 
     from benchmarks.autotune.bench_cost_model import MODELS, fit_steps
     from lightning_deepseek import HybridParallelStrategy
@@ -32,22 +35,34 @@ def worker(args: argparse.Namespace) -> None:
     _, config, batch, seq = MODELS[args.model]
     rank0 = os.environ["RANK"] == "0"
 
+    class WithoutShardReduction(HybridParallelStrategy):
+        """The strategy with Lightning's ``DDPStrategy.optimizer_step`` (no per-step reduction of shards): an
+        ablation, to tell that reduction's cost from the rest of the strategy's."""
+
+        def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+            return DDPStrategy.optimizer_step(self, optimizer, closure, model, **kwargs)
+
     def strategy(name: str):
-        return "ddp" if name == "ddp" else HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size=1,
-                                                                  min_shard_params=0)
+        if name == "ddp":
+            return "ddp"
+        kind = WithoutShardReduction if name == "hybrid-bare" else HybridParallelStrategy
+        return kind(tensor_parallel_size=1, expert_parallel_size=1, min_shard_params=0)
 
     fit_steps(config, batch, seq, 5, "ddp", [])  # the group up, one-off costs paid
-    ratios = []
+    arms = ["ddp", "hybrid", "hybrid-bare"]
+    ratios: dict[str, list[float]] = {arm: [] for arm in arms[1:]}
     for pair in range(args.pairs):
-        order = ["ddp", "hybrid"] if pair % 2 == 0 else ["hybrid", "ddp"]
+        order = arms if pair % 2 == 0 else arms[::-1]  # ABC, CBA: a drift cannot favour one arm
         step = {name: fit_steps(config, batch, seq, args.steps, strategy(name), [])[0] for name in order}
-        ratios.append(step["ddp"] / step["hybrid"])
+        for arm in ratios:
+            ratios[arm].append(step["ddp"] / step[arm])
         if rank0:
-            print(f"pair {pair}: ddp {step['ddp'] * 1e3:.1f} ms, hybrid {step['hybrid'] * 1e3:.1f} ms, "
-                  f"hybrid's throughput {ratios[-1]:.3f}x of ddp's", flush=True)
+            print(f"pair {pair}: " + ", ".join(f"{a} {step[a] * 1e3:.1f} ms" for a in arms) + "; throughput of "
+                  "ddp's: " + ", ".join(f"{a} {r[-1]:.3f}x" for a, r in ratios.items()), flush=True)
     if rank0:
-        print(f"median {statistics.median(ratios):.3f}x, {sum(r < 1 for r in ratios)} of {len(ratios)} slower",
-              flush=True)
+        for arm, values in ratios.items():
+            print(f"{arm}: median {statistics.median(values):.3f}x of ddp's, {sum(r < 1 for r in values)} of "
+                  f"{len(values)} slower", flush=True)
     if not args.profile:
         return
     stats = {}
@@ -68,6 +83,9 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from benchmarks.testbed import add_arguments
+
+    add_arguments(parser, prefix="ldsp", subnet="10.213.76")
     parser.add_argument("--model", default="moe", choices=["moe", "demo", "ffn"])
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=30)
@@ -77,11 +95,15 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from benchmarks.testbed import run_ranks
+    from benchmarks.testbed import Testbed, run_ranks
 
     argv = [sys.executable, __file__, "--worker", "--model", args.model, "--pairs", str(args.pairs), "--steps",
             str(args.steps), *(["--profile"] if args.profile else [])]
-    run_ranks(argv, 29741, 1800, ROOT)
+    if not args.testbed:
+        run_ranks(argv, 29741, 1800, ROOT)
+        return
+    with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
+        run_ranks(argv, 29742, 1800, ROOT, bed)
 
 
 if __name__ == "__main__":
