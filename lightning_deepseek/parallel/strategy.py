@@ -194,6 +194,7 @@ class HybridParallelStrategy(DDPStrategy):
         self._max_islands = max_islands_per_token
         self._expert_dispatch = expert_dispatch
         self._expert_plan: ExpertParallelPlan | None = None
+        self._has_shards = True  # set at setup; until then every step reduces what it finds
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._dims: ParallelDims | None = None
         self._shard_optimizer_states = shard_optimizer_states
@@ -309,6 +310,8 @@ class HybridParallelStrategy(DDPStrategy):
         module = self.lightning_module
         if not any(isinstance(p, DTensor) for p in module.parameters()):
             self._parallelize(module, trainer)
+        # Decided once: at the plain layout nothing is sharded and each step is DDPStrategy's own.
+        self._has_shards = any(isinstance(p, DTensor) for p in module.parameters())
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
@@ -452,6 +455,8 @@ class HybridParallelStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if not self._has_shards:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
         def closure_then_reduce() -> Any:
