@@ -20,7 +20,9 @@ second half of the repetitions (how reliable the measured side is: no prediction
 much better), the pairs of candidates whose order the repetitions agree on (a sign test within repetitions) and
 how many of them the prediction orders the same way (a near-tie that flips between repetitions counts in Spearman
 but no prediction can call it), the auto choice against the measured best and plain DDP, and the load average
-before and after. ``--report FILE`` prints a recorded ``--json`` run's report again (this version's statistics).
+before and after. ``--report FILE`` prints a recorded ``--json`` run's report again (this version's statistics);
+``--tally FILE...`` pools recorded runs: per model-run the Spearman and the resolved pairs, how many reach the target,
+and the ceiling the measurement itself sets (below, :func:`tally`).
 """
 
 from __future__ import annotations
@@ -210,6 +212,42 @@ def resolved_pairs(rows: list[dict], labels: list[str], predicted: dict[str, flo
     return resolved, wrong
 
 
+def _medians(rows: list[dict], labels: list[str]) -> list[float]:
+    return [statistics.median(r["measured"][k] for r in rows) for k in labels]
+
+
+def tally(paths: list[str]) -> str:
+    """Recorded runs pooled: each model-run's Spearman and resolved pairs, the model-runs at >= 0.8, and how often a
+    measurement agrees with another one of the same size: each run's repetitions split in halves twice (first /
+    second, odd / even), the prediction ranked against each half, and each half against the other. Where the
+    prediction agrees with a half as often as the other half does, what is left of its misses is the measurement's
+    own noise, which no prediction can remove."""
+    lines = ["| run | model | Spearman | resolved pairs ordered alike |", "|---|---|---|---|"]
+    met = runs = alike = resolved = model_vs_half = half_vs_half = halves = 0
+    for path in paths:
+        results = json.loads(Path(path).read_text())
+        for key in dict.fromkeys(r["model"] for r in results):
+            rows = [r for r in results if r["model"] == key]
+            labels = list(rows[0]["measured"])
+            predicted = {k: statistics.median(r["predicted"][k] for r in rows) for k in labels}
+            rho = spearman([predicted[k] for k in labels], _medians(rows, labels))
+            n, wrong = resolved_pairs(rows, labels, predicted)
+            met, runs, alike, resolved = met + (rho >= 0.8 - 1e-9), runs + 1, alike + n - len(wrong), resolved + n
+            lines.append(f"| {Path(path).stem} | {key} | {rho:.2f} | {n - len(wrong)} of {n} |")
+            half = len(rows) // 2
+            for first, second in ((rows[:half], rows[half:]), (rows[0::2], rows[1::2])):
+                a, b = _medians(first, labels), _medians(second, labels)
+                agree = spearman(a, b) >= 0.8 - 1e-9
+                for side in (a, b):
+                    model_vs_half += spearman([predicted[k] for k in labels], side) >= 0.8 - 1e-9
+                    half_vs_half += agree
+                    halves += 1
+    lines += ["", f"Spearman >= 0.8 in **{met} of {runs}** model-runs; resolved pairs ordered alike {alike} of "
+              f"{resolved}. Against half of a run's repetitions (two splits, both halves): the prediction >= 0.8 in "
+              f"**{model_vs_half} of {halves}**, the other half >= 0.8 in **{half_vs_half} of {halves}**."]
+    return "\n".join(lines)
+
+
 def stolen(rows: list[dict], key: str) -> str:
     shares = [r["steal"][key] for r in rows if key in r.get("steal", {})]
     return f"{statistics.median(shares):.0%} ({min(shares):.0%}-{max(shares):.0%})" if shares else "-"
@@ -327,6 +365,9 @@ def launch(args: argparse.Namespace, out: Path) -> str:
 
 
 def main(args: argparse.Namespace) -> None:
+    if args.tally:
+        print(tally(args.tally))
+        return
     if args.report:  # a recorded run's report again, with this version's statistics
         print(report(json.loads(Path(args.report).read_text()), [f"(recorded: {args.report})"], "recorded run",
                      (float("nan"), float("nan"))))
@@ -352,6 +393,7 @@ if __name__ == "__main__":
     parser.add_argument("--timeout", type=float, default=2700)
     parser.add_argument("--json", default="")
     parser.add_argument("--report", default="", help="report a recorded --json file again; run nothing")
+    parser.add_argument("--tally", nargs="+", default=[], help="pool recorded --json files (see tally); run nothing")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", default="")
     parsed = parser.parse_args()
