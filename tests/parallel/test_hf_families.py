@@ -120,7 +120,8 @@ def hf_family_scenarios(rank: int, world_size: int) -> dict[str, Any]:
     from lightning.pytorch.strategies import DDPStrategy
 
     results = {"ddp": _fit(DDPStrategy()),
-               "hybrid": _fit(HybridParallelStrategy(tensor_parallel_size=2, min_shard_params=0))}
+               "hybrid": _fit(HybridParallelStrategy(tensor_parallel_size=2, min_shard_params=0)),
+               "plain": _fit(HybridParallelStrategy(tensor_parallel_size=1))}
     return results if rank == 0 else {}
 
 
@@ -143,3 +144,13 @@ def test_family_matches_ddp_with_its_feed_forward_sharded(families: dict[str, An
         assert abs(g - w) <= TOL * abs(w), (got, want)
     assert relative_error(hybrid["state"][family], ddp["state"][family]) <= TOL
     assert want[-1] < 0.9 * want[0]  # it trained: parity of two frozen models would prove nothing
+
+
+def test_plain_layout_trains_bitwise_as_lightning_ddp(families: dict[str, Any]) -> None:
+    """tp=1, ep=1: nothing sharded, each step DDPStrategy's own (no reduction of shards to run)."""
+    ddp, plain = families["ddp"], families["plain"]
+    assert plain["plan"] == {}
+    for family in FAMILIES:
+        assert plain["losses"][family] == ddp["losses"][family]
+        assert plain["state"][family].keys() == ddp["state"][family].keys() != set()
+        assert all((v == ddp["state"][family][k]).all() for k, v in plain["state"][family].items())
