@@ -10,6 +10,11 @@
 #      tokens/s and final loss (bench_fp8_moments.py --part fp8, #20). Needs torchao on the device machine (it has
 #      no network: carry a wheel or site-packages copy); without it the step says so and is skipped. Alone:
 #      python3 benchmarks/precision/bench_fp8_moments.py --device cuda --size gpt2-124m --part fp8 --steps 100
+#   5. beside them, on 2 of the machine's CPU cores that nothing else uses (taskset 8-15), the cost model's ranking
+#      on loopback (bench_cost_model.py, #16): the same benchmark as on the project's 2-core VM, where 2 ranks share
+#      the cores with gloo's threads and the host's other guests, on a quiet machine: is the ranking's miss on the
+#      VM's near-ties noise or the model? (CPU only; it needs no GPU, only the device machine's idle cores.)
+# At most 8 files come back: every step's stderr goes to stderr.log.
 # Usage, from the repository root on the device machine:  bash benchmarks/gpu_checks.sh "$OUT"
 # Only torch and Lightning are needed there (the package imports its search stack lazily).
 set -uo pipefail
@@ -19,16 +24,21 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__,
       torch.cuda.get_device_name())" 2>&1 | tee "$out/env.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >>"$out/env.txt" 2>&1
+pin=$(command -v taskset >/dev/null && [ "$(nproc)" -ge 16 ] && echo "taskset -c 8-15")
+(OMP_NUM_THREADS=1 timeout 520 $pin python3 benchmarks/autotune/bench_cost_model.py --repeats 6 --steps 20 \
+  --models moe,demo,ffn --timeout 500 --json "$out/cost_model_quiet.json" >"$out/cost_model_quiet.md" \
+  2>>"$out/stderr.log"; echo "cost model on loopback (${pin:-not pinned}): exit $?" >>"$out/cost_model_quiet.md") &
 timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/compression/test_cuda.py tests/parallel/test_cuda.py \
   tests/parallel/test_expert_cuda.py 2>&1 \
   | tee "$out/cuda_tests.txt"
 timeout 60 python3 benchmarks/compression/kernels.py --device cuda --numel 67108864 2>&1 | tee "$out/kernels.md"
-timeout 240 python3 benchmarks/precision/bench_precision.py --device cuda --size gpt2-124m 2>"$out/precision.log" \
+timeout 240 python3 benchmarks/precision/bench_precision.py --device cuda --size gpt2-124m 2>>"$out/stderr.log" \
   | tee "$out/precision.md"
 if python3 -c "import torchao" 2>/dev/null; then
   timeout 90 python3 benchmarks/precision/bench_fp8_moments.py --device cuda --size gpt2-124m --part fp8 --steps 100 \
-    2>"$out/fp8.log" | tee "$out/fp8.md"
+    2>>"$out/stderr.log" | tee "$out/fp8.md"
 else
   echo "FP8 check skipped: torchao is not importable here (pip install 'lightning-deepseek[fp8]')" | tee "$out/fp8.md"
 fi
 echo "exit codes: ${PIPESTATUS[*]}"
+wait  # the cost model's run (step 5)
