@@ -261,7 +261,7 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
     for key in dict.fromkeys(r["model"] for r in results):
         rows = [r for r in results if r["model"] == key]
         labels = list(rows[0]["measured"])
-        measured = {k: statistics.median(r["measured"][k] for r in rows) for k in labels}
+        measured = dict(zip(labels, _medians(rows, labels)))
         predicted = {k: statistics.median(r["predicted"][k] for r in rows) for k in labels}
         ddp = statistics.median(r["ddp"] for r in rows)
         auto = statistics.median(r["auto"] for r in rows)
@@ -276,9 +276,7 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
         # (each half holds forward and reversed orders alike); no prediction can agree with it much better
         split = float("nan")
         if len(rows) >= 2:
-            halves = [{k: statistics.median(r["measured"][k] for r in part) for k in labels}
-                      for part in (rows[:len(rows) // 2], rows[len(rows) // 2:])]
-            split = spearman(*([h[k] for k in labels] for h in halves))
+            split = spearman(_medians(rows[:len(rows) // 2], labels), _medians(rows[len(rows) // 2:], labels))
         resolved, misordered = resolved_pairs(rows, labels, predicted)
         pooled_pred += [predicted[k] / min(predicted.values()) for k in labels]
         pooled_meas += [measured[k] / min(measured.values()) for k in labels]
