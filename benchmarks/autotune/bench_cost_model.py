@@ -68,6 +68,12 @@ def fit_steps(config: dict, batch: int, seq: int, steps: int, strategy, callback
     """Train a ``TimedGPT`` of ``config`` (a ``MODELS`` entry's) for ``steps`` steps on every rank of the process
     group with ``strategy`` and ``callbacks``; the median step (the slowest rank's, the first 3 dropped) and the share
     of the machine's CPU the host took meanwhile (collective)."""
+    times, stolen = fit_step_times(config, batch, seq, steps, strategy, callbacks)
+    return statistics.median_low(times), stolen  # torch.median's lower middle, as before
+
+
+def fit_step_times(config: dict, batch: int, seq: int, steps: int, strategy, callbacks) -> tuple[list[float], float]:
+    """:func:`fit_steps`, with every step's time (the slowest rank's, the first 3 dropped) instead of their median."""
     import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
@@ -94,9 +100,9 @@ def fit_steps(config: dict, batch: int, seq: int, steps: int, strategy, callback
                          max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
     trainer.fit(module, data)
-    times = torch.tensor(module.step_times[3:])
+    times = torch.tensor(module.step_times[3:], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends on its last rank
-    return times.median().item(), stolen_share(before, cpu_times())
+    return times.tolist(), stolen_share(before, cpu_times())
 
 
 def worker(args: argparse.Namespace) -> None:
