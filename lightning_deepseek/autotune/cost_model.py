@@ -43,7 +43,12 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   ``busy = min(R, all_reduce(r(bits) * replicated bytes, world) at the intra link's rate)`` where the ranks keep
   every core of the host busy (CPU training, ``busy_cores``), else 0: gloo's copies and sums then take cores from
   backward rather than running beside it (on loopback, all of the exchange); only the wait on a slower link
-  hides. Without this term the loopback predictions missed the whole all-reduce of an 11 MB MoE model.
+  hides. Without this term the loopback predictions missed the whole all-reduce of an 11 MB MoE model. Where the
+  fp32 exchange was timed at setup (below) and the cores are busy, the fp32 ``exposed_dp`` is at least that time:
+  the intra link's rate counts gloo's copies and sums 2-6x short on this project's machine, and the formula
+  predicted the unsharded candidates 9-23 ms too fast on loopback (benchmarks/RESULTS.md, "Session 21"; recomputed
+  over 13 recorded runs: Spearman >= 0.8 in 30 of 39 model-runs against 28, median error 7% against 13% on
+  loopback, 6% against 8% on the testbed).
 - ``after_backward``: the tensor-parallel shards' all-reduce over ``dp`` and the experts' over ``world/ep`` run
   once per step after backward (the strategy's reduction), not overlapped; all groups at once, so those leaving one
   island share its link (:func:`~lightning_deepseek.parallel.placement.concurrent_link`). Counting one group alone
@@ -53,11 +58,11 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   compressed exchange (quantize with the residual, the collectives, phase 2, the write) of the candidate's
   replicated gradient bytes, timed at setup on the world's process group, all ranks at once, interleaved
   (:func:`~lightning_deepseek.autotune.measure.measure_exchange`): ``T32`` and ``Tc``. Then
-  ``exposed_dp = max(E + Tc - T32, E Tc / T32)`` with ``E`` the fp32 candidate's ``exposed_dp`` (the formula
-  below), and no ``quantize`` or ``chain`` part (they are in ``Tc``): where the fp32 exchange is exposed the step
-  moves by the measured difference; where backward hides it, compression saves at most its share of what is
-  exposed, while an exchange that costs more than fp32 adds all of the extra (CPU work on the cores backward
-  needs). Why: the kernels timed alone on one rank predicted compression ~100 ms too fast on the 1 Gbit testbed
+  ``exposed_dp = max(E + Tc - T32, E Tc / T32)`` with ``E`` the fp32 candidate's ``exposed_dp`` (above), and no
+  ``quantize`` or ``chain`` part (they are in ``Tc``): where the fp32 exchange is exposed the step moves by the measured
+  difference; where backward hides it, compression saves at most its share of what is exposed, while an exchange that
+  costs more than fp32 adds all of the extra (CPU work on the cores backward needs). Why: the kernels timed alone on one
+  rank predicted compression ~100 ms too fast on the 1 Gbit testbed
   (4 ranks on 2 cores): for the wide FFN's 19.5 MB the hook spent 50-107 ms of CPU per exchange where the kernels
   alone took 19-41 ms (the ranks share the cores and gloo's threads run beside them), so tp=1 int4 was predicted
   176 ms faster than fp32 where training measured 72-91 ms; the measured exchanges (fp32 263 ms, int4 203 ms,
@@ -353,6 +358,11 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
         hideable = wire - busy
         return busy + max(hideable - machine.overlap * backward, hideable * last_bucket) if ddp_bytes else 0.0
 
+    fp32_exposed = exposed(None)
+    timed_fp32 = machine.exchange_seconds.get((ddp_bytes, None))
+    if machine.busy_cores and timed_fp32 is not None:  # gloo's exchange takes the cores backward needs: not hidden
+        fp32_exposed = max(fp32_exposed, timed_fp32)
+
     sharding = ("tp", candidate.tp) if candidate.ep == 1 else ("ep", candidate.ep) if candidate.tp == 1 else None
     in_backward = (compute.exchange_in_backward.get((*sharding, candidate.bits))
                    if sharding is not None and sharding[1] > 1 else None)
@@ -364,7 +374,7 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
         "optimizer": compute.optimizer_seconds + sum(m[1] for m in (tp_measured, ep_measured) if m is not None),
         "tp": comm["tp"] if tp_measured is None else micro * tp_measured[0],
         "ep": 0.0 if ep_measured is None else micro * ep_measured[0],
-        "dp": exposed(candidate.bits if measured_exchange is None and in_backward is None else None),
+        "dp": fp32_exposed,  # compressed: moved by the measured exchange below, or the formula's where not timed
         "after": comm["sharded"],
         "quantize": 0.0,
         "chain": 0.0,
@@ -385,6 +395,7 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
         fp32, compressed = measured_exchange  # the same bytes, both exchanges measured on the real group
         parts["dp"] = max(parts["dp"] + compressed - fp32, parts["dp"] * compressed / max(fp32, 1e-9))
     elif candidate.bits is not None and ddp_bytes:
+        parts["dp"] = exposed(candidate.bits)
         q, dq = machine.quantize_seconds_per_byte[candidate.bits]
         single = world <= machine.single_exchange_max_world  # the hook runs on DDP's group: the world, not dp
         parts["quantize"] = ddp_bytes * (q + (world if single else 2) * dq)

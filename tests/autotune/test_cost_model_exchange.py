@@ -50,18 +50,36 @@ def measured_testbed(ffn: ModelFacts) -> Machine:
 def test_the_measured_exchange_replaces_the_kernels_formula(ffn) -> None:
     machine = measured_testbed(ffn)
     fp32, int4 = (predict(Candidate(1, 1, b), ffn, RECORDED, machine) for b in (None, 4))
-    # nearly all of the fp32 exchange is exposed (4 ranks keep the 2 cores busy, 1 Gbit): the compressed exchange
-    # saves its measured share of it (0.203 / 0.263), and quantize and chain are inside the measured figure
+    # 4 ranks keep the 2 cores busy: none of the fp32 exchange is hidden, the timed one is exposed whole; the
+    # compressed exchange saves its measured difference, and quantize and chain are inside the measured figure
     exposed = fp32.parts["dp"]
-    assert 0.9 * 0.263 < exposed < 0.263
-    assert int4.parts["dp"] == pytest.approx(max(exposed + 0.203 - 0.263, exposed * 0.203 / 0.263))
+    assert exposed == 0.263
+    assert int4.parts["dp"] == pytest.approx(0.203)
     assert int4.parts["quantize"] == int4.parts["chain"] == 0.0
     # training measured a saving of 72-91 ms for int4 (grid and phase split); the kernels' formula predicted 176 ms
     assert 0.04 < fp32.seconds - int4.seconds < 0.1
     formula = Machine(TWO_NODES, LINKS, 2**34, KERNELS, busy_cores=True)
     fp32_f, int4_f = (predict(Candidate(1, 1, b), ffn, RECORDED, formula) for b in (None, 4))
-    assert fp32_f.seconds == pytest.approx(fp32.seconds)  # fp32 is predicted as before
+    assert 0.9 * 0.263 < fp32_f.parts["dp"] < 0.263  # without the timed exchange: the formula's, nearly all of it
     assert fp32_f.seconds - int4_f.seconds > 0.1 and int4_f.parts["chain"] > 0  # the fallback is unchanged
+
+
+def test_on_busy_cores_the_timed_fp32_exchange_is_not_hidden(ffn) -> None:
+    # Loopback, 2 ranks on 2 cores (benchmarks/RESULTS.md, "Session 21"): the formula hid most of the wide FFN's
+    # 31 ms exchange behind backward and predicted its unsharded candidates 18-23 ms too fast; gloo's copies and
+    # sums run on the cores backward needs. Where the ranks leave cores free (a GPU's host) the formula stays.
+    tp1 = exchange_bytes(Candidate(1), ffn)
+    seconds = {(tp1, None): 0.031, (tp1, 8): 0.037}
+    loopback = {"intra": LINKS["intra"], "inter": LINKS["intra"]}
+    busy, free = (Machine(TWO_NODES, loopback, 2**34, KERNELS, busy_cores=b, exchange_seconds=seconds)
+                  for b in (True, False))
+    hidden = predict(Candidate(1), ffn, RECORDED, free).parts["dp"]
+    assert hidden < 0.031
+    assert predict(Candidate(1), ffn, RECORDED, busy).parts["dp"] == 0.031
+    # compression moves the step by what its exchange measured over fp32's
+    assert predict(Candidate(1, 1, 8), ffn, RECORDED, busy).parts["dp"] == pytest.approx(0.037)
+    assert predict(Candidate(1, 1, 8), ffn, RECORDED, free).parts["dp"] == pytest.approx(
+        max(hidden + 0.006, hidden * 0.037 / 0.031))
 
 
 def test_the_wide_ffn_on_the_testbed_chooses_tensor_parallelism_over_compression(ffn) -> None:
