@@ -167,3 +167,21 @@ def test_compression_under_expert_parallelism_is_predicted_from_training_steps_o
     # a candidate sharded both ways has no such measurement: the exchange alone again
     assert predict(Candidate(2, 2, 8), dataclasses.replace(moe, volumes={1: volume, 2: volume}), inside,
                    machine).parts["dp"] < fp32.parts["dp"]
+
+
+def test_the_what_if_reproduces_recorded_predictions_and_raises_the_fp32_wait() -> None:
+    # benchmarks/autotune/whatif_exposed_exchange.py judged this rule on recorded runs: at alpha 0 it must give the
+    # recorded predictions back, at alpha 1 the unsharded fp32 candidate's wait is the exchange timed at setup
+    import json
+    from pathlib import Path
+
+    from benchmarks.autotune.whatif_exposed_exchange import adjusted
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks/autotune/cost_model_loopback_s21_24x12.json"
+    rows = json.loads(path.read_text())
+    for row in rows:
+        assert adjusted(row, 0.0, "full") == row["predicted"]
+    ffn = next(r for r in rows if r["model"] == "ffn")
+    timed = max(v for k, v in ffn["exchange"].items() if k.endswith("None"))
+    raised = adjusted(ffn, 1.0, "full")["tp=1 ep=1 fp32"]
+    assert raised == pytest.approx(ffn["predicted"]["tp=1 ep=1 fp32"] - ffn["parts"]["tp=1 ep=1 fp32"]["dp"] + timed)
