@@ -155,3 +155,14 @@ def run_ranks(argv: list[str], port: int, timeout: float, root: os.PathLike | st
                        LOCAL_RANK=str(local), NODE_RANK=str(node), NUM_NODES="2", LDS_TOPOLOGY="0,1;2,3",
                        PYTHONPATH=str(root), OMP_NUM_THREADS="1")
             procs.append(subprocess.Popen(bed.command(node, argv, env), cwd=root))
+
+
+def run_ranks_as_asked(args: argparse.Namespace, argv: list[str], port: int, timeout: float,
+                       root: os.PathLike | str) -> None:
+    """:func:`run_ranks` on loopback, or with ``--testbed`` (:func:`add_arguments`) in a :class:`Testbed` of the
+    asked rate, prefix and subnet, on ``port + 1``."""
+    if not args.testbed:
+        run_ranks(argv, port, timeout, root)
+        return
+    with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
+        run_ranks(argv, port + 1, timeout, root, bed)

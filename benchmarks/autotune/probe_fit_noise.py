@@ -98,15 +98,11 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from benchmarks.testbed import Testbed, run_ranks
+    from benchmarks.testbed import run_ranks_as_asked
 
     argv = [sys.executable, __file__, "--worker", "--model", args.model, "--strategy", args.strategy, "--fits",
             str(args.fits), "--steps", str(args.steps), "--json", os.path.abspath(args.json) if args.json else ""]
-    if not args.testbed:
-        run_ranks(argv, 29751, 1800, ROOT)
-        return
-    with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
-        run_ranks(argv, 29752, 1800, ROOT, bed)
+    run_ranks_as_asked(args, argv, 29751, 1800, ROOT)
 
 
 if __name__ == "__main__":

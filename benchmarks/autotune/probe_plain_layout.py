@@ -96,15 +96,11 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from benchmarks.testbed import Testbed, run_ranks
+    from benchmarks.testbed import run_ranks_as_asked
 
     argv = [sys.executable, __file__, "--worker", "--model", args.model, "--pairs", str(args.pairs), "--steps",
             str(args.steps), *(["--profile"] if args.profile else [])]
-    if not args.testbed:
-        run_ranks(argv, 29741, 1800, ROOT)
-        return
-    with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
-        run_ranks(argv, 29742, 1800, ROOT, bed)
+    run_ranks_as_asked(args, argv, 29741, 1800, ROOT)
 
 
 if __name__ == "__main__":
