@@ -32,16 +32,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.autotune.bench_cost_model import _medians, resolved_pairs, spearman  # noqa: E402
+from benchmarks.autotune.bench_cost_model import _label, _medians, resolved_pairs, spearman  # noqa: E402
 
 
 def _parse(label: str) -> tuple[int, int, int | None]:
     tp, ep, bits = label.split()
     return int(tp[3:]), int(ep[3:]), None if bits == "fp32" else int(bits[3:])
-
-
-def _label(tp: int, ep: int, bits: int | None) -> str:
-    return f"tp={tp} ep={ep} {'fp32' if bits is None else f'int{bits}'}"
 
 
 def adjusted(row: dict, alpha: float, rule: str) -> dict[str, float]:
