@@ -7,7 +7,8 @@ dropped, the slowest rank's step). Each fit is split into its first and second h
 of the fit (its allocations, its set-up), the two halves of one fit agree better than the second half of a fit
 and the first half of the next, which are as close in time; if it is the machine's drift, the two agree alike.
 Printed: each fit's halves (medians), the correlation of the halves' log step times within fits and across the
-boundary between fits, and the spread of the fits' medians against what the steps' own spread would give.
+boundary between fits, and the spread of the fits' mean log step times against what the steps' own spread
+would give.
 
 Run: ``flock /work/wt/bench.lock .venv/bin/python benchmarks/autotune/probe_fit_noise.py [--model demo]
 [--strategy ddp] [--testbed --rate 10gbit]``.
@@ -28,19 +29,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def correlation(a: list[float], b: list[float]) -> float:
-    ma, mb = statistics.fmean(a), statistics.fmean(b)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
-    var = math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
-    return cov / var if var else float("nan")
-
-
 def summarise(fits: list[list[float]]) -> list[str]:
     """The halves of each fit, their correlations within and across fits, and the fits' spread against the steps'."""
     first = [math.log(statistics.median(t[: len(t) // 2])) for t in fits]
     second = [math.log(statistics.median(t[len(t) // 2:])) for t in fits]
-    within = correlation(first, second)
-    across = correlation(second[:-1], first[1:])
+    within = statistics.correlation(first, second)
+    across = statistics.correlation(second[:-1], first[1:])
     means = [statistics.fmean(math.log(x) for x in t) for t in fits]
     step_sd = statistics.fmean(statistics.stdev(math.log(x) for x in t) for t in fits)
     n = min(len(t) for t in fits)

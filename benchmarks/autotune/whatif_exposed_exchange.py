@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.autotune.bench_cost_model import _label, _medians, resolved_pairs, spearman  # noqa: E402
+from lightning_deepseek.autotune.cost_model import Candidate  # noqa: E402
 
 
 def _parse(label: str) -> tuple[int, int, int | None]:
@@ -74,8 +75,7 @@ def choose(predicted: dict[str, float], margin: float = 0.05) -> str:
     """The cost model's rule (``cost_model.decide``, every candidate fitting): the simplest candidate unless the
     fastest beats it by ``margin``, then the simplest of those the fastest does not beat by ``margin``."""
     def simplicity(label: str) -> tuple[int, int, int]:
-        tp, ep, bits = _parse(label)
-        return tp, ep, 0 if bits is None else 16 - bits
+        return Candidate(*_parse(label)).simplicity
 
     best = min(predicted.values())
     simplest = min(predicted, key=simplicity)

@@ -62,20 +62,18 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   ``quantize`` or ``chain`` part (they are in ``Tc``): where the fp32 exchange is exposed the step moves by the measured
   difference; where backward hides it, compression saves at most its share of what is exposed, while an exchange that
   costs more than fp32 adds all of the extra (CPU work on the cores backward needs). Why: the kernels timed alone on one
-  rank predicted compression ~100 ms too fast on the 1 Gbit testbed
-  (4 ranks on 2 cores): for the wide FFN's 19.5 MB the hook spent 50-107 ms of CPU per exchange where the kernels
-  alone took 19-41 ms (the ranks share the cores and gloo's threads run beside them), so tp=1 int4 was predicted
-  176 ms faster than fp32 where training measured 72-91 ms; the measured exchanges (fp32 263 ms, int4 203 ms,
-  slowest rank) give ~55 ms (benchmarks/RESULTS.md, "Compression predicted from the exchange measured at setup").
-  Under one sharding (``tp > 1`` or ``ep > 1``), **measured in training steps** where that was measured
-  (:func:`~lightning_deepseek.autotune.measure.measure_exchange_in_backward`: copies sharded that way, wrapped in
-  DDP as the strategy wraps them, with the fp32 exchange and with the hook, training steps timed back to back):
-  ``exposed_dp = max(0, E + D)`` with ``D`` the measured difference. Why: the hook's quantize and collectives run
-  beside tensor or expert parallelism's collectives, on oversubscribed cores where a delay on one rank stalls its
-  partners, which the exchange timed alone does not see: on the 1 Gbit testbed, where tp=2 and ep=2 leave DDP
-  1.3-2.4 MiB, the exchange alone saw int8 save 7-21 ms while training measured it 7-18 ms slower, and single
-  aligned passes (this measurement until session 14) saw it save 6-16 ms (benchmarks/RESULTS.md, "Session 13",
-  "Session 15").
+  rank predicted compression ~100 ms too fast on the 1 Gbit testbed (4 ranks on 2 cores): for the wide FFN's 19.5 MB the
+  hook spent 50-107 ms of CPU per exchange where the kernels alone took 19-41 ms (the ranks share the cores and gloo's
+  threads run beside them), so tp=1 int4 was predicted 176 ms faster than fp32 where training measured 72-91 ms; the
+  measured exchanges (fp32 263 ms, int4 203 ms, slowest rank) give ~55 ms (benchmarks/RESULTS.md, "Compression predicted
+  from the exchange measured at setup"). Under one sharding (``tp > 1`` or ``ep > 1``), **measured in training steps**
+  where that was measured (:func:`~lightning_deepseek.autotune.measure.measure_exchange_in_backward`: copies sharded
+  that way, wrapped in DDP as the strategy wraps them, with the fp32 exchange and with the hook, training steps timed
+  back to back): ``exposed_dp = max(0, E + D)`` with ``D`` the measured difference. Why: the hook's quantize and
+  collectives run beside tensor or expert parallelism's collectives, on oversubscribed cores where a delay on one rank
+  stalls its partners, which the exchange timed alone does not see: on the 1 Gbit testbed, where tp=2 and ep=2 leave DDP
+  1.3-2.4 MiB, the exchange alone saw int8 save 7-21 ms while training measured it 7-18 ms slower, and single aligned
+  passes (this measurement until session 14) saw it save 6-16 ms (benchmarks/RESULTS.md, "Session 13", "Session 15").
 - ``quantize = replicated bytes * (q + n dq)`` (the fallback without the measurement) with ``q``/``dq`` the measured
   seconds per fp32 byte of the quantize / dequantize kernels on this machine, ``n`` the payloads dequantized (DDP's
   ranks, the world, with the single all-gather exchange; 2 with the two-phase one); it runs in DDP's hook on
