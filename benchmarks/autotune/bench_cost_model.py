@@ -162,8 +162,10 @@ def worker(args: argparse.Namespace) -> None:
             row["alone"] = alone_predictions(decision)
             row["tokens_per_step"] = batch * seq * world
             results.append(row)
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(results))
+            if dist.get_rank() == 0:  # after every row: a run cut short (its timeout, Ctrl-C) keeps what it measured
+                partial = Path(args.out).with_suffix(".part")
+                partial.write_text(json.dumps(results))
+                partial.replace(args.out)
 
 
 def alone_predictions(decision) -> dict[str, float]:
@@ -228,8 +230,8 @@ def tally(paths: list[str]) -> str:
     second, odd / even), the prediction ranked against each half, and each half against the other. Where the
     prediction agrees with a half as often as the other half does, what is left of its misses is the measurement's
     own noise, which no prediction can remove."""
-    lines = ["| run | model | Spearman | resolved pairs ordered alike |", "|---|---|---|---|"]
-    met = runs = alike = resolved = model_vs_half = half_vs_half = halves = 0
+    lines = ["| run | model | Spearman | half against half | resolved pairs ordered alike |", "|---|---|---|---|---|"]
+    met = runs = alike = resolved = model_vs_half = half_vs_half = halves = stable = stable_met = 0
     for path in paths:
         results = json.loads(Path(path).read_text())
         for key in dict.fromkeys(r["model"] for r in results):
@@ -239,8 +241,11 @@ def tally(paths: list[str]) -> str:
             rho = spearman([predicted[k] for k in labels], _medians(rows, labels))
             n, wrong = resolved_pairs(rows, labels, predicted)
             met, runs, alike, resolved = met + (rho >= 0.8 - 1e-9), runs + 1, alike + n - len(wrong), resolved + n
-            lines.append(f"| {Path(path).stem} | {key} | {rho:.2f} | {n - len(wrong)} of {n} |")
             half = len(rows) // 2
+            split = spearman(_medians(rows[:half], labels), _medians(rows[half:], labels))
+            repeats = split >= 0.8 - 1e-9  # the measured ranking agrees with itself
+            stable, stable_met = stable + repeats, stable_met + (repeats and rho >= 0.8 - 1e-9)
+            lines.append(f"| {Path(path).stem} | {key} | {rho:.2f} | {split:.2f} | {n - len(wrong)} of {n} |")
             for first, second in ((rows[:half], rows[half:]), (rows[0::2], rows[1::2])):
                 a, b = _medians(first, labels), _medians(second, labels)
                 agree = spearman(a, b) >= 0.8 - 1e-9
@@ -250,7 +255,9 @@ def tally(paths: list[str]) -> str:
                     halves += 1
     lines += ["", f"Spearman >= 0.8 in **{met} of {runs}** model-runs; resolved pairs ordered alike {alike} of "
               f"{resolved}. Against half of a run's repetitions (two splits, both halves): the prediction >= 0.8 in "
-              f"**{model_vs_half} of {halves}**, the other half >= 0.8 in **{half_vs_half} of {halves}**."]
+              f"**{model_vs_half} of {halves}**, the other half >= 0.8 in **{half_vs_half} of {halves}**. Where the "
+              f"measured ranking repeats (the first half of the repetitions against the second >= 0.8): the "
+              f"prediction >= 0.8 in **{stable_met} of {stable}** model-runs."]
     return "\n".join(lines)
 
 
@@ -379,12 +386,24 @@ def main(args: argparse.Namespace) -> None:
     out = Path(tempfile.mkdtemp(prefix="ldsm-")) / "results.json"
     before = os.getloadavg()[0]
     print(f"start {time.strftime('%H:%M:%S', time.gmtime())} UTC, load {before:.1f}", flush=True)
-    where = launch(args, out)
+    try:
+        where = launch(args, out)
+    except BaseException as exc:  # the timeout, Ctrl-C, a failed rank: keep and report the rows written so far
+        if not out.is_file():
+            raise
+        where = f"cut short ({type(exc).__name__}): the repetitions finished before it"
+        print(f"bench_cost_model: {where}", file=sys.stderr, flush=True)
+        failed: BaseException | None = exc
+    else:
+        failed = None
     results = json.loads(out.read_text())
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(f"end {time.strftime('%H:%M:%S', time.gmtime())} UTC", flush=True)
     print(report(results, [Path(sys.argv[0]).as_posix(), *sys.argv[1:]], where, (before, os.getloadavg()[0])))
+    if failed is not None:
+        raise SystemExit(f"bench_cost_model: cut short by {type(failed).__name__}; {len(results)} model-repetitions "
+                         "kept (a longer --timeout runs them all)")
 
 
 if __name__ == "__main__":

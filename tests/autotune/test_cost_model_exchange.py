@@ -185,3 +185,17 @@ def test_the_what_if_reproduces_recorded_predictions_and_raises_the_fp32_wait() 
     timed = max(v for k, v in ffn["exchange"].items() if k.endswith("None"))
     raised = adjusted(ffn, 1.0, "full")["tp=1 ep=1 fp32"]
     assert raised == pytest.approx(ffn["predicted"]["tp=1 ep=1 fp32"] - ffn["parts"]["tp=1 ep=1 fp32"]["dp"] + timed)
+
+
+def test_the_tally_judges_the_prediction_where_the_measured_ranking_repeats() -> None:
+    # session 21's 24-repetition loopback run with the model landed before it (RESULTS.md, "Session 21"): halves of
+    # the repetitions agree 0.80 / 0.40 / 1.00 (MoE / demo / wide FFN), the prediction scored 1.00 / 0.80 / 0.20
+    from pathlib import Path
+
+    from benchmarks.autotune.bench_cost_model import tally
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks/autotune/cost_model_loopback_s21_24x12.json"
+    text = tally([str(path)])
+    assert "| cost_model_loopback_s21_24x12 | ffn | 0.20 | 1.00 | 2 of 5 |" in text
+    assert "Spearman >= 0.8 in **2 of 3** model-runs" in text
+    assert "the prediction >= 0.8 in **1 of 2** model-runs" in text
