@@ -224,6 +224,13 @@ def _medians(rows: list[dict], labels: list[str]) -> list[float]:
     return [statistics.median(r["measured"][k] for r in rows) for k in labels]
 
 
+def halves_agree(rows: list[dict], labels: list[str]) -> float:
+    """The measured ranking's own reliability: Spearman of the first half of the repetitions' medians against the
+    second half's; from 0.8 on, the measured ranking repeats and a prediction can fairly be asked to match it."""
+    half = len(rows) // 2
+    return spearman(_medians(rows[:half], labels), _medians(rows[half:], labels))
+
+
 def tally(paths: list[str]) -> str:
     """Recorded runs pooled: each model-run's Spearman and resolved pairs, the model-runs at >= 0.8, and how often a
     measurement agrees with another one of the same size: each run's repetitions split in halves twice (first /
@@ -242,8 +249,8 @@ def tally(paths: list[str]) -> str:
             n, wrong = resolved_pairs(rows, labels, predicted)
             met, runs, alike, resolved = met + (rho >= 0.8 - 1e-9), runs + 1, alike + n - len(wrong), resolved + n
             half = len(rows) // 2
-            split = spearman(_medians(rows[:half], labels), _medians(rows[half:], labels))
-            repeats = split >= 0.8 - 1e-9  # the measured ranking agrees with itself
+            split = halves_agree(rows, labels)
+            repeats = split >= 0.8 - 1e-9
             stable, stable_met = stable + repeats, stable_met + (repeats and rho >= 0.8 - 1e-9)
             lines.append(f"| {Path(path).stem} | {key} | {rho:.2f} | {split:.2f} | {n - len(wrong)} of {n} |")
             for first, second in ((rows[:half], rows[half:]), (rows[0::2], rows[1::2])):

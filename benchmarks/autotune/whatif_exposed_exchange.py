@@ -32,7 +32,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.autotune.bench_cost_model import _label, _medians, resolved_pairs, spearman  # noqa: E402
+from benchmarks.autotune.bench_cost_model import (  # noqa: E402
+    _label,
+    _medians,
+    halves_agree,
+    resolved_pairs,
+    spearman,
+)
 from lightning_deepseek.autotune.cost_model import Candidate  # noqa: E402
 
 
@@ -106,8 +112,7 @@ def main() -> None:
                     rho = spearman([predicted[k] for k in labels], measured)
                     n, wrong = resolved_pairs(rows, labels, predicted)
                     met, total = met + (rho >= 0.8 - 1e-9), total + 1
-                    half = len(rows) // 2  # the measured ranking repeats: its halves agree (as bench's tally)
-                    repeats = spearman(_medians(rows[:half], labels), _medians(rows[half:], labels)) >= 0.8 - 1e-9
+                    repeats = halves_agree(rows, labels) >= 0.8 - 1e-9
                     stable, stable_met = stable + repeats, stable_met + (repeats and rho >= 0.8 - 1e-9)
                     alike, resolved = alike + n - len(wrong), resolved + n
                     errors.setdefault(where, []).extend(abs(predicted[k] - m) / m for k, m in zip(labels, measured))
