@@ -9,7 +9,9 @@ network namespace with ``MASTER_ADDR``/``NODE_RANK``, the link throttled to ``--
 model where tensor parallelism wins at 1 Gbit: ``--model wide-ffn --set data.batch_size=2``.
 Two or more repetitions within a locked run of ~8 minutes on the testbed (benchmarks/RESULTS.md): ``--reps 3
 --limit 490 --steps 12 --grid-steps 2 --grid-rounds 2 --grid-warmup 1 --grid-buckets "[null]" --skip-ddp-run``
-(``--limit`` starts a repetition only when the longest so far still fits).
+(``--limit`` starts a repetition only when the longest so far still fits). A long run's paired rounds
+(``tune.budget``): ``--set tune.planned_steps=20000`` (the grid's ``tune.budget`` is 0; the auto run calibrates as
+for 20,000 steps and trains ``--steps``).
 
 Each repetition runs, interleaved:
 
@@ -162,7 +164,8 @@ def main() -> None:
                    "auto_train_wall_s": auto["wall_time_s"],
                    "auto_table": {r["name"]: (r["state"], r["tokens_per_s"] and round(r["tokens_per_s"]))
                                   for r in auto_table["rows"]},
-                   "grid_best": max(table["rows"], key=lambda r: r["tokens_per_s"] or 0)["name"]}
+                   "grid_best": max(table["rows"], key=lambda r: r["tokens_per_s"] or 0)["name"],
+                   "paired": auto_table.get("paired")}
             if not args.skip_ddp_run:
                 plain = lds_train(folder / "ddp", *model, *steps, "strategy=ddp", "compression=none", "tune=none")
                 run.update(ddp_tokens_per_s=plain["tokens_per_s"], ddp_train_wall_s=plain["wall_time_s"])

@@ -18,6 +18,18 @@ from it than plain DDP, so a layout that loses uncompressed loses compressed too
 when at least two candidates that could be chosen are left in it (one cannot change the choice). Together with
 the pruner, this keeps the calibration within 5% of the demo's training (benchmarks/RESULTS.md).
 
+A long run (``tune.budget``, a share of the planned training's time: ``tune.planned_steps`` or
+``trainer.max_steps`` steps at plain DDP's measured step time) settles the leading others against plain DDP with
+the time left in that share after the rounds above: they are measured back to back, round after round, until
+paired rounds order each against plain DDP beyond the noise or the share is spent (:func:`_settle`; the verdict is
+:func:`~lightning_deepseek.autotune.choice.settle`). Two timed steps a round cannot order a candidate within ~10% of
+plain DDP where a fit's speed swings more than that between fits (the 10 Gbit MoE: hybrid tp=2 1.10x of plain DDP
+by the median of 5 repetitions of an exhaustive grid, 0.90-1.14x by repetition; the short calibration kept plain DDP
+5 of 5, benchmarks/RESULTS.md "Session 19"); a run of thousands of steps can afford the rounds that can. The leading
+others are the two fastest by what the rounds above measured of them, pruned ones included (a step or two of each:
+in session 19's calibrations hybrid tp=2, the grid's best, was first or second of the pruned). A short
+run (the demo's 500 steps) has no time left in its share and calibrates as before.
+
 What the calibration costs is counted from the moment every process is up (the first fit's process group):
 starting the processes is paid once by any run, calibrated or not, and is shown apart (``launch_seconds``).
 
@@ -42,9 +54,10 @@ import gc
 import io
 import json
 import logging
+import statistics
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +74,7 @@ from typing_extensions import override
 
 from lightning_deepseek.autotune.candidates import PLAIN_DDP, Candidate, candidates, describe_forced, forced_settings
 from lightning_deepseek.autotune.checks import nothing_to_choose, task_overrides
-from lightning_deepseek.autotune.choice import choose
+from lightning_deepseek.autotune.choice import MIN_PAIRED_ROUNDS, Choice, choose, paired_choice, settle
 from lightning_deepseek.autotune.steal import cpu_times, stolen_share
 from lightning_deepseek.autotune.sweep_choice import publish, reused, shared_choice, sweep_table
 from lightning_deepseek.autotune.table import Calibration, Row, TuneReport
@@ -148,6 +161,9 @@ class _Calibrator:
     eligible: list[Candidate]
     results: dict[str, Row] = field(default_factory=dict)
     up_at: float | None = None  # perf_counter when every process had joined (the first fit's setup)
+    pruning: bool = True  # off for the paired rounds (_settle): both candidates measured to the end
+    fits: int = 0
+    fit_means: dict[str, float] = field(default_factory=dict)  # each candidate's last fit: mean timed step seconds
 
     def run(self, trial: optuna.Trial, params: dict[str, Any]) -> float:
         candidate = next(c for c in self.order if c.name == params["candidate"])
@@ -161,8 +177,11 @@ class _Calibrator:
             self.results[candidate.name] = Row(candidate, "failed", note=" ".join(str(exc).split())[:160])
             raise
         finally:
+            self.fits += 1
             if self.up_at is None and timer.up_at:
                 self.up_at = started = timer.up_at  # the first fit: its set-up is counted once the processes are up
+        if timer.step_seconds:
+            self.fit_means[candidate.name] = statistics.fmean(timer.step_seconds)
         seconds = _phases(timer, started, earlier.seconds if earlier else {})
         steps = (*earlier.step_seconds, *timer.step_seconds) if earlier else tuple(timer.step_seconds)
         if timer.pruned_at is not None and earlier is not None and earlier.state != "failed":
@@ -223,6 +242,13 @@ class _Calibrator:
             return []
         return names[::-1] if backward else names
 
+    def leaders(self, count: int) -> list[Row]:
+        """The ``count`` fastest eligible others by what was measured of them so far (pruned ones by their steps
+        before they stopped): the ones the paired rounds put against plain DDP."""
+        rows = [r for c in self.eligible if not c.is_plain_ddp and (r := self.results.get(c.name))
+                and r.state in ("measured", "pruned") and r.tokens_per_s]
+        return sorted(rows, key=lambda r: -(r.tokens_per_s or 0.0))[:count]
+
     def _timer(self, candidate: Candidate, trial: optuna.Trial, first: bool) -> _StepTimer:
         cfg = candidate.apply(self.cfg)
         tune = self.cfg.tune
@@ -230,7 +256,7 @@ class _Calibrator:
         # The first fit of a process also pays one-off costs (kernel selection, allocator growth): untimed steps.
         warmup = tune.warmup_steps + (tune.first_warmup_steps if first else 0)
         # Never pruned: plain DDP (every ratio's base) and the first eligible candidate (so that one is measured).
-        prune = tune.prune and not candidate.is_plain_ddp and candidate != self.eligible[0]
+        prune = self.pruning and tune.prune and not candidate.is_plain_ddp and candidate != self.eligible[0]
         return _StepTimer(trial, warmup * accumulate, prune=prune)
 
     def _measure(self, candidate: Candidate, timer: _StepTimer) -> None:
@@ -260,6 +286,69 @@ class _Calibrator:
                              enable_progress_bar=False, enable_model_summary=False,
                              default_root_dir=self.folder.path)
         trainer.fit(model, datamodule=data)
+
+
+def planned_batches(cfg: DictConfig) -> int | None:
+    """The batches the run plans to train (``tune.planned_steps`` or ``trainer.max_steps``, times the gradient
+    accumulation); ``None`` when neither says (an epoch- or time-bounded run)."""
+    steps = cfg.tune.get("planned_steps") or cfg.trainer.get("max_steps")
+    if not isinstance(steps, int) or steps < 1:
+        return None
+    return steps * int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
+
+
+PAIRED_CONTENDERS = 2  # the fastest others put against plain DDP in paired rounds (a step or two ranks them)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The paired rounds' outcome: the choice, and each other's ratios (plain DDP's mean step time over its, a
+    round each)."""
+
+    choice: Choice
+    ratios: dict[str, tuple[float, ...]]
+
+
+def _settle(calibrator: _Calibrator, measure: Callable[[list[str]], None], cfg: DictConfig,
+            clock: Callable[[], float] = time.perf_counter) -> Settled | None:
+    """Paired rounds of the leading others and plain DDP within ``tune.budget`` of the planned training (module
+    docstring); ``None`` when there is nothing to settle (plain DDP not eligible, no other measured) or the share
+    left cannot pay for :data:`~lightning_deepseek.autotune.choice.MIN_PAIRED_ROUNDS` rounds."""
+    tune = cfg.tune
+    min_gain, noise_margin = float(tune.min_gain), float(tune.noise_margin)
+    budget, planned = float(tune.get("budget", 0.0) or 0.0), planned_batches(cfg)
+    plain, leaders = calibrator.results.get(PLAIN_DDP.name), calibrator.leaders(PAIRED_CONTENDERS)
+    if (not budget or planned is None or plain is None or plain.state != "measured" or not plain.step_seconds
+            or not leaders or calibrator.up_at is None or not calibrator.fits):
+        return None
+    allowed = budget * planned * statistics.median(plain.step_seconds)
+    # a fit's average so far, until a round is timed
+    round_seconds = (1 + len(leaders)) * (clock() - calibrator.up_at) / calibrator.fits
+    if clock() - calibrator.up_at + MIN_PAIRED_ROUNDS * round_seconds > allowed:
+        return None
+    ratios: dict[Candidate, list[float]] = {row.candidate: [] for row in leaders}
+    open_, rounds = list(ratios), 0  # the others not yet decided
+    calibrator.pruning = False
+    try:
+        while open_:
+            began = clock()
+            names = [c.name for c in open_] + [PLAIN_DDP.name]
+            for name in names:
+                calibrator.fit_means.pop(name, None)
+            measure(names if rounds % 2 == 0 else names[::-1])  # plain DDP last, then first, ...
+            rounds += 1
+            if any(name not in calibrator.fit_means for name in names):  # one failed: the rounds before stand
+                return None
+            for candidate in open_:
+                ratios[candidate].append(calibrator.fit_means[PLAIN_DDP.name] / calibrator.fit_means[candidate.name])
+            open_ = [c for c in open_ if settle(ratios[c], min_gain, noise_margin) is None]
+            round_seconds = (clock() - began) * (1 + len(open_)) / len(names)
+            if clock() - calibrator.up_at + round_seconds > allowed:
+                break
+    finally:
+        calibrator.pruning = True
+    choice = paired_choice(PLAIN_DDP, ratios, min_gain, noise_margin)
+    return Settled(choice, {c.name: tuple(round(r, 4) for r in v) for c, v in ratios.items()})
 
 
 def _layout(candidate: Candidate) -> tuple[Any, ...]:
@@ -349,12 +438,15 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
             for later in range(1, int(cfg.tune.rounds)):  # interleaved: every candidate left once per round
                 measure(calibrator.next_round(cfg.tune.get("recheck_best"), float(cfg.tune.min_gain),
                                               backward=later % 2 == 1))
+            settled = _settle(calibrator, measure, cfg)
     rows = [calibrator.results.get(c.name, Row(c, "failed", note="did not run")) for c in order]
-    choice = choose(rows, eligible, float(cfg.tune.min_gain), float(cfg.tune.noise_margin), int(cfg.tune.steps))
+    choice = settled.choice if settled is not None else choose(
+        rows, eligible, float(cfg.tune.min_gain), float(cfg.tune.noise_margin), int(cfg.tune.steps))
     up_at = calibrator.up_at or started
     return Calibration(str(cfg.tune.mode), rows, choice.candidate, time.perf_counter() - up_at,
                        describe_forced(cfg, forced), float(cfg.tune.min_gain), launch_seconds=up_at - started,
-                       reason=choice.reason, margin=choice.margin, stolen=stolen_share(cpu_before, cpu_times()))
+                       reason=choice.reason, margin=choice.margin, stolen=stolen_share(cpu_before, cpu_times()),
+                       paired=settled.ratios if settled else {})
 
 
 def calibrated_config(cfg: DictConfig, plan: Any, folder: Any) -> DictConfig:

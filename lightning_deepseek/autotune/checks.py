@@ -91,6 +91,15 @@ def check_tune(cfg: DictConfig, experts: int = 0) -> None:
         raise ConfigError(f"tune.noise_margin={margin} is not valid: it must be a number >= 0 (standard errors of "
                           "the measured difference a candidate must beat plain DDP by; 0: tune.min_gain alone). Set "
                           "it like tune.noise_margin=1.")
+    budget = tune.get("budget", 0.0)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget < 1:
+        raise ConfigError(f"tune.budget={budget} is not valid: it must be a number >= 0 and < 1 (the share of the "
+                          "planned training a long run's paired rounds may take; 0: none). Set it like "
+                          "tune.budget=0.04.")
+    planned = tune.get("planned_steps")
+    if planned is not None and (isinstance(planned, bool) or not isinstance(planned, int) or planned < 1):
+        raise ConfigError(f"tune.planned_steps={planned} is not valid: it must be a whole number >= 1 or null "
+                          "(trainer.max_steps). Set it like tune.planned_steps=20000.")
     recheck = tune.get("recheck_best")
     if recheck is not None and (isinstance(recheck, bool) or not isinstance(recheck, int) or recheck < 0):
         raise ConfigError(f"tune.recheck_best={recheck} is not valid: it must be a whole number >= 0 or null (every "

@@ -7,12 +7,19 @@ loopback, int8 measured 1.033x of plain DDP in 2 rounds of 2 steps while the exh
 (benchmarks/RESULTS.md). Measured against the recorded calibrations in tests/autotune/test_calibrate_choice.py.
 
 Every rank decides alike: the step times are the slowest rank's (``calibrate._StepTimer``).
+
+Paired rounds (:func:`settle`, a long run's ``tune.budget``): plain DDP and the leading other measured back to back,
+again and again. Each round gives one ratio of their mean step times, and the verdict comes from the spread of those
+ratios between rounds, not from the steps within a round: on this project's machine a fit's speed moves over
+seconds (fits of 40 steps spread 4.7-7.4% where their steps' own spread predicted 1.5-1.7%, benchmarks/RESULTS.md,
+"Session 21"), so only repeated fits measure that noise, and only more of them shrink it.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_deepseek.autotune.candidates import Candidate
@@ -77,3 +84,49 @@ def choose(rows: list[Row], eligible: list[Candidate], min_gain: float, noise_ma
                       f"{1 + gain:.3f}x of it, {verdict} ({margin:.1%}: {why})", margin)
     return Choice(best.candidate, f"{best.candidate.name}: {1 + gain:.3f}x of plain DDP, beyond the margin "
                   f"({margin:.1%}: {why})", margin)
+
+
+MIN_PAIRED_ROUNDS = 3  # the fewest paired rounds a verdict is drawn from (two give no usable spread)
+
+
+def paired_gain(ratios: Sequence[float]) -> tuple[float, float]:
+    """The gain of the other over plain DDP from paired rounds (each plain DDP's mean step time over the other's),
+    as a geometric mean minus 1, and the standard error of its logarithm from the rounds' spread (0 from one)."""
+    logs = [math.log(r) for r in ratios]
+    spread = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
+    return math.exp(statistics.fmean(logs)) - 1, spread
+
+
+def settle(ratios: Sequence[float], min_gain: float, noise_margin: float) -> bool | None:
+    """The verdict of paired rounds: ``True`` when the other beats plain DDP by more than ``min_gain`` and by
+    ``noise_margin`` standard errors beyond it, ``False`` when it falls short of ``min_gain`` by as much, ``None``
+    while undecided (or with fewer than :data:`MIN_PAIRED_ROUNDS` rounds)."""
+    if len(ratios) < MIN_PAIRED_ROUNDS:
+        return None
+    gain, error = paired_gain(ratios)
+    distance = math.log1p(gain) - math.log1p(min_gain)
+    if abs(distance) <= noise_margin * error:
+        return None
+    return distance > 0
+
+
+def paired_choice(plain: Candidate, ratios: Mapping[Candidate, Sequence[float]], min_gain: float,
+                  noise_margin: float) -> Choice:
+    """The choice after paired rounds of ``plain`` DDP and each other in ``ratios`` (its rounds' ratios): of the
+    others :func:`settle` says beat plain DDP, the one with the largest gain; plain DDP when none does (each fell
+    short, or the rounds ran out undecided)."""
+    verdicts = {c: settle(r, min_gain, noise_margin) for c, r in ratios.items()}
+    lines = []
+    for candidate, rounds in ratios.items():
+        gain, error = paired_gain(rounds)
+        why = {True: "beyond the margin", False: "short of the margin",
+               None: "undecided when the budget (tune.budget) ran out"}[verdicts[candidate]]
+        lines.append(f"{candidate.name} measured {1 + gain:.3f}x of plain DDP over {len(rounds)} paired rounds "
+                     f"(standard error {error:.1%}): {why}")
+    rule = f"min_gain {min_gain:.0%} and {noise_margin:g} standard error{'' if noise_margin == 1 else 's'} beyond it"
+    winners = [c for c, v in verdicts.items() if v]
+    best = max(winners or ratios, key=lambda c: paired_gain(ratios[c])[0])  # the chosen, or the closest to it
+    margin = math.expm1(math.log1p(min_gain) + noise_margin * paired_gain(ratios[best])[1])
+    if winners:
+        return Choice(best, f"{'; '.join(lines)} ({rule})", margin)
+    return Choice(plain, f"plain DDP: {'; '.join(lines)} ({rule})", margin)

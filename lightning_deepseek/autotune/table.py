@@ -60,6 +60,8 @@ class Calibration:
         margin: the gain over plain DDP the fastest other needed (``min_gain`` or the measured noise, the larger).
         stolen: the share of this machine's CPU its hypervisor gave to other guests during the calibration
             (:mod:`~lightning_deepseek.autotune.steal`; 0 on bare metal or where unknown).
+        paired: the others measured against plain DDP in paired rounds (``tune.budget``; empty: none ran), each
+            round's plain DDP mean step time over the other's.
     """
 
     mode: str
@@ -72,6 +74,7 @@ class Calibration:
     reason: str = ""
     margin: float = 0.0
     stolen: float = 0.0
+    paired: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def phases(self) -> dict[str, float]:
         """Where the calibration's seconds went (this rank): each phase summed over the candidates."""
@@ -112,6 +115,9 @@ class Calibration:
             lines.append(f"kept as set (forced): {self.kept}; candidates that would change it were not tried")
         lines.append(f"choice: {self.choice.name} = lds-train {' '.join(self.choice.overrides())} tune=none")
         lines.append(f"why: {self.reason}")
+        for name, ratios in self.paired.items():
+            lines.append(f"paired rounds (tune.budget): plain DDP's step time over {name}'s, each round back to back: "
+                         f"{' '.join(f'{r:.3f}' for r in ratios)}")
         if self.stolen >= STEAL_WARNING:
             lines.append(f"host: the hypervisor took {self.stolen:.0%} of this machine's CPU during the calibration "
                          "(steal), so its timings are less reliable than usual; calibrate again when the host is "
@@ -141,7 +147,8 @@ class Calibration:
              "phases": self.phases(), "kept": self.kept, "min_gain": self.min_gain, "margin": self.margin,
              "reason": self.reason, "cpu_stolen_by_host": self.stolen,
              "choice": self.choice.name, "choice_overrides": self.choice.overrides(),
-             "choice_fields": asdict(self.choice), "rows": rows}, indent=2))
+             "choice_fields": asdict(self.choice), "rows": rows,
+             "paired": {name: list(ratios) for name, ratios in self.paired.items()}}, indent=2))
 
 
 class TuneReport(Callback):

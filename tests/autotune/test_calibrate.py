@@ -1,8 +1,9 @@
 """A real 2-process calibration (gloo): the choice is the fastest candidate measured, the training that follows
-equals a direct run of that choice, a later trial of the same sweep reuses the choice, and a forced setting is
-kept. One process group serves all four runs."""
+equals a direct run of that choice, a later trial of the same sweep reuses the choice, a forced setting is kept,
+and a long run settles its leader against plain DDP in paired rounds. One process group serves all five runs."""
 
 import json
+import math
 from pathlib import Path
 
 from tests.helpers import run_distributed
@@ -48,6 +49,8 @@ def _tune_replay_and_force(rank: int, world_size: int, root: str) -> None:
                     "tune.strategies=[ddp]",
                     "trainer.max_steps=2", "tune.steps=1", "tune.rounds=1"],
            Path(root) / "forced")
+    # A long run (the budget's 4% of 100,000 planned steps): paired rounds; with no margin the third decides.
+    _train([*TUNE, "tune.planned_steps=100000"], Path(root) / "paired")
 
 
 def test_two_process_calibration(tmp_path: Path) -> None:
@@ -104,3 +107,16 @@ def test_two_process_calibration(tmp_path: Path) -> None:
     assert all("/int8" in name for name, state in states.items() if state in ("measured", "pruned"))
     assert "kept as set (forced): compression=int8" in (tmp_path / "forced" / "tune.txt").read_text()
     assert json.loads((tmp_path / "forced" / "summary.json").read_text())["compression"].startswith("int8")
+
+    # The paired rounds: the two fastest others of the rounds before and plain DDP, back to back; with no margin the
+    # third round decides. The choice: the other with the larger gain over plain DDP, if any has one.
+    paired = json.loads((tmp_path / "paired" / "tune.json").read_text())
+    ratios = paired["paired"]
+    assert len(ratios) == 2 and "ddp/none" not in ratios and all(len(r) == 3 for r in ratios.values())
+    gains = {name: math.prod(r) ** (1 / 3) for name, r in ratios.items()}
+    best = max(gains, key=gains.get)
+    assert paired["choice"] == (best if gains[best] > 1 else "ddp/none")
+    assert paired["reason"].count("over 3 paired rounds") == 2
+    rows = {row["name"]: row for row in paired["rows"]}
+    assert all(rows[name]["state"] == "measured" for name in ratios)  # measured to the end in the paired rounds
+    assert json.loads((tmp_path / "paired" / "summary.json").read_text())["tune_choice"] == paired["choice"]

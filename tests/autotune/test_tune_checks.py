@@ -130,6 +130,8 @@ def test_staged_search_compresses_only_the_layouts_measured_to_the_end() -> None
     (["tune=quick", "tune.keep=[lr]"], "tune.keep=['lr'] names ['lr'], which calibration does not choose"),
     (["tune=quick", "tune.staged=maybe"], "tune.staged=maybe is not valid: it must be true or false"),
     (["tune=quick", "tune.noise_margin=-1"], "tune.noise_margin=-1 is not valid: it must be a number >= 0"),
+    (["tune=quick", "tune.budget=5"], "tune.budget=5 is not valid: it must be a number >= 0 and < 1"),
+    (["tune=quick", "tune.planned_steps=0"], "tune.planned_steps=0 is not valid: it must be a whole number >= 1"),
 ])
 def test_bad_tune_setting_is_one_paragraph_and_exit_2(overrides: list[str], needle: str, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
