@@ -315,7 +315,7 @@ def _settle(calibrator: _Calibrator, measure: Callable[[list[str]], None], cfg: 
     docstring); ``None`` when there is nothing to settle (plain DDP not eligible, no other measured) or the share
     left cannot pay for :data:`~lightning_deepseek.autotune.choice.MIN_PAIRED_ROUNDS` rounds."""
     tune = cfg.tune
-    min_gain, noise_margin = float(tune.min_gain), float(tune.noise_margin)
+    min_gain, noise_margin = float(tune.min_gain), float(tune.get("paired_margin", 2.0))
     budget, planned = float(tune.get("budget", 0.0) or 0.0), planned_batches(cfg)
     plain, leaders = calibrator.results.get(PLAIN_DDP.name), calibrator.leaders(PAIRED_CONTENDERS)
     if (not budget or planned is None or plain is None or plain.state != "measured" or not plain.step_seconds

@@ -86,11 +86,12 @@ def check_tune(cfg: DictConfig, experts: int = 0) -> None:
     if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not math.isfinite(gain) or gain < 0:
         raise ConfigError(f"tune.min_gain={gain} is not valid: it must be a number >= 0 (0.03: leave plain DDP "
                           "only for a configuration 3% faster). Set it like tune.min_gain=0.03.")
-    margin = tune.get("noise_margin")
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
-        raise ConfigError(f"tune.noise_margin={margin} is not valid: it must be a number >= 0 (standard errors of "
-                          "the measured difference a candidate must beat plain DDP by; 0: tune.min_gain alone). Set "
-                          "it like tune.noise_margin=1.")
+    for key, default in (("noise_margin", 1), ("paired_margin", 2)):
+        margin = tune.get(key, default)
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
+            raise ConfigError(f"tune.{key}={margin} is not valid: it must be a number >= 0 (standard errors of the "
+                              "measured difference a candidate must beat plain DDP by; 0: tune.min_gain alone). Set "
+                              f"it like tune.{key}={default}.")
     budget = tune.get("budget", 0.0)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget < 1:
         raise ConfigError(f"tune.budget={budget} is not valid: it must be a number >= 0 and < 1 (the share of the "

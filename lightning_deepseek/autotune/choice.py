@@ -12,7 +12,10 @@ Paired rounds (:func:`settle`, a long run's ``tune.budget``): plain DDP and the 
 again and again. Each round gives one ratio of their mean step times, and the verdict comes from the spread of those
 ratios between rounds, not from the steps within a round: on this project's machine a fit's speed moves over
 seconds (fits of 40 steps spread 4.7-7.4% where their steps' own spread predicted 1.5-1.7%, benchmarks/RESULTS.md,
-"Session 21"), so only repeated fits measure that noise, and only more of them shrink it.
+"Session 21"), so only repeated fits measure that noise, and only more of them shrink it. The verdict is looked at
+after every round, so its margin (``tune.paired_margin``, 2 standard errors) is wider than the short choice's one
+look (``tune.noise_margin``, 1): with 1, both verdicts for a candidate in session 23's first runs (1.085x and 1.099x
+of plain DDP at 1.1 and 1.4 standard errors) were contradicted by the exhaustive grids right after (0.99x, 0.83x).
 """
 
 from __future__ import annotations

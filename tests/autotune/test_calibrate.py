@@ -50,7 +50,7 @@ def _tune_replay_and_force(rank: int, world_size: int, root: str) -> None:
                     "trainer.max_steps=2", "tune.steps=1", "tune.rounds=1"],
            Path(root) / "forced")
     # A long run (the budget's 4% of 100,000 planned steps): paired rounds; with no margin the third decides.
-    _train([*TUNE, "tune.planned_steps=100000"], Path(root) / "paired")
+    _train([*TUNE, "tune.planned_steps=100000", "tune.paired_margin=0"], Path(root) / "paired")
 
 
 def test_two_process_calibration(tmp_path: Path) -> None:

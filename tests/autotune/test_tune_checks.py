@@ -130,6 +130,7 @@ def test_staged_search_compresses_only_the_layouts_measured_to_the_end() -> None
     (["tune=quick", "tune.keep=[lr]"], "tune.keep=['lr'] names ['lr'], which calibration does not choose"),
     (["tune=quick", "tune.staged=maybe"], "tune.staged=maybe is not valid: it must be true or false"),
     (["tune=quick", "tune.noise_margin=-1"], "tune.noise_margin=-1 is not valid: it must be a number >= 0"),
+    (["tune=quick", "tune.paired_margin=-2"], "tune.paired_margin=-2 is not valid: it must be a number >= 0"),
     (["tune=quick", "tune.budget=5"], "tune.budget=5 is not valid: it must be a number >= 0 and < 1"),
     (["tune=quick", "tune.planned_steps=0"], "tune.planned_steps=0 is not valid: it must be a whole number >= 1"),
 ])
