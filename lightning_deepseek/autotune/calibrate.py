@@ -21,7 +21,8 @@ the pruner, this keeps the calibration within 5% of the demo's training (benchma
 A long run (``tune.budget``, a share of the planned training's time: ``tune.planned_steps`` or
 ``trainer.max_steps`` steps at plain DDP's measured step time) settles the leading others against plain DDP with
 the time left in that share after the rounds above: they are measured back to back, round after round, until
-paired rounds order each against plain DDP beyond the noise or the share is spent (:func:`_settle`; the verdict is
+paired rounds order each against plain DDP beyond the noise (taken at ``tune.paired_margin`` standard errors beyond
+``min_gain``, dropped at ``tune.noise_margin`` short of it) or the share is spent (:func:`_settle`; the verdict is
 :func:`~lightning_deepseek.autotune.choice.settle`). Two timed steps a round cannot order a candidate within ~10% of
 plain DDP where a fit's speed swings more than that between fits (the 10 Gbit MoE: hybrid tp=2 1.10x of plain DDP
 by the median of 5 repetitions of an exhaustive grid, 0.90-1.14x by repetition; the short calibration kept plain DDP
@@ -315,7 +316,7 @@ def _settle(calibrator: _Calibrator, measure: Callable[[list[str]], None], cfg: 
     docstring); ``None`` when there is nothing to settle (plain DDP not eligible, no other measured) or the share
     left cannot pay for :data:`~lightning_deepseek.autotune.choice.MIN_PAIRED_ROUNDS` rounds."""
     tune = cfg.tune
-    min_gain, noise_margin = float(tune.min_gain), float(tune.get("paired_margin", 2.0))
+    min_gain, take, drop = float(tune.min_gain), float(tune.get("paired_margin", 2.0)), float(tune.noise_margin)
     budget, planned = float(tune.get("budget", 0.0) or 0.0), planned_batches(cfg)
     plain, leaders = calibrator.results.get(PLAIN_DDP.name), calibrator.leaders(PAIRED_CONTENDERS)
     if (not budget or planned is None or plain is None or plain.state != "measured" or not plain.step_seconds
@@ -341,13 +342,13 @@ def _settle(calibrator: _Calibrator, measure: Callable[[list[str]], None], cfg: 
                 return None
             for candidate in open_:
                 ratios[candidate].append(calibrator.fit_means[PLAIN_DDP.name] / calibrator.fit_means[candidate.name])
-            open_ = [c for c in open_ if settle(ratios[c], min_gain, noise_margin) is None]
+            open_ = [c for c in open_ if settle(ratios[c], min_gain, take, drop) is None]
             round_seconds = (clock() - began) * (1 + len(open_)) / len(names)
             if clock() - calibrator.up_at + round_seconds > allowed:
                 break
     finally:
         calibrator.pruning = True
-    choice = paired_choice(PLAIN_DDP, ratios, min_gain, noise_margin)
+    choice = paired_choice(PLAIN_DDP, ratios, min_gain, take, drop)
     return Settled(choice, {c.name: tuple(round(r, 4) for r in v) for c, v in ratios.items()})
 
 

@@ -8,14 +8,17 @@ loopback, int8 measured 1.033x of plain DDP in 2 rounds of 2 steps while the exh
 
 Every rank decides alike: the step times are the slowest rank's (``calibrate._StepTimer``).
 
-Paired rounds (:func:`settle`, a long run's ``tune.budget``): plain DDP and the leading other measured back to back,
-again and again. Each round gives one ratio of their mean step times, and the verdict comes from the spread of those
-ratios between rounds, not from the steps within a round: on this project's machine a fit's speed moves over
-seconds (fits of 40 steps spread 4.7-7.4% where their steps' own spread predicted 1.5-1.7%, benchmarks/RESULTS.md,
-"Session 21"), so only repeated fits measure that noise, and only more of them shrink it. The verdict is looked at
-after every round, so its margin (``tune.paired_margin``, 2 standard errors) is wider than the short choice's one
-look (``tune.noise_margin``, 1): with 1, both verdicts for a candidate in session 23's first runs (1.085x and 1.099x
-of plain DDP at 1.1 and 1.4 standard errors) were contradicted by the exhaustive grids right after (0.99x, 0.83x).
+Paired rounds (:func:`settle`, a long run's ``tune.budget``): plain DDP and the leading others measured back to
+back, again and again. Each round gives one ratio of plain DDP's mean step time over each other's, and the verdict
+comes from the spread of those ratios between rounds, not from the steps within a round: on this project's machine
+a fit's speed moves over seconds (fits of 40 steps spread 4.7-7.4% where their steps' own spread predicted
+1.5-1.7%, benchmarks/RESULTS.md, "Session 21"), so only repeated fits measure that noise, and only more of them
+shrink it. The verdict is looked at after every round, so taking a candidate needs a wider margin
+(``tune.paired_margin``, 2 standard errors) than the short choice's one look (``tune.noise_margin``, 1): with 1, both
+verdicts for a candidate in session 23's first runs (1.085x and 1.099x of plain DDP at 1.1 and 1.4 standard errors)
+were contradicted by the exhaustive grids right after (0.99x, 0.83x). Dropping one needs only ``noise_margin`` short of ``min_gain``: with 2 both ways, a candidate 1% ahead
+of plain DDP stayed undecided for 89 rounds and spent the run's whole share (4.2%, 212 s) to keep plain DDP, which a
+gain that small could not repay; with 1 it was dropped after 3 (benchmarks/RESULTS.md, "Session 23").
 """
 
 from __future__ import annotations
@@ -100,25 +103,27 @@ def paired_gain(ratios: Sequence[float]) -> tuple[float, float]:
     return math.exp(statistics.fmean(logs)) - 1, spread
 
 
-def settle(ratios: Sequence[float], min_gain: float, noise_margin: float) -> bool | None:
-    """The verdict of paired rounds: ``True`` when the other beats plain DDP by more than ``min_gain`` and by
-    ``noise_margin`` standard errors beyond it, ``False`` when it falls short of ``min_gain`` by as much, ``None``
-    while undecided (or with fewer than :data:`MIN_PAIRED_ROUNDS` rounds)."""
+def settle(ratios: Sequence[float], min_gain: float, take: float, drop: float | None = None) -> bool | None:
+    """The verdict of paired rounds: ``True`` when the other beats plain DDP by ``min_gain`` and by ``take``
+    standard errors beyond it, ``False`` when it falls short of ``min_gain`` by ``drop`` (default ``take``) standard
+    errors, ``None`` while undecided (or with fewer than :data:`MIN_PAIRED_ROUNDS` rounds)."""
     if len(ratios) < MIN_PAIRED_ROUNDS:
         return None
     gain, error = paired_gain(ratios)
     distance = math.log1p(gain) - math.log1p(min_gain)
-    if abs(distance) <= noise_margin * error:
-        return None
-    return distance > 0
+    if distance > take * error:
+        return True
+    if distance < -(take if drop is None else drop) * error:
+        return False
+    return None
 
 
-def paired_choice(plain: Candidate, ratios: Mapping[Candidate, Sequence[float]], min_gain: float,
-                  noise_margin: float) -> Choice:
+def paired_choice(plain: Candidate, ratios: Mapping[Candidate, Sequence[float]], min_gain: float, take: float,
+                  drop: float) -> Choice:
     """The choice after paired rounds of ``plain`` DDP and each other in ``ratios`` (its rounds' ratios): of the
     others :func:`settle` says beat plain DDP, the one with the largest gain; plain DDP when none does (each fell
     short, or the rounds ran out undecided)."""
-    verdicts = {c: settle(r, min_gain, noise_margin) for c, r in ratios.items()}
+    verdicts = {c: settle(r, min_gain, take, drop) for c, r in ratios.items()}
     lines = []
     for candidate, rounds in ratios.items():
         gain, error = paired_gain(rounds)
@@ -126,10 +131,11 @@ def paired_choice(plain: Candidate, ratios: Mapping[Candidate, Sequence[float]],
                None: "undecided when the budget (tune.budget) ran out"}[verdicts[candidate]]
         lines.append(f"{candidate.name} measured {1 + gain:.3f}x of plain DDP over {len(rounds)} paired rounds "
                      f"(standard error {error:.1%}): {why}")
-    rule = f"min_gain {min_gain:.0%} and {noise_margin:g} standard error{'' if noise_margin == 1 else 's'} beyond it"
+    rule = (f"taken at min_gain {min_gain:.0%} and {take:g} standard error{'' if take == 1 else 's'} beyond it, "
+            f"dropped at {drop:g} short of it")
     winners = [c for c, v in verdicts.items() if v]
     best = max(winners or ratios, key=lambda c: paired_gain(ratios[c])[0])  # the chosen, or the closest to it
-    margin = math.expm1(math.log1p(min_gain) + noise_margin * paired_gain(ratios[best])[1])
+    margin = math.expm1(math.log1p(min_gain) + take * paired_gain(ratios[best])[1])
     if winners:
         return Choice(best, f"{'; '.join(lines)} ({rule})", margin)
     return Choice(plain, f"plain DDP: {'; '.join(lines)} ({rule})", margin)

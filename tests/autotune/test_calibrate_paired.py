@@ -20,19 +20,25 @@ SESSION_19 = [1.14, 1.10, 1.08, 0.96, 0.90]
 
 
 def test_the_verdict_comes_from_the_rounds_spread() -> None:
-    assert settle([1.10, 1.12, 1.09], min_gain=0.03, noise_margin=1.0) is True
-    assert settle([0.98, 1.00, 1.01], min_gain=0.03, noise_margin=1.0) is False
-    assert settle([1.10, 1.12], min_gain=0.03, noise_margin=0.0) is None  # too few rounds to see the noise
+    assert settle([1.10, 1.12, 1.09], min_gain=0.03, take=1.0) is True
+    assert settle([0.98, 1.00, 1.01], min_gain=0.03, take=1.0) is False
+    assert settle([1.10, 1.12], min_gain=0.03, take=0.0) is None  # too few rounds to see the noise
     gain, error = paired_gain(SESSION_19)
     assert gain == pytest.approx(0.032, abs=0.001) and error == pytest.approx(0.044, abs=0.001)
-    assert settle(SESSION_19, min_gain=0.03, noise_margin=1.0) is None
-    assert settle(SESSION_19, min_gain=0.03, noise_margin=0.0) is True  # min_gain alone: the mean decides
+    assert settle(SESSION_19, min_gain=0.03, take=1.0) is None
+    assert settle(SESSION_19, min_gain=0.03, take=0.0) is True  # min_gain alone: the mean decides
     # Session 23, loopback, the demo model: ddp/int4 against plain DDP, taken at 1 standard error after 8 rounds; the
     # grid right after put it at 0.99x of plain DDP. The default paired margin (2, for a verdict looked at every round)
     # would have gone on measuring.
     rounds = [0.9628, 1.0178, 1.3015, 1.079, 1.0489, 0.9382, 1.0533, 1.3508]
-    assert settle(rounds, min_gain=0.03, noise_margin=1.0) is True
-    assert settle(rounds, min_gain=0.03, noise_margin=2.0) is None
+    assert settle(rounds, min_gain=0.03, take=1.0) is True
+    assert settle(rounds, min_gain=0.03, take=2.0) is None
+    # Session 23, loopback again with 2 both ways: ddp/int4's first three rounds, after which it stayed undecided for 89
+    # rounds (1.011x of plain DDP at the end) and spent the whole 4% share. Dropped at 1 standard error short of
+    # min_gain (the default, tune.noise_margin), it ends there; taking it still needs 2 beyond.
+    first = [0.9057, 0.711, 1.0172]
+    assert settle(first, min_gain=0.03, take=2.0) is None
+    assert settle(first, min_gain=0.03, take=2.0, drop=1.0) is False
 
 
 def _calibrator(*overrides: str) -> _Calibrator:
@@ -77,7 +83,8 @@ def test_the_leader_ahead_beyond_the_noise_is_taken_and_a_slower_one_dropped() -
     assert settled.choice.candidate.name == "hybrid/tp2/none"
     assert settled.choice.reason.startswith("hybrid/tp2/none measured 1.099x of plain DDP over 3 paired rounds")
     assert "; ddp/int8 measured 0.906x of plain DDP over 3 paired rounds (standard error 0.8%): short of the " \
-           "margin (min_gain 3% and 2 standard errors beyond it)" in settled.choice.reason
+           "margin (taken at min_gain 3% and 2 standard errors beyond it, dropped at 1 short of it)" in \
+           settled.choice.reason
     table = Calibration("quick", list(calibrator.results.values()), settled.choice.candidate, 30.0,
                         reason=settled.choice.reason, paired=settled.ratios)
     assert "paired rounds (tune.budget): plain DDP's step time over hybrid/tp2/none's, each round back to back: " \
