@@ -16,9 +16,10 @@ a fit's speed moves over seconds (fits of 40 steps spread 4.7-7.4% where their s
 shrink it. The verdict is looked at after every round, so taking a candidate needs a wider margin
 (``tune.paired_margin``, 2 standard errors) than the short choice's one look (``tune.noise_margin``, 1): with 1, both
 verdicts for a candidate in session 23's first runs (1.085x and 1.099x of plain DDP at 1.1 and 1.4 standard errors)
-were contradicted by the exhaustive grids right after (0.99x, 0.83x). Dropping one needs only ``noise_margin`` short of ``min_gain``: with 2 both ways, a candidate 1% ahead
-of plain DDP stayed undecided for 89 rounds and spent the run's whole share (4.2%, 212 s) to keep plain DDP, which a
-gain that small could not repay; with 1 it was dropped after 3 (benchmarks/RESULTS.md, "Session 23").
+were contradicted by the exhaustive grids right after (0.99x, 0.83x). Dropping one needs only ``noise_margin``
+short of ``min_gain``: with 2 both ways, a candidate 1% ahead of plain DDP stayed undecided for 89 rounds and spent
+the run's whole share (4.2%, 212 s) to keep plain DDP, which a gain that small could not repay; with 1 it was dropped
+after 3 (benchmarks/RESULTS.md, "Session 23").
 """
 
 from __future__ import annotations
