@@ -18,18 +18,18 @@ from it than plain DDP, so a layout that loses uncompressed loses compressed too
 when at least two candidates that could be chosen are left in it (one cannot change the choice). Together with
 the pruner, this keeps the calibration within 5% of the demo's training (benchmarks/RESULTS.md).
 
-A long run (``tune.budget``, a share of the planned training's time: ``tune.planned_steps`` or
-``trainer.max_steps`` steps at plain DDP's measured step time) settles the leading others against plain DDP with
-the time left in that share after the rounds above: they are measured back to back, round after round, until
-paired rounds order each against plain DDP beyond the noise (taken at ``tune.paired_margin`` standard errors beyond
-``min_gain``, dropped at ``tune.noise_margin`` short of it) or the share is spent (:func:`_settle`; the verdict is
-:func:`~lightning_deepseek.autotune.choice.settle`). Two timed steps a round cannot order a candidate within ~10% of
-plain DDP where a fit's speed swings more than that between fits (the 10 Gbit MoE: hybrid tp=2 1.10x of plain DDP
-by the median of 5 repetitions of an exhaustive grid, 0.90-1.14x by repetition; the short calibration kept plain DDP
-5 of 5, benchmarks/RESULTS.md "Session 19"); a run of thousands of steps can afford the rounds that can. The leading
-others are the two fastest by what the rounds above measured of them, pruned ones included (a step or two of each:
-in session 19's calibrations hybrid tp=2, the grid's best, was first or second of the pruned). A short
-run (the demo's 500 steps) has no time left in its share and calibrates as before.
+A long run (``tune.budget``, a share of the planned training's time: ``tune.planned_steps`` or ``trainer.max_steps``
+steps at plain DDP's measured step time) settles the leading others against plain DDP with the time left in that
+share after the rounds above: they are measured back to back, round after round, until paired rounds order each
+against plain DDP beyond the noise (taken at ``tune.paired_margin`` standard errors beyond ``min_gain`` from the
+fifth round on, dropped at ``tune.noise_margin`` short of it from the third) or the share is spent (:func:`_settle`;
+the verdict is :func:`~lightning_deepseek.autotune.choice.settle`). Two timed steps a round cannot order a candidate
+within ~10% of plain DDP where a fit's speed swings more than that between fits (the 10 Gbit MoE: hybrid tp=2 1.10x
+of plain DDP by the median of 5 repetitions of an exhaustive grid, 0.90-1.14x by repetition; the short calibration
+kept plain DDP 5 of 5, benchmarks/RESULTS.md "Session 19"); a run of thousands of steps can afford the rounds that
+can. The leading others are the two fastest by what the rounds above measured of them, pruned ones included (a step
+or two of each: in session 19's calibrations hybrid tp=2, the grid's best, was first or second of the pruned). A
+short run (the demo's 500 steps) has no time left in its share and calibrates as before.
 
 What the calibration costs is counted from the moment every process is up (the first fit's process group):
 starting the processes is paid once by any run, calibrated or not, and is shown apart (``launch_seconds``).
@@ -75,7 +75,7 @@ from typing_extensions import override
 
 from lightning_deepseek.autotune.candidates import PLAIN_DDP, Candidate, candidates, describe_forced, forced_settings
 from lightning_deepseek.autotune.checks import nothing_to_choose, task_overrides
-from lightning_deepseek.autotune.choice import MIN_PAIRED_ROUNDS, Choice, choose, paired_choice, settle
+from lightning_deepseek.autotune.choice import MIN_TAKE_ROUNDS, Choice, choose, paired_choice, settle
 from lightning_deepseek.autotune.steal import cpu_times, stolen_share
 from lightning_deepseek.autotune.sweep_choice import publish, reused, shared_choice, sweep_table
 from lightning_deepseek.autotune.table import Calibration, Row, TuneReport
@@ -314,7 +314,8 @@ def _settle(calibrator: _Calibrator, measure: Callable[[list[str]], None], cfg: 
             clock: Callable[[], float] = time.perf_counter) -> Settled | None:
     """Paired rounds of the leading others and plain DDP within ``tune.budget`` of the planned training (module
     docstring); ``None`` when there is nothing to settle (plain DDP not eligible, no other measured) or the share
-    left cannot pay for :data:`~lightning_deepseek.autotune.choice.MIN_PAIRED_ROUNDS` rounds."""
+    left cannot pay for :data:`~lightning_deepseek.autotune.choice.MIN_TAKE_ROUNDS` rounds (fewer could only
+    drop others and keep plain DDP)."""
     tune = cfg.tune
     min_gain, take, drop = float(tune.min_gain), float(tune.get("paired_margin", 2.0)), float(tune.noise_margin)
     budget, planned = float(tune.get("budget", 0.0) or 0.0), planned_batches(cfg)
@@ -325,7 +326,7 @@ def _settle(calibrator: _Calibrator, measure: Callable[[list[str]], None], cfg: 
     allowed = budget * planned * statistics.median(plain.step_seconds)
     # a fit's average so far, until a round is timed
     round_seconds = (1 + len(leaders)) * (clock() - calibrator.up_at) / calibrator.fits
-    if clock() - calibrator.up_at + MIN_PAIRED_ROUNDS * round_seconds > allowed:
+    if clock() - calibrator.up_at + MIN_TAKE_ROUNDS * round_seconds > allowed:
         return None
     ratios: dict[Candidate, list[float]] = {row.candidate: [] for row in leaders}
     open_, rounds = list(ratios), 0  # the others not yet decided

@@ -20,7 +20,11 @@ SESSION_19 = [1.14, 1.10, 1.08, 0.96, 0.90]
 
 
 def test_the_verdict_comes_from_the_rounds_spread() -> None:
-    assert settle([1.10, 1.12, 1.09], min_gain=0.03, take=1.0) is True
+    assert settle([1.10, 1.12, 1.09, 1.11, 1.10], min_gain=0.03, take=1.0) is True
+    # Session 23, loopback: ddp/int8 taken after three rounds agreeing closely (1.065x, standard error 1.0%) where the
+    # grid right after measured it 0.99x of plain DDP: taking now needs five rounds; dropping still three.
+    assert settle([1.0812, 1.0694, 1.0454], min_gain=0.03, take=2.0, drop=1.0) is None
+    assert settle([1.10, 1.12, 1.09, 1.11], min_gain=0.03, take=1.0) is None
     assert settle([0.98, 1.00, 1.01], min_gain=0.03, take=1.0) is False
     assert settle([1.10, 1.12], min_gain=0.03, take=0.0) is None  # too few rounds to see the noise
     gain, error = paired_gain(SESSION_19)
@@ -76,19 +80,21 @@ def _walk(calibrator: _Calibrator, **seconds: list[float]) -> tuple[list[list[st
 def test_the_leader_ahead_beyond_the_noise_is_taken_and_a_slower_one_dropped() -> None:
     calibrator = _calibrator("tune.planned_steps=10000")  # 4% of 10,000 steps of 0.1 s: 40 s
     assert planned_batches(calibrator.cfg) == 10000
-    fits, settled = _walk(calibrator, hybrid=[0.091, 0.090, 0.092], int8=[0.11, 0.112, 0.109])
-    # The two leaders: the pruned hybrid (980 tokens/s before it stopped) and int8; plain DDP last, then first.
+    fits, settled = _walk(calibrator, hybrid=[0.091, 0.090, 0.092, 0.091, 0.090], int8=[0.11, 0.112, 0.109])
+    # The two leaders: the pruned hybrid (980 tokens/s before it stopped) and int8; plain DDP last, then first. int8
+    # is dropped after three rounds, hybrid taken after five.
     assert fits == [["hybrid/tp2/none", "ddp/int8", "ddp/none"], ["ddp/none", "ddp/int8", "hybrid/tp2/none"],
-                    ["hybrid/tp2/none", "ddp/int8", "ddp/none"]]
+                    ["hybrid/tp2/none", "ddp/int8", "ddp/none"], ["ddp/none", "hybrid/tp2/none"],
+                    ["hybrid/tp2/none", "ddp/none"]]
     assert settled.choice.candidate.name == "hybrid/tp2/none"
-    assert settled.choice.reason.startswith("hybrid/tp2/none measured 1.099x of plain DDP over 3 paired rounds")
+    assert settled.choice.reason.startswith("hybrid/tp2/none measured 1.101x of plain DDP over 5 paired rounds")
     assert "; ddp/int8 measured 0.906x of plain DDP over 3 paired rounds (standard error 0.8%): short of the " \
            "margin (taken at min_gain 3% and 2 standard errors beyond it, dropped at 1 short of it)" in \
            settled.choice.reason
     table = Calibration("quick", list(calibrator.results.values()), settled.choice.candidate, 30.0,
                         reason=settled.choice.reason, paired=settled.ratios)
     assert "paired rounds (tune.budget): plain DDP's step time over hybrid/tp2/none's, each round back to back: " \
-           "1.099 1.111 1.087" in table.table()
+           "1.099 1.111 1.087 1.099 1.111" in table.table()
 
 
 def test_a_near_tie_runs_until_the_share_is_spent_and_keeps_plain_ddp() -> None:
@@ -116,9 +122,9 @@ def test_leaders_that_are_not_faster_are_dropped_as_soon_as_the_rounds_say_so() 
     ["tune.planned_steps=10000", "trainer.max_steps=-1"],  # planned_steps given: max_steps does not matter
 ])
 def test_a_short_run_or_no_budget_runs_no_paired_round(overrides: list[str]) -> None:
-    fits, settled = _walk(_calibrator(*overrides), hybrid=[0.05] * 3, int8=[0.2] * 3)
+    fits, settled = _walk(_calibrator(*overrides), hybrid=[0.05] * 5, int8=[0.2] * 3)
     if "trainer.max_steps=-1" in overrides:
-        assert len(fits) == 3  # planned_steps stands in for an unbounded max_steps
+        assert len(fits) == 5  # planned_steps stands in for an unbounded max_steps
     else:
         assert fits == [] and settled is None
     calibrator = _calibrator("trainer.max_steps=-1")  # an epoch-bounded run without planned_steps
