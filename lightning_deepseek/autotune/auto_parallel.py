@@ -94,7 +94,7 @@ def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology
                     links: dict[str, LinkCost] | None, plan_for: Callable[[int], Plan], tp_sizes: Iterable[int],
                     ep_sizes: Iterable[int] | None, bits: Iterable[int | None], tokens: int | None,
                     placement: str, bucket_bytes: int, setting: str, sharded_repeats: int = 3,
-                    exchange_repeats: int = 3) -> Decision:
+                    exchange_repeats: int = 3, bucket_view: bool = False) -> Decision:
     """Choose ``(tp, ep, bits)`` for ``HybridParallelStrategy`` (collective).
 
     Args:
@@ -106,6 +106,7 @@ def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology
         sharded_repeats: timed steps of each sharded copy (0: predict sharding by the formulas alone).
         exchange_repeats: timed gradient exchanges of each compressed candidate's bytes, fp32 and compressed (0:
             predict compression from the kernels' speed and the links alone).
+        bucket_view: DDP's ``gradient_as_bucket_view`` (no copies of the gradients into its buckets and back).
     """
     world = topology.world_size
     layers = find_expert_layers(module)
@@ -132,7 +133,8 @@ def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology
                        num_moe_layers=len(layers))
     bits = tuple(bits)
     machine = _machine(topology, measured.links, next(module.parameters()).device, local_size, bits,
-                       max(v.replicated_grad_bytes for v in volumes.values()), bucket_bytes, placement)
+                       max(v.replicated_grad_bytes for v in volumes.values()), bucket_bytes, placement,
+                       bucket_view)
     options = candidates(world, sorted(plans), ep_sizes if layers else [1], bits)
     machine = _measure_exchange(machine, options, facts, next(module.parameters()).device, exchange_repeats)
     measured = _measure_sharded(module, measured, options, plans, facts, machine, repeats=sharded_repeats)
@@ -209,7 +211,8 @@ def _measure_exchange(machine: Machine, options: Sequence[Candidate], facts: Mod
         return machine
     sizes = sorted({exchange_bytes(c, facts) for c in compressed} - {0})
     bits = tuple(sorted({c.bits for c in compressed}, reverse=True))
-    seconds = agree_exchange(measure_exchange(sizes, bits, device, repeats)) if sizes else {}
+    seconds = agree_exchange(measure_exchange(sizes, bits, device, repeats, copies=not machine.bucket_view)
+                             ) if sizes else {}
     return dataclasses.replace(machine, exchange_seconds=seconds)
 
 
@@ -231,14 +234,15 @@ def _shard_ep(dims: ExpertParallelDims, device_type: str, copy: nn.Module) -> Ca
 
 
 def decide_compression(module: pl.LightningModule, trainer: pl.Trainer, topology: Topology, dp_size: int,
-                       bucket_bytes: int) -> Decision:
-    """Choose the bits of ``GradientCompression(bits="auto")`` under plain data parallelism (collective)."""
+                       bucket_bytes: int, bucket_view: bool = False) -> Decision:
+    """Choose the bits of ``GradientCompression(bits="auto")`` under plain data parallelism (collective);
+    ``bucket_bytes`` and ``bucket_view`` describe the DDP wrapper (``bucket_cap_mb``, ``gradient_as_bucket_view``)."""
     measured = measure(module, trainer, topology, None)
     grad_bytes = _param_bytes(p for p in module.parameters() if p.requires_grad)
     volume = CommVolume(0, 0, 0, 0, grad_bytes, trainer.accumulate_grad_batches)
     facts = ModelFacts(param_bytes=_param_bytes(module.parameters()), volumes={1: volume})
     machine = _machine(topology, measured.links, next(module.parameters()).device, dp_size, AUTO_BITS, grad_bytes,
-                       bucket_bytes, "tp_intra_node")
+                       bucket_bytes, "tp_intra_node", bucket_view)
     setting = "GradientCompression(bits='auto')"
     options = candidates(dp_size, [1], [1], AUTO_BITS)
     machine = _measure_exchange(machine, options, facts, next(module.parameters()).device, repeats=3)
@@ -252,12 +256,13 @@ def _param_bytes(params: Iterable[torch.Tensor]) -> int:
 
 
 def _machine(topology: Topology, links: dict[str, LinkCost], device: torch.device, local_size: int,
-             bits: tuple[int | None, ...], grad_bytes: int, bucket_bytes: int, placement: str) -> Machine:
+             bits: tuple[int | None, ...], grad_bytes: int, bucket_bytes: int, placement: str,
+             bucket_view: bool = False) -> Machine:
     compressed = tuple(b for b in bits if b is not None)
     costs = agree_quantize(measure_quantize(grad_bytes, compressed, device)) if compressed else {}
     busy = device.type == "cpu" and local_size * torch.get_num_threads() >= (os.cpu_count() or 1)
     return Machine(topology, links, device_memory_bytes(device, local_size), costs, bucket_bytes=bucket_bytes,
-                   busy_cores=busy, placement=placement)
+                   busy_cores=busy, placement=placement, bucket_view=bucket_view)
 
 
 def _print(decision: Decision, setting: str, measured: Measured, tokens: int, machine: Machine) -> None:

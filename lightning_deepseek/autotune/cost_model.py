@@ -56,7 +56,8 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   together (benchmarks/RESULTS.md, "Session 15").
 - compression, **measured** (the default of the ``"auto"`` settings): the fp32 all-reduce DDP runs and the hook's own
   compressed exchange (quantize with the residual, the collectives, phase 2, the write) of the candidate's
-  replicated gradient bytes, timed at setup on the world's process group, all ranks at once, interleaved
+  replicated gradient bytes, each with DDP's copies of the gradients into its bucket and back, timed at setup on the
+  world's process group, all ranks at once, interleaved
   (:func:`~lightning_deepseek.autotune.measure.measure_exchange`): ``T32`` and ``Tc``. Then
   ``exposed_dp = max(E + Tc - T32, E Tc / T32)`` with ``E`` the fp32 candidate's ``exposed_dp`` (above), and no
   ``quantize`` or ``chain`` part (they are in ``Tc``): where the fp32 exchange is exposed the step moves by the measured
@@ -206,6 +207,8 @@ class Machine:
         quantize_seconds_per_byte: ``{bits: (q, dq)}`` seconds per fp32 byte of quantize and dequantize.
         bucket_bytes: DDP's bucket size (the last bucket is never hidden behind backward).
         first_bucket_bytes: DDP's first bucket (torch's ``_DEFAULT_FIRST_BUCKET_BYTES``).
+        bucket_view: DDP's ``gradient_as_bucket_view``: the gradients are the buckets' storage, not copied into
+            them and back (the exchange timed at setup leaves the copies out then).
         overlap: fraction of backward that can hide DDP's all-reduce (1: all of it).
         busy_cores: the ranks of a host keep all its cores busy (CPU training, a thread per core), so moving the
             gradient bytes through the host (``all_reduce`` at the intra link's rate) competes with backward
@@ -225,6 +228,7 @@ class Machine:
     quantize_seconds_per_byte: Mapping[int, tuple[float, float]] = field(default_factory=dict)
     bucket_bytes: int = 25 * 2**20
     first_bucket_bytes: int = 2**20
+    bucket_view: bool = False
     overlap: float = 1.0
     busy_cores: bool = False
     headroom: float = 0.9

@@ -413,38 +413,55 @@ EXCHANGE_MAX_BYTES = 32 * 2**20  # above DDP's default bucket (25 MiB): one exch
 
 
 def measure_exchange(sizes: list[int], bits_options: tuple[int, ...], device: torch.device, repeats: int = 3,
-                     max_bytes: int = EXCHANGE_MAX_BYTES) -> dict[tuple[int, int | None], float]:
+                     max_bytes: int = EXCHANGE_MAX_BYTES, copies: bool = True) -> dict[tuple[int, int | None], float]:
     """``{(fp32 bytes, bits or None): seconds}`` of one exchange of that many gradient bytes over the world, on
-    every rank at once (collective): ``None`` the fp32 all-reduce DDP runs, ``bits`` the compression hook's own
-    exchange (:func:`~lightning_deepseek.compression.hook.compressed_average`: quantize with the residual, the
-    collectives, phase 2, the write), each timed from a barrier until its future completes, interleaved, the median
-    of ``repeats`` (after one warm-up). So what the ranks' competition for the cores and gloo's threads cost the
-    exchange is in the figure, as it is in training; the quantize kernels timed alone on one rank miss it
-    (:mod:`.cost_model`). A size above ``max_bytes`` is timed at ``max_bytes`` and scaled by the bytes (setup cost:
-    ``(1 + repeats)`` rounds of every size and compression; the payloads are random, the global random state is
-    not touched). The world's process group gets one more communicator for the two-phase exchange's phase 2."""
+    every rank at once (collective), with the ``copies`` DDP makes around it unless its ``gradient_as_bucket_view``
+    is on (off by default: the buckets are not the gradients' storage): ``None`` the fp32 all-reduce DDP runs (the
+    gradients copied into the bucket divided by the world, the all-reduce, the bucket copied back), ``bits`` the
+    compression hook's own exchange (the gradients copied into the bucket, then
+    :func:`~lightning_deepseek.compression.hook.compressed_average`: quantize with the residual, the collectives,
+    phase 2, the write; the bucket copied back), each timed from a barrier until the copy back, interleaved, the
+    median of ``repeats`` (after one warm-up). So what the ranks' competition for the cores and gloo's threads cost
+    the exchange is in the figure, as it is in training; the quantize kernels timed alone on one rank miss it
+    (:mod:`.cost_model`). The copies cost 4-8 ms for the wide FFN's 18.6 MiB on this project's 2-core machine, more
+    than a 10 Gbit link's share; left out, the unsharded candidates were predicted too fast against the sharded ones
+    (benchmarks/RESULTS.md, "Session 24"). A size above ``max_bytes`` is timed at ``max_bytes`` and scaled by the
+    bytes (setup cost: ``(1 + repeats)`` rounds of every size and compression; the payloads are random, the global
+    random state is not touched). The world's process group gets one more communicator for the two-phase exchange's
+    phase 2."""
     world = dist.group.WORLD
     ranks = dist.get_process_group_ranks(world)
     configs, second = _exchange_settings(bits_options)
     generator = torch.Generator().manual_seed(dist.get_rank())
     timed = {n: min(n, max_bytes) // 4 * 4 for n in sizes if n > 0}
-    buffers = {n: torch.randn(m // 4, generator=generator).to(device) for n, m in timed.items()}
+    grads = {n: torch.randn(m // 4, generator=generator).to(device) for n, m in timed.items()}
+    buckets = {n: torch.empty_like(g) for n, g in grads.items()}
+    written = {n: torch.empty_like(g) for n, g in grads.items()}  # the gradients after the exchange (grads stays)
     states = {(n, bits): CompressionState(config, world, second) for n in timed for bits, config in configs.items()}
     times: dict[tuple[int, int | None], list[float]] = {(n, b): [] for n in timed for b in (None, *bits_options)}
     for i in range(repeats + 1):
         for n in timed:
             for bits in (None, *bits_options):
-                flat = buffers[n].clone()
+                bucket = buckets[n] if copies else written[n]
+                if not copies:  # the gradients are the bucket's storage: a fresh payload, untimed
+                    bucket.copy_(grads[n])
                 dist.barrier()
                 _synchronize(device)
                 start = time.perf_counter()
                 if bits is None:
-                    flat.div_(len(ranks))
-                    dist.all_reduce(flat, group=world, async_op=True).get_future().wait()
+                    if copies:  # DDP without a hook: the gradients copied into the bucket, divided by the world
+                        torch.mul(grads[n], 1.0 / len(ranks), out=bucket)
+                    else:
+                        bucket.div_(len(ranks))
+                    dist.all_reduce(bucket, group=world, async_op=True).get_future().wait()
                 else:
+                    if copies:  # with a hook: the gradients copied into the bucket
+                        bucket.copy_(grads[n])
                     state = states[(n, bits)]
                     state.begin_step()
-                    compressed_average(state, [flat], ["exchange"], flat).wait()
+                    compressed_average(state, [bucket], ["exchange"], bucket).wait()
+                if copies:  # the bucket copied back into the gradients
+                    written[n].copy_(bucket)
                 _synchronize(device)
                 if i:  # the first round makes the plans and warms the communicators
                     times[(n, bits)].append(time.perf_counter() - start)

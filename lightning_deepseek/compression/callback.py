@@ -169,7 +169,8 @@ class GradientCompression(Callback):
                              "more devices, or remove GradientCompression (bits=8 or 4 only warns).")
         topology = discover_topology(strategy.root_device, strategy.local_rank)
         bucket = getattr(module, "bucket_bytes_cap", 25 * 2**20)
-        self.decision = decide_compression(pl_module, trainer, topology, dp_size, bucket)
+        self.decision = decide_compression(pl_module, trainer, topology, dp_size, bucket,
+                                           bool(getattr(module, "gradient_as_bucket_view", False)))
         return self.decision.chosen.bits
 
     @override

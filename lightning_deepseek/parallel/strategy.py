@@ -381,7 +381,7 @@ class HybridParallelStrategy(DDPStrategy):
             plan_for=lambda tp: decide_plan(module, self._plan_arg, dims.world_size, tp, False, self._min_shard_params),
             tp_sizes=tp_sizes, ep_sizes=ep_sizes, bits=bits, tokens=self._micro_batch_tokens,
             placement=self._placement_arg, bucket_bytes=int((self._ddp_kwargs.get("bucket_cap_mb") or 25) * 2**20),
-            setting=", ".join(settings))
+            setting=", ".join(settings), bucket_view=bool(self._ddp_kwargs.get("gradient_as_bucket_view", False)))
         self.autotune_decides_bits = compression
         return self.autotune_decision
 

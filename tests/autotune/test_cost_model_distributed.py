@@ -77,6 +77,8 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
     rng = torch.get_rng_state()
     exchange = measure_exchange([1 << 16, 3 << 20], (8, 4), torch.device("cpu"), repeats=1, max_bytes=1 << 20)
     exchange_kept_rng = torch.equal(rng, torch.get_rng_state())
+    # with gradient_as_bucket_view, no copies of the gradients into DDP's buckets and back
+    bucket_view = measure_exchange([1 << 16], (8,), torch.device("cpu"), repeats=1, copies=False)
     in_backward = _in_backward(world_size)
     moe = HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size="auto", min_shard_params=0)
     moe_run = _fit(world_size, moe, TinyLM(**MOE), [])
@@ -94,7 +96,8 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "sharded": sorted(decision.compute.sharded), "optimizer_seconds": decision.compute.optimizer_seconds,
         "moe_sharded": sorted(moe.autotune_decision.compute.sharded),
         "tp2_parts": dict(decision.prediction(Candidate(2)).parts),
-        "exchange": exchange, "exchange_kept_rng": exchange_kept_rng, "decided_exchange": decision.exchange_seconds,
+        "exchange": exchange, "exchange_kept_rng": exchange_kept_rng, "bucket_view": bucket_view,
+        "decided_exchange": decision.exchange_seconds,
         "int8_parts": dict(decision.prediction(Candidate(1, 1, 8)).parts),
         "llama_exchange": ddp_compression.decision.exchange_seconds,
         "in_backward": in_backward,
@@ -173,6 +176,7 @@ def test_the_gradient_exchange_is_timed_on_the_world_group_and_decides_compressi
     # measure_exchange itself: every size, fp32 and each compression, positive; the random state untouched
     assert set(rank0["exchange"]) == {(n, b) for n in (1 << 16, 3 << 20) for b in (None, 8, 4)}
     assert all(v > 0 for v in rank0["exchange"].values()) and rank0["exchange_kept_rng"]
+    assert set(rank0["bucket_view"]) == {(1 << 16, None), (1 << 16, 8)} and min(rank0["bucket_view"].values()) > 0
     # the auto settings timed the tp=1 candidates' replicated bytes, agreed over ranks, and predicted from them
     decided = rank0["decided_exchange"]
     assert decided == rank1["decided_exchange"] and all(v > 0 for v in decided.values())
