@@ -25,6 +25,10 @@ Each repetition runs, interleaved:
    separate run of its own (not by the calibration).
 
 Reports medians over the repetitions with min-max spreads and the machine's load average before and after.
+The grid's tokens/s of a configuration is its best round (as the calibration ranks); what a long run sustains is its
+mean step time, so the report also ranks the grid by the mean of every timed step of each configuration (median over
+the repetitions) and puts each choice against that best: the best round favours a configuration whose speed swings
+more (benchmarks/RESULTS.md, "Session 24"). ``--report FILE`` prints that view of a recorded ``--grid-out`` file.
 The grid's table (every configuration's median tokens/s) goes to ``--grid-out`` (default
 ``benchmarks/autotune/grid_<where>_<model>.json``) for a cost model's ranking check (Spearman).
 """
@@ -105,8 +109,30 @@ def where(args: argparse.Namespace) -> Iterator[tuple[object | None, str]]:
         yield bed, f"testbed, 2 emulated nodes x 2 processes, {args.rate} link, OMP_NUM_THREADS=1"
 
 
+def by_mean_step(runs: list[dict]) -> list[str]:
+    """The grid ranked by each configuration's mean step time over all its timed steps (the median over the
+    repetitions that recorded steps), and each repetition's choice against the best of it."""
+    runs = [r for r in runs if r.get("grid_step_seconds")]
+    if not runs:
+        return []
+    steps = {n: [statistics.fmean(r["grid_step_seconds"][n]) for r in runs if r["grid_step_seconds"].get(n)]
+             for n in runs[0]["grid_step_seconds"]}
+    seconds = {n: statistics.median(v) for n, v in steps.items() if v}
+    best, plain = min(seconds, key=seconds.get), seconds["ddp/none"]
+    lines = [f"\nby the mean of every timed step (what a long run sustains; median over {len(runs)} reps): the best "
+             f"{best} at {plain / seconds[best]:.3f}x of plain DDP; "
+             + ", ".join(f"{n} {plain / seconds[n]:.3f}x" for n in sorted(seconds, key=seconds.get)[1:4])]
+    for i, r in enumerate(runs):
+        choice = r["choice"].split(" ")[0]
+        own = min(statistics.fmean(v) for v in r["grid_step_seconds"].values() if v)
+        lines.append(f"rep {i}: {choice} {seconds[best] / seconds[choice]:.3f}x of that best (this repetition's "
+                     f"grid: {own / statistics.fmean(r['grid_step_seconds'][choice]):.3f}x)")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--report", type=Path, default=None, help="print a recorded --grid-out file's mean-step view")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--grid-steps", type=int, default=4)
@@ -125,6 +151,9 @@ def main() -> None:
     parser.add_argument("--skip-ddp-run", action="store_true", help="no separate plain-DDP run (time-limited runs)")
     parser.add_argument("--grid-out", type=Path, default=None)
     args = parser.parse_args()
+    if args.report is not None:
+        print("\n".join(by_mean_step(json.loads(args.report.read_text())["auto_runs"])))
+        return
     # `timeout` sends SIGTERM: leave through the context managers (kill the workers, tear the testbed down).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     name = f"{'testbed_' + args.rate if args.testbed else 'loopback'}_{args.model}"
@@ -209,6 +238,7 @@ def main() -> None:
           f"{args.steps} training steps of the same run")
     if not args.skip_ddp_run:
         print(f"auto training vs plain DDP: {spread([r['auto_tokens_per_s'] / r['ddp_tokens_per_s'] for r in runs])}")
+    print("\n".join(by_mean_step(runs)))
 
 
 if __name__ == "__main__":
