@@ -13,6 +13,11 @@ ones' where a compressed sharded candidate had it timed), and the compressed can
   ``max(0, E + D)`` under sharding (``D`` measured in the sharded copies' steps);
 - ``shift``: the same raise as their fp32 candidate (what compression saves is unchanged).
 
+``--copy-ms`` (milliseconds per MiB and copy; session 24) adds DDP's copies of the gradients into its bucket and back
+to the recorded exchanges, as ``measure_exchange`` now times them: one copy to the fp32 exchange (the copy in is
+fused with the division, which was already timed), two to a compressed one. Runs recorded with the copies timed
+(``cost_model_*_s24_*``) have them already: give them with ``--copy-ms 0``.
+
 Printed per variant: the model-runs whose Spearman reaches 0.8, the resolved pairs ordered alike, the predictions'
 median absolute error by testbed, and per model-run the choice the cost model's rule (the simplest candidate the
 fastest does not beat by 5%) makes among the grid's candidates on each repetition's predictions, as its measured
@@ -47,12 +52,15 @@ def _parse(label: str) -> tuple[int, int, int | None]:
     return int(tp[3:]), int(ep[3:]), None if bits == "fp32" else int(bits[3:])
 
 
-def adjusted(row: dict, alpha: float, rule: str) -> dict[str, float]:
-    """``row``'s predictions with the fp32 exposed exchange raised to ``alpha`` x the timed one (module docstring)."""
+def adjusted(row: dict, alpha: float, rule: str, copy_ms: float = 0.0) -> dict[str, float]:
+    """``row``'s predictions with the fp32 exposed exchange raised to ``alpha`` x the timed one, the exchanges with
+    DDP's bucket copies at ``copy_ms`` per MiB (module docstring)."""
     exchange = {}
     for key, seconds in row["exchange"].items():
         size, bits = key.split()
-        exchange[(int(size), None if bits == "None" else int(bits))] = seconds
+        copies = 1 if bits == "None" else 2
+        exchange[(int(size), None if bits == "None" else int(bits))] = seconds + copies * copy_ms * 1e-3 * int(
+            size) / 2**20
     sizes = sorted({size for size, _ in exchange})
     out = {}
     for label, seconds in row["predicted"].items():
@@ -94,6 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", help="recorded bench_cost_model.py --json runs")
     parser.add_argument("--alphas", default="0,0.5,1")
+    parser.add_argument("--copy-ms", type=float, default=0.0, help="DDP's bucket copies, ms per MiB and copy")
     args = parser.parse_args()
     runs = [(Path(p).stem.removeprefix("cost_model_"), json.loads(Path(p).read_text())) for p in args.files]
     for rule in ("full", "shift"):
@@ -106,7 +115,7 @@ def main() -> None:
                 for key in dict.fromkeys(r["model"] for r in results):
                     rows = [r for r in results if r["model"] == key]
                     labels = list(rows[0]["measured"])
-                    per_rep = [adjusted(r, alpha, rule) for r in rows]
+                    per_rep = [adjusted(r, alpha, rule, args.copy_ms) for r in rows]
                     predicted = {k: statistics.median(p[k] for p in per_rep) for k in labels}
                     measured = _medians(rows, labels)
                     rho = spearman([predicted[k] for k in labels], measured)
