@@ -423,9 +423,9 @@ def measure_exchange(sizes: list[int], bits_options: tuple[int, ...], device: to
     phase 2, the write; the bucket copied back), each timed from a barrier until the copy back, interleaved, the
     median of ``repeats`` (after one warm-up). So what the ranks' competition for the cores and gloo's threads cost
     the exchange is in the figure, as it is in training; the quantize kernels timed alone on one rank miss it
-    (:mod:`.cost_model`). The copies cost 4-8 ms for the wide FFN's 18.6 MiB on this project's 2-core machine, more
-    than a 10 Gbit link's share; left out, the unsharded candidates were predicted too fast against the sharded ones
-    (benchmarks/RESULTS.md, "Session 24"). A size above ``max_bytes`` is timed at ``max_bytes`` and scaled by the
+    (:mod:`.cost_model`). The copies added 4-10 ms to the wide FFN's 18.6 MiB exchanges on this project's 2-core
+    machine (4 ranks); left out, its unsharded candidates were predicted 10-16 ms too fast (benchmarks/RESULTS.md,
+    "Session 24"). A size above ``max_bytes`` is timed at ``max_bytes`` and scaled by the
     bytes (setup cost: ``(1 + repeats)`` rounds of every size and compression; the payloads are random, the global
     random state is not touched). The world's process group gets one more communicator for the two-phase exchange's
     phase 2."""
