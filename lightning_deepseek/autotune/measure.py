@@ -435,14 +435,14 @@ def measure_exchange(sizes: list[int], bits_options: tuple[int, ...], device: to
     generator = torch.Generator().manual_seed(dist.get_rank())
     timed = {n: min(n, max_bytes) // 4 * 4 for n in sizes if n > 0}
     grads = {n: torch.randn(m // 4, generator=generator).to(device) for n, m in timed.items()}
-    buckets = {n: torch.empty_like(g) for n, g in grads.items()}
     written = {n: torch.empty_like(g) for n, g in grads.items()}  # the gradients after the exchange (grads stays)
+    buckets = {n: torch.empty_like(g) for n, g in grads.items()} if copies else written
     states = {(n, bits): CompressionState(config, world, second) for n in timed for bits, config in configs.items()}
     times: dict[tuple[int, int | None], list[float]] = {(n, b): [] for n in timed for b in (None, *bits_options)}
     for i in range(repeats + 1):
         for n in timed:
             for bits in (None, *bits_options):
-                bucket = buckets[n] if copies else written[n]
+                bucket = buckets[n]
                 if not copies:  # the gradients are the bucket's storage: a fresh payload, untimed
                     bucket.copy_(grads[n])
                 dist.barrier()
