@@ -16,11 +16,12 @@
 #      VM's near-ties noise or the model? (CPU only; it needs no GPU, only the device machine's idle cores.)
 # At most 8 files come back: every step's stderr goes to stderr.log.
 # Usage, from the repository root on the device machine:  bash benchmarks/gpu_checks.sh "$OUT"
-# Only torch and Lightning are needed there (the package imports its search stack lazily).
+# The device image has torch, Lightning and pytest; benchmarks/gpu_pack.sh packs the rest (torchao for step 4; omegaconf
+# and hydra for step 5) and shows the call. First run: session 25 (2026-12-04), benchmarks/RESULTS.md "GPU checks".
 set -uo pipefail
 out=${1:-/tmp/gpu_checks}
 mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__,
       torch.cuda.get_device_name())" 2>&1 | tee "$out/env.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >>"$out/env.txt" 2>&1
@@ -32,7 +33,7 @@ timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/compression/test_c
   tests/parallel/test_expert_cuda.py 2>&1 \
   | tee "$out/cuda_tests.txt"
 timeout 60 python3 benchmarks/compression/kernels.py --device cuda --numel 67108864 2>&1 | tee "$out/kernels.md"
-timeout 240 python3 benchmarks/precision/bench_precision.py --device cuda --size gpt2-124m 2>>"$out/stderr.log" \
+timeout 240 python3 benchmarks/precision/bench_precision.py --device cuda --size gpt2-124m --steps 100 2>>"$out/stderr.log" \
   | tee "$out/precision.md"
 if python3 -c "import torchao" 2>/dev/null; then
   timeout 90 python3 benchmarks/precision/bench_fp8_moments.py --device cuda --size gpt2-124m --part fp8 --steps 100 \

@@ -141,11 +141,13 @@ class Testbed:
 def run_ranks(argv: list[str], port: int, timeout: float, root: os.PathLike | str, bed: Testbed | None = None) -> None:
     """Run ``argv`` as the ranks of one gloo world, 1 thread each, and wait for them (see :func:`workers`): 2
     processes on loopback, or, with ``bed``, 2 processes in each of its 2 hosts (islands declared ``0,1;2,3``)."""
+    # The repository first, then any path the caller set (packages carried to a machine without them).
+    pythonpath = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     with workers(timeout) as procs:
         if bed is None:
             for rank in range(2):
                 env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "NODE_RANK": "0", "PYTHONPATH": str(root),
+                       "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "NODE_RANK": "0", "PYTHONPATH": pythonpath,
                        "OMP_NUM_THREADS": "1"}
                 procs.append(subprocess.Popen(argv, env=env, cwd=root))
             return
@@ -153,7 +155,7 @@ def run_ranks(argv: list[str], port: int, timeout: float, root: os.PathLike | st
             node, local = divmod(rank, 2)
             env = dict(MASTER_ADDR=bed.ip(0), MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4",
                        LOCAL_RANK=str(local), NODE_RANK=str(node), NUM_NODES="2", LDS_TOPOLOGY="0,1;2,3",
-                       PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+                       PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
             procs.append(subprocess.Popen(bed.command(node, argv, env), cwd=root))
 
 

@@ -77,7 +77,7 @@ def precision_setting(name: str, device: str) -> dict[str, Any]:
 
 @torch.no_grad()
 def fp32_val_loss(model: LightningGPT, data: TextDataModule, num_batches: int, device: torch.device) -> float:
-    model.eval()
+    model.to(device).eval()  # on CUDA, Lightning's teardown moved the model back to the CPU
     losses = []
     for i, (x, y) in enumerate(data.val_dataloader()):
         if i == num_batches:

@@ -77,7 +77,12 @@ def test_hook_on_nccl_within_the_error_bound_and_resets_on_overflow(tmp_path: Pa
         dist.destroy_process_group()
 
 
-def test_callback_logs_gpu_timings_under_lightning_ddp(tmp_path: Path) -> None:
+def test_callback_logs_gpu_timings_under_lightning_ddp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One GPU: Lightning's DDP over a world of one, which the callback leaves alone (nothing crosses a wire). Here
+    # it installs its hook anyway, so that NCCL, the CUDA events and the metrics run under Lightning.
+    from lightning_deepseek.compression import callback as callback_module
+
+    monkeypatch.setattr(callback_module, "find_ddp_module", lambda strategy: strategy.model)
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
