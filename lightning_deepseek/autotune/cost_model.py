@@ -48,7 +48,11 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   the intra link's rate counts gloo's copies and sums 2-6x short on this project's machine, and the formula
   predicted the unsharded candidates 9-23 ms too fast on loopback (benchmarks/RESULTS.md, "Session 21"; recomputed
   over 13 recorded runs: Spearman >= 0.8 in 30 of 39 model-runs against 28, median error 7% against 13% on
-  loopback, 6% against 8% on the testbed).
+  loopback, 6% against 8% on the testbed). Where the cores are free (a GPU's host, or CPU ranks with cores to spare)
+  the timed exchange takes the wire's place in the formula: ``exposed_dp`` is at least ``max(T - overlap * m B,
+  T * last / replicated bytes)`` with ``T`` the timed fp32 exchange. The links' rates had the wide FFN's 19.5 MB
+  exchange at 7 ms where it was timed at 21 ms, and its unsharded candidates 8-10 ms too fast, on 2 ranks with 8
+  free cores (benchmarks/RESULTS.md, "Session 25").
 - ``after_backward``: the tensor-parallel shards' all-reduce over ``dp`` and the experts' over ``world/ep`` run
   once per step after backward (the strategy's reduction), not overlapped; all groups at once, so those leaving one
   island share its link (:func:`~lightning_deepseek.parallel.placement.concurrent_link`). Counting one group alone
@@ -362,8 +366,10 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
 
     fp32_exposed = exposed(None)
     timed_fp32 = machine.exchange_seconds.get((ddp_bytes, None))
-    if machine.busy_cores and timed_fp32 is not None:  # gloo's exchange takes the cores backward needs: not hidden
+    if timed_fp32 is not None and machine.busy_cores:  # gloo's exchange takes the cores backward needs: not hidden
         fp32_exposed = max(fp32_exposed, timed_fp32)
+    elif timed_fp32 is not None:  # free cores: backward hides the exchange as timed, except its last bucket
+        fp32_exposed = max(fp32_exposed, timed_fp32 - machine.overlap * backward, timed_fp32 * last_bucket)
 
     sharding = ("tp", candidate.tp) if candidate.ep == 1 else ("ep", candidate.ep) if candidate.tp == 1 else None
     in_backward = (compute.exchange_in_backward.get((*sharding, candidate.bits))
