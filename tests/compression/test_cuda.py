@@ -78,17 +78,16 @@ def test_hook_on_nccl_within_the_error_bound_and_resets_on_overflow(tmp_path: Pa
 
 
 def test_callback_logs_gpu_timings_under_lightning_ddp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # One GPU: Lightning's DDP over a world of one, which the callback leaves alone (nothing crosses a wire). Here
-    # it installs its hook anyway, so that NCCL, the CUDA events and the metrics run under Lightning.
-    from lightning_deepseek.compression import callback as callback_module
-
-    monkeypatch.setattr(callback_module, "find_ddp_module", lambda strategy: strategy.model)
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_deepseek import GradientCompression
+    from lightning_deepseek.compression import callback as callback_module
     from lightning_deepseek.models import GPTConfig, LightningGPT
 
+    # One GPU: Lightning's DDP over a world of one, which the callback leaves alone (nothing crosses a wire). Here
+    # it installs its hook anyway, so that NCCL, the CUDA events and the metrics run under Lightning.
+    monkeypatch.setattr(callback_module, "find_ddp_module", lambda strategy: strategy.model)
     tokens = torch.randint(0, 16, (64, 33), generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
     callback = GradientCompression(bits=8, block_size=64, warmup_steps=2, min_bucket_numel=1024)
