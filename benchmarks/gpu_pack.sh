@@ -10,8 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-mkdir -p .git/info .whl .site
-for path in /.whl/ /.site/; do grep -qxF "$path" .git/info/exclude 2>/dev/null || echo "$path" >>.git/info/exclude; done
+exclude=$(git rev-parse --git-path info/exclude)  # also right in a worktree, where .git is a file
+mkdir -p "$(dirname "$exclude")" .whl .site
+for path in /.whl/ /.site/; do grep -qxF "$path" "$exclude" 2>/dev/null || echo "$path" >>"$exclude"; done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
   -d .whl "torchao==$(.venv/bin/python -c 'import torchao; print(torchao.__version__)')"
