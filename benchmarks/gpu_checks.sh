@@ -7,8 +7,9 @@
 #   2. quantize + dequantize throughput next to a device memory copy, eager and compiled (kernels.py, #7);
 #   3. FP32 / FP16 / BF16 / staged throughput and final loss at GPT-2 124M size (bench_precision.py, #4);
 #   4. FP8 (torchao float8 training, real FP8 GEMMs on compute capability >= 8.9) against BF16 at GPT-2 124M:
-#      tokens/s and final loss (bench_fp8_moments.py --part fp8, #20), eager and with each block compiled. Needs torchao on the device machine (it has
-#      no network: carry a wheel or site-packages copy); without it the step says so and is skipped. Alone:
+#      tokens/s and final loss (bench_fp8_moments.py --part fp8, #20), eager and with each block compiled. Needs
+#      torchao on the device machine (it has no network: carry a wheel or site-packages copy); without it the step
+#      says so and is skipped. Alone:
 #      python3 benchmarks/precision/bench_fp8_moments.py --device cuda --size gpt2-124m --part fp8 --steps 100
 #   5. beside them, on 2 of the machine's CPU cores that nothing else uses (taskset 8-15), the cost model's ranking
 #      on loopback (bench_cost_model.py, #16): the same benchmark as on the project's 2-core VM, where 2 ranks share
@@ -17,7 +18,8 @@
 # At most 8 files come back: every step's stderr goes to stderr.log.
 # Usage, from the repository root on the device machine:  bash benchmarks/gpu_checks.sh "$OUT"
 # The device image has torch, Lightning and pytest; benchmarks/gpu_pack.sh packs the rest (torchao for step 4; omegaconf
-# and hydra for step 5) and shows the call. First run: session 25 (2026-12-04), benchmarks/RESULTS.md "GPU checks".
+# and hydra for step 5) and shows the call. First run: session 25 (2026-12-04); its figures are in RESULTS.md's GPU
+# subsections of "Staged precision" and "Gradient compression", and its raw outputs in benchmarks/gpu_results/.
 set -uo pipefail
 out=${1:-/tmp/gpu_checks}
 mkdir -p "$out"
