@@ -7,7 +7,8 @@ Runs on CUDA when available (``--device cuda``), otherwise on CPU with one threa
 Throughput is fp32 input bytes per second of a full round trip (quantize, with or without writing the
 error-feedback residual, then dequantize; int8 at block 128, int4 at block 64, the presets); the copy is
 ``dst.copy_(src)`` of the same fp32 tensor. On CPU the native kernels (``native.py``) and the eager torch path are
-measured side by side. Interleaved repetitions, medians; the table reports the ratio. Dequantize writes into a
+measured side by side; on CUDA the fused kernels (``fused.py``, the product's path there) and the eager path.
+Interleaved repetitions, medians; the table reports the ratio. Dequantize writes into a
 preallocated ``out``. ``--compile`` adds ``torch.compile`` (inductor) of the plain formulation, with its one-off
 compile time.
 """
@@ -25,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_deepseek.compression import native  # noqa: E402
+from lightning_deepseek.compression import fused, native  # noqa: E402
 from lightning_deepseek.compression.quantize import dequantize, quantize  # noqa: E402
 
 
@@ -65,14 +66,23 @@ def main() -> None:
     residual = torch.empty_like(x)
 
     def round_trip(bits: int, gen: torch.Generator | None = None, eager: bool = False, keep: bool = True) -> None:
-        os.environ["LDS_NATIVE_KERNELS"] = "0" if eager else "1"
+        os.environ["LDS_NATIVE_KERNELS"] = os.environ["LDS_FUSED_KERNELS"] = "0" if eager else "1"
         block = 128 if bits == 8 else 64  # the presets
         dequantize(*quantize(x, bits, block, gen, residual=residual if keep else None), bits, block, out=out)
 
     gen = torch.Generator(device=device).manual_seed(0)
     cases = {"memory copy": lambda: dst.copy_(x)}
-    paths = ([("native kernels", False)] if device.type == "cpu" and native.library() is not None else []) + [
-        ("eager torch", True)]
+    if device.type == "cpu":
+        paths = [("native kernels", False)] if native.library() is not None else []
+    else:  # the product's path on CUDA, compiled here (its one-off compile time is left out of the timing)
+        start = time.perf_counter()
+        for bits in (8, 4):
+            round_trip(bits)
+            round_trip(bits, keep=False)
+        paths = [(f"fused kernels (torch.compile, compiled in {time.perf_counter() - start:.0f} s)", False)]
+        if not fused.usable(x):
+            paths = [("fused kernels unavailable here: see the warning; eager", False)]
+    paths.append(("eager torch", True))
     for bits in (8, 4):
         for path, eager in paths:
             cases[f"int{bits} RTN + residual, {path}"] = lambda bits=bits, eager=eager: round_trip(bits, eager=eager)

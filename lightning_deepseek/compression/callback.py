@@ -41,7 +41,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_deepseek.compression import native
+from lightning_deepseek.compression import fused, native
 from lightning_deepseek.compression.config import CompressionConfig
 from lightning_deepseek.compression.hook import register_compression_hook
 from lightning_deepseek.compression.state import CompressionState
@@ -235,6 +235,14 @@ class GradientCompression(Callback):
         if self._device.type == "cuda" and (timings := self._gpu_timings(None)) is not None:
             self._exposed_ms.append(timings[0])
 
+    def _kernels(self, stochastic: bool) -> str:
+        """Which quantizer ran: the native CPU kernels, the fused GPU kernels or the eager torch ops."""
+        if not stochastic and self._device.type == "cpu" and native.library() is not None:
+            return "native CPU"
+        if not stochastic and fused.available(self._device):
+            return "fused (torch.compile)"
+        return "torch"
+
     def summary(self) -> dict[str, object]:
         """A few figures for ``lds-train``'s run summary."""
         state = self.hook_state
@@ -247,8 +255,7 @@ class GradientCompression(Callback):
             **auto,
             "compression": f"int{cfg.bits} block={cfg.block_size} ef={cfg.error_feedback}"
                            + (" (bits='auto')" if self.config.bits == "auto" else ""),
-            "compression_kernels": "native CPU" if self._device.type == "cpu" and native.library() is not None
-            else "torch",
+            "compression_kernels": self._kernels(cfg.stochastic_rounding),
             "compression_bytes_ratio": round(state.total_bytes_sent / max(1, state.total_bytes_fp32), 4),
             "compression_rel_error": self._last_rel_error,
             "compression_exposed_comm_ms_median": round(statistics.median(self._exposed_ms), 2)

@@ -6,11 +6,14 @@ stochastic rounding. The reference path is vectorised torch ops (no Python loop 
 CUDA alike; on CPU, native kernels take over where they can (below).
 
 Costs: the payload is ``numel * bits / 8`` bytes plus 2 bytes per block. Compute: on CPU, round-to-nearest on
-contiguous float32 tensors runs in the native kernels of ``native.py`` (one pass over memory per call; an int8
-round trip with the error-feedback residual at ~0.5x of a memory copy on one core of the development CPU, int4
-~0.4x). Everything else (stochastic rounding, other dtypes, strided views, accelerators, no C compiler, or
-``LDS_NATIVE_KERNELS=0``) runs the eager PyTorch formulation below, which gives bitwise the same codes, scales and
-residuals (signed zeros of all-zero blocks aside; ``tests/compression/test_quantize.py`` runs every test on both).
+contiguous float32 tensors runs in the native kernels of ``native.py`` (one pass over memory per call; an int8 round
+trip with the error-feedback residual at ~0.5x of a memory copy on one core of the development CPU, int4 ~0.4x). On
+CUDA, round-to-nearest on float32 runs in the fused kernels that ``torch.compile`` makes of the same formulation
+(``fused.py``: one kernel per direction; on an H200 the eager ops ran the int8 round trip with the residual at 0.09x
+of a memory copy, the fused kernels' first version at 0.14x). Everything else (stochastic rounding, other dtypes,
+strided views on CPU, other accelerators, no C compiler, or ``LDS_NATIVE_KERNELS=0`` / ``LDS_FUSED_KERNELS=0``) runs
+the eager PyTorch formulation below, which gives bitwise the native kernels' codes, scales and residuals (signed
+zeros of all-zero blocks aside; ``tests/compression/test_quantize.py`` runs every test on both).
 The eager path is arranged so that each value crosses DRAM about once: on CPU the tensor is processed in tiles of
 ``TILE_VALUES`` values (a Python loop over tiles of thousands of blocks, never over blocks); per tile, absmax as
 ``max(amax, -amin)`` (no ``|x|`` temporary), one scaling ``mul`` into a tile-sized scratch, in-place
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_deepseek.compression import native
+from lightning_deepseek.compression import fused, native
 
 SUPPORTED_BITS = (4, 8)
 MIN_BLOCK_SIZE = 16
@@ -107,6 +110,12 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
             codes = torch.empty(x.numel() * bits // 8, dtype=torch.uint8) if codes is None else codes
             scales = torch.empty(x.numel() // block_size, dtype=SCALE_DTYPE) if scales is None else scales
             native.quantize(x, residual, codes, scales, bits, block_size, residual_alpha)
+            return codes.view(-1), scales
+    if (generator is None and x.dtype == torch.float32 and fused.usable(x, residual, codes, scales)
+            and all(t is None or t.is_contiguous() for t in (x, residual, codes, scales))):
+        codes = torch.empty(x.numel() * bits // 8, dtype=torch.uint8, device=x.device) if codes is None else codes
+        scales = torch.empty(x.numel() // block_size, dtype=SCALE_DTYPE, device=x.device) if scales is None else scales
+        if fused.quantize(x, residual, codes, scales, bits, block_size, residual_alpha):
             return codes.view(-1), scales
     limit = qmax(bits)
     blocks = x.float().view(-1, block_size)
@@ -184,6 +193,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size:
         out = torch.empty(*lead, scales.shape[-1] * block_size, device=codes.device)
     if native.usable(codes, scales, out) and native.library() is not None:
         native.dequantize(codes, scales, out, bits, block_size, accumulate)
+        return out
+    if out.is_contiguous() and fused.usable(codes, scales, out) and fused.dequantize(codes, scales, out, bits,
+                                                                                     block_size, accumulate):
         return out
     values = out.view(num_blocks, block_size)
     rows = _tile_rows(codes, num_blocks, block_size)
