@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU figure the open issues need, in one device call of under 10 minutes (the step timeouts add to 9.7 min;
-# the first run, on an H200, took 6 min; see ../.library/device):
+# Every GPU figure the open issues need, in one device call of under 10 minutes (the steps took 5.3 min on an H200
+# in session 26 before 4b and the fused kernels' tests were added, ~7.5 min with them; their timeouts add to 14 min:
+# GPU_CHECKS splits the steps over two calls if a run nears the limit; see ../.library/device):
 #   1. the compression hook's CUDA path (tests/compression/test_cuda.py: NCCL, device futures, residual reset,
 #      both exchanges, event timings under Lightning), the topology probe's (tests/parallel/test_cuda.py) and expert
 #      parallelism's (tests/parallel/test_expert_cuda.py: NCCL all-to-all dispatch, grouped GEMM in BF16, #15);
@@ -11,10 +12,12 @@
 #      torchao on the device machine (it has no network: carry a wheel or site-packages copy); without it the step
 #      says so and is skipped. Alone:
 #      python3 benchmarks/precision/bench_fp8_moments.py --device cuda --size gpt2-124m --part fp8 --steps 100
+#   4b. FP8 against BF16 at a width where FP8 GEMMs can pay (4 layers of 4096, 2048 tokens a sequence), compiled;
 #   5. beside them, on 2 of the machine's CPU cores that nothing else uses (taskset 8-15), the cost model's ranking
 #      on loopback (bench_cost_model.py, #16): the same benchmark as on the project's 2-core VM, where 2 ranks share
 #      the cores with gloo's threads and the host's other guests, on a quiet machine: is the ranking's miss on the
 #      VM's near-ties noise or the model? (CPU only; it needs no GPU, only the device machine's idle cores.)
+# GPU_CHECKS picks steps (default all: "cost-model tests kernels precision fp8 fp8-wide").
 # At most 8 files come back: every step's stderr goes to stderr.log.
 # Usage, from the repository root on the device machine:  bash benchmarks/gpu_checks.sh "$OUT"
 # The device image has torch, Lightning and pytest; benchmarks/gpu_pack.sh packs the rest (torchao for step 4; omegaconf
@@ -27,25 +30,31 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__,
       torch.cuda.get_device_name())" 2>&1 | tee "$out/env.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >>"$out/env.txt" 2>&1
+checks=" ${GPU_CHECKS:-cost-model tests kernels precision fp8 fp8-wide} "
+want() { [[ $checks == *" $1 "* ]]; }
 pin=$(command -v taskset >/dev/null && [ "$(nproc)" -ge 16 ] && echo "taskset -c 8-15")
-(OMP_NUM_THREADS=1 timeout 520 $pin python3 benchmarks/autotune/bench_cost_model.py --repeats 6 --steps 20 \
+want cost-model && (OMP_NUM_THREADS=1 timeout 520 $pin python3 benchmarks/autotune/bench_cost_model.py --repeats 6 --steps 20 \
   --models moe,demo,ffn --timeout 500 --json "$out/cost_model_quiet.json" >"$out/cost_model_quiet.md" \
   2>>"$out/stderr.log"; echo "cost model on loopback (${pin:-not pinned}): exit $?" >>"$out/cost_model_quiet.md") &
-timeout 80 python3 -m pytest -q -s -p no:cacheprovider tests/compression/test_cuda.py tests/parallel/test_cuda.py \
-  tests/parallel/test_expert_cuda.py 2>&1 \
+want tests && timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/compression/test_cuda.py \
+  tests/compression/test_fused.py tests/parallel/test_cuda.py tests/parallel/test_expert_cuda.py 2>&1 \
   | tee "$out/cuda_tests.txt"
 # --compile adds inductor's fused kernel of the plain int8 round trip (the eager ops reached 0.12x of a copy, session 25)
-timeout 90 python3 benchmarks/compression/kernels.py --device cuda --numel 67108864 --compile 2>&1 | tee "$out/kernels.md"
-timeout 180 python3 benchmarks/precision/bench_precision.py --device cuda --size gpt2-124m --steps 100 2>>"$out/stderr.log" \
+want kernels && timeout 120 python3 benchmarks/compression/kernels.py --device cuda --numel 67108864 --compile 2>&1 | tee "$out/kernels.md"
+want precision && timeout 180 python3 benchmarks/precision/bench_precision.py --device cuda --size gpt2-124m --steps 100 2>>"$out/stderr.log" \
   | tee "$out/precision.md"
-if python3 -c "import torchao" 2>/dev/null; then
+if ! python3 -c "import torchao" 2>/dev/null; then
+  echo "FP8 checks skipped: torchao is not importable here (pip install 'lightning-deepseek[fp8]')" | tee "$out/fp8.md"
+elif want fp8; then
   timeout 80 python3 benchmarks/precision/bench_fp8_moments.py --device cuda --size gpt2-124m --part fp8 --steps 100 \
     2>>"$out/stderr.log" | tee "$out/fp8.md"
   # the same, each block compiled: torchao's float8 is built for torch.compile (eager FP8 ran at 0.24x of BF16)
   timeout 150 python3 benchmarks/precision/bench_fp8_moments.py --device cuda --size gpt2-124m --part fp8 --steps 100 \
     --compile 2>>"$out/stderr.log" | tee -a "$out/fp8.md"
-else
-  echo "FP8 check skipped: torchao is not importable here (pip install 'lightning-deepseek[fp8]')" | tee "$out/fp8.md"
 fi
-echo "exit codes: ${PIPESTATUS[*]}"
+if python3 -c "import torchao" 2>/dev/null && want fp8-wide; then
+  timeout 200 python3 benchmarks/precision/bench_fp8_moments.py --device cuda --size gpt2-124m --n-layer 4 --n-head 32 \
+    --n-embd 4096 --block-size 2048 --batch-size 8 --steps 40 --skip-steps 5 --val-batches 5 --part fp8 --compile \
+    2>>"$out/stderr.log" | tee -a "$out/fp8.md"
+fi
 wait  # the cost model's run (step 5)

@@ -28,6 +28,7 @@ import torch
 from bench_precision import (  # same directory
     example_config,
     machine_line,
+    model_label,
     parser_with_common_options,
     resolve,
     train_and_measure,
@@ -107,8 +108,8 @@ def format_table(results: dict[str, dict[str, Any]], parts: list[str], args: arg
     lines = [
         f"command: python {shlex.join(['benchmarks/precision/bench_fp8_moments.py', *sys.argv[1:]])}",
         machine_line(args),
-        f"model: {args.size} (block {args.block_size}), batch {args.batch_size}, {args.steps} steps, one run each "
-        f"(deterministic on CPU); throughput leaves out the first {args.skip_steps} steps",
+        f"model: {model_label(args)} (block {args.block_size}), batch {args.batch_size}, {args.steps} steps, one run "
+        f"each (deterministic on CPU); throughput leaves out the first {args.skip_steps} steps",
     ]
     for part in parts:
         base = PARTS[part][0]

@@ -108,8 +108,15 @@ def train_and_measure(model: LightningGPT, args: argparse.Namespace, cache_dir: 
 def example_config(args: argparse.Namespace) -> dict[str, Any]:
     """``LightningGPT`` arguments of the benchmark's model (seeded before it is built)."""
     pl.seed_everything(args.seed, verbose=False)
-    return dict(config=GPTConfig(vocab_size=256, **{**PRESETS[args.size], "block_size": args.block_size}),
+    dims = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k) is not None}
+    return dict(config=GPTConfig(vocab_size=256, **{**PRESETS[args.size], "block_size": args.block_size, **dims}),
                 learning_rate=args.lr, warmup_steps=max(1, args.steps // 10))
+
+
+def model_label(args: argparse.Namespace) -> str:
+    """The size preset and any dimension the command line overrode."""
+    dims = [f"{k} {getattr(args, k)}" for k in ("n_layer", "n_head", "n_embd") if getattr(args, k) is not None]
+    return f"{args.size}{' with ' + ', '.join(dims) if dims else ''}"
 
 
 def run_one(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
@@ -131,6 +138,8 @@ def parser_with_common_options(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=None)
+    for dim in ("n-layer", "n-head", "n-embd"):
+        parser.add_argument(f"--{dim}", type=int, default=None, help=f"override the size preset's {dim}")
     parser.add_argument("--skip-steps", type=int, default=3, help="warm-up steps per run left out of throughput")
     parser.add_argument("--val-batches", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -183,7 +192,7 @@ def format_table(results: dict[str, list[dict[str, Any]]], args: argparse.Namesp
     lines = [
         f"command: python {shlex.join(['benchmarks/precision/bench_precision.py', *sys.argv[1:]])}",
         machine_line(args),
-        f"model: {args.size} (block {args.block_size}), batch {args.batch_size}, {args.steps} steps, "
+        f"model: {model_label(args)} (block {args.block_size}), batch {args.batch_size}, {args.steps} steps, "
         f"{args.reps} interleaved repetitions, medians; throughput leaves out the first {args.skip_steps} steps",
         "",
         "| precision | tokens/s | speed vs FP32 | final val loss (FP32 eval) | loss vs FP32 | skipped steps "
