@@ -17,7 +17,7 @@
 #      on loopback (bench_cost_model.py, #16): the same benchmark as on the project's 2-core VM, where 2 ranks share
 #      the cores with gloo's threads and the host's other guests, on a quiet machine: is the ranking's miss on the
 #      VM's near-ties noise or the model? (CPU only; it needs no GPU, only the device machine's idle cores.)
-# GPU_CHECKS picks steps (default all: "cost-model tests kernels precision fp8 fp8-wide").
+# GPU_CHECKS picks steps (default: "cost-model tests kernels precision fp8 fp8-wide"; "testbed" runs only if named).
 # At most 8 files come back: every step's stderr goes to stderr.log.
 # Usage, from the repository root on the device machine:  bash benchmarks/gpu_checks.sh "$OUT"
 # The device image has torch, Lightning and pytest; benchmarks/gpu_pack.sh packs the rest (torchao for step 4; omegaconf
@@ -30,12 +30,21 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__,
       torch.cuda.get_device_name())" 2>&1 | tee "$out/env.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >>"$out/env.txt" 2>&1
+# Can the network testbed (benchmarks/testbed.py: namespaces, veth, tc tbf) run on this machine's free cores? (#16)
+{ echo "uid $(id -u), $(nproc) cores"; for t in ip tc taskset; do echo "$t: $(command -v $t || echo missing)"; done
+  ip netns add ldsprobe && ip netns exec ldsprobe tc qdisc add dev lo root tbf rate 1gbit burst 32kb latency 50ms \
+    && echo "netns + tc tbf: ok"; ip netns del ldsprobe; } >>"$out/env.txt" 2>&1
 checks=" ${GPU_CHECKS:-cost-model tests kernels precision fp8 fp8-wide} "
 want() { [[ $checks == *" $1 "* ]]; }
 pin=$(command -v taskset >/dev/null && [ "$(nproc)" -ge 16 ] && echo "taskset -c 8-15")
 want cost-model && (OMP_NUM_THREADS=1 timeout 520 $pin python3 benchmarks/autotune/bench_cost_model.py --repeats 6 --steps 20 \
   --models moe,demo,ffn --timeout 500 --json "$out/cost_model_quiet.json" >"$out/cost_model_quiet.md" \
   2>>"$out/stderr.log"; echo "cost model on loopback (${pin:-not pinned}): exit $?" >>"$out/cost_model_quiet.md") &
+# Not in the default list, a call of its own: the 2 x 2 network testbed at 1 Gbit on 8 free cores (if env.txt's probe
+# says "netns + tc tbf: ok"), the cost model's ranking on a quiet machine where the VM's runs are noisiest (#16).
+want testbed && OMP_NUM_THREADS=1 timeout 560 $pin python3 benchmarks/autotune/bench_cost_model.py --testbed \
+  --rate 1gbit --repeats 4 --steps 20 --models moe,demo,ffn --timeout 540 --json "$out/cost_model_testbed_quiet.json" \
+  >"$out/cost_model_testbed_quiet.md" 2>>"$out/stderr.log"
 want tests && timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/compression/test_cuda.py \
   tests/compression/test_fused.py tests/parallel/test_cuda.py tests/parallel/test_expert_cuda.py 2>&1 \
   | tee "$out/cuda_tests.txt"
