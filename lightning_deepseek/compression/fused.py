@@ -139,8 +139,8 @@ def _run(make: Callable[..., Callable[..., Any]], settings: tuple[Any, ...], *te
             _compiled[key] = torch.compile(make(*settings), fullgraph=True, options=options)
         compiled = _compiled[key]
     for t in tensors:  # sizes vary by bucket: dynamic from the first call (a constant block size stays constant)
-        if t is not None:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+        for dim in range(t.dim() if t is not None else 0):
+            torch._dynamo.maybe_mark_dynamic(t, dim)
     try:
         return compiled(*tensors)
     except Exception as exc:

@@ -84,6 +84,12 @@ def test_compiled_on_cpu_equals_the_eager_path_bitwise() -> None:
         out = torch.empty(16 * block_size)
         assert fused.dequantize(codes[:16 * block_size * bits // 8], scales[:16], out, bits, block_size)
         assert torch.equal(out, dequantize(ref_codes[:16 * block_size * bits // 8], ref_scales[:16], bits, block_size))
+        # One row per rank, accumulated into what is there (phase 2 of the hook sums the ranks' rows this way).
+        rows_codes, rows_scales = torch.stack([codes, codes.flip(0)]), torch.stack([scales, scales.flip(0)])
+        total = torch.ones(2, x.numel())
+        assert fused.dequantize(rows_codes, rows_scales, total, bits, block_size, accumulate=True)
+        reference = dequantize(rows_codes, rows_scales, bits, block_size, out=torch.ones(2, x.numel()), accumulate=True)
+        assert torch.equal(total, reference)
     assert fused._failed is None
 
 
