@@ -108,15 +108,20 @@ def train_and_measure(model: LightningGPT, args: argparse.Namespace, cache_dir: 
 def example_config(args: argparse.Namespace) -> dict[str, Any]:
     """``LightningGPT`` arguments of the benchmark's model (seeded before it is built)."""
     pl.seed_everything(args.seed, verbose=False)
-    dims = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k) is not None}
-    return dict(config=GPTConfig(vocab_size=256, **{**PRESETS[args.size], "block_size": args.block_size, **dims}),
+    return dict(config=GPTConfig(vocab_size=256, **{**PRESETS[args.size], "block_size": args.block_size,
+                                                     **dim_overrides(args)}),
                 learning_rate=args.lr, warmup_steps=max(1, args.steps // 10))
+
+
+def dim_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The size preset's dimensions the command line overrode (``--n-layer/--n-head/--n-embd``)."""
+    return {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k) is not None}
 
 
 def model_label(args: argparse.Namespace) -> str:
     """The size preset and any dimension the command line overrode."""
-    dims = [f"{k} {getattr(args, k)}" for k in ("n_layer", "n_head", "n_embd") if getattr(args, k) is not None]
-    return f"{args.size}{' with ' + ', '.join(dims) if dims else ''}"
+    dims = ", ".join(f"{k} {v}" for k, v in dim_overrides(args).items())
+    return f"{args.size}{' with ' + dims if dims else ''}"
 
 
 def run_one(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:

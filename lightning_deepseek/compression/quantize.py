@@ -104,19 +104,19 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, generator: torch.Gener
         ``(codes, scales)``: ``codes`` is uint8 of ``numel`` bytes (int8 bit patterns) or ``numel / 2`` bytes
         (two int4 codes per byte, offset by 8); ``scales`` is bfloat16 of ``numel / block_size``.
     """
-    if generator is None and x.dtype == torch.float32 and native.usable(x, residual, codes, scales):
-        lib = native.library()
-        if lib is not None:
-            codes = torch.empty(x.numel() * bits // 8, dtype=torch.uint8) if codes is None else codes
-            scales = torch.empty(x.numel() // block_size, dtype=SCALE_DTYPE) if scales is None else scales
-            native.quantize(x, residual, codes, scales, bits, block_size, residual_alpha)
-            return codes.view(-1), scales
-    if (generator is None and x.dtype == torch.float32 and fused.usable(x, residual, codes, scales)
-            and all(t is None or t.is_contiguous() for t in (x, residual, codes, scales))):
-        codes = torch.empty(x.numel() * bits // 8, dtype=torch.uint8, device=x.device) if codes is None else codes
-        scales = torch.empty(x.numel() // block_size, dtype=SCALE_DTYPE, device=x.device) if scales is None else scales
-        if fused.quantize(x, residual, codes, scales, bits, block_size, residual_alpha):
-            return codes.view(-1), scales
+    if generator is None and x.dtype == torch.float32:  # round-to-nearest: native (CPU) or fused (CUDA) kernels
+        on_cpu = native.usable(x, residual, codes, scales) and native.library() is not None
+        on_gpu = (not on_cpu and fused.usable(x, residual, codes, scales)
+                  and all(t is None or t.is_contiguous() for t in (x, residual, codes, scales)))
+        if on_cpu or on_gpu:
+            codes = torch.empty(x.numel() * bits // 8, dtype=torch.uint8, device=x.device) if codes is None else codes
+            scales = (torch.empty(x.numel() // block_size, dtype=SCALE_DTYPE, device=x.device) if scales is None
+                      else scales)
+            if on_cpu:
+                native.quantize(x, residual, codes, scales, bits, block_size, residual_alpha)
+                return codes.view(-1), scales
+            if fused.quantize(x, residual, codes, scales, bits, block_size, residual_alpha):
+                return codes.view(-1), scales
     limit = qmax(bits)
     blocks = x.float().view(-1, block_size)
     num_blocks, device = blocks.shape[0], blocks.device
