@@ -98,7 +98,7 @@ class RunCheckpoint(Callback):
             for stale in self.dirpath.glob(".*.partial"):
                 _remove(stale)
         trainer.strategy.barrier("RunCheckpoint.save")
-        trainer.save_checkpoint(partial)  # every rank; returns after its barrier
+        trainer.save_checkpoint(partial, weights_only=False)  # every rank, whole state; returns after its barrier
         if trainer.is_global_zero:
             _remove(final)  # the same step saved before (a resumed run re-saving its first step)
             os.replace(partial, final)

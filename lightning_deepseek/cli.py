@@ -16,6 +16,7 @@ are ``checkpointing.py``'s and ``signals.py``'s; a lost rank is named by ``watch
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
@@ -107,6 +108,10 @@ def _sample_app(cfg: DictConfig) -> None:
 def train() -> None:
     """Console entry point of ``lds-train``."""
     OUTSIDE_TRAINING.install(sys.argv[1:])  # first: a Ctrl-C while torch loads ends the launch cleanly (signals.py)
+    # Lightning 2.6's batch flattening builds torch's LeafSpec, which torch 2.13 deprecates: once per rank and fit,
+    # nothing a user of lds-train can act on (their own Trainer scripts still see it).
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
     sys.argv[1:] = expand_home_in_overrides(sys.argv[1:])
     try:
         check_run_dir_override(sys.argv[1:])

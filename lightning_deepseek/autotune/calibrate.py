@@ -429,7 +429,8 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
         def measure(names: list[str]) -> None:
             if names:
                 sampler.names += names
-                run_trials(study, space, calibrator.run, n_trials=len(sampler.names), max_failure_rate=1.0)
+                run_trials(study, space, calibrator.run, n_trials=len(sampler.names), max_failure_rate=1.0,
+                           log_prefix="tune")
 
         quiet = contextlib.redirect_stderr(io.StringIO()) if not folder.is_launcher else contextlib.nullcontext()
         with quiet:

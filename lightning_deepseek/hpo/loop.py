@@ -102,8 +102,8 @@ def sweep_failure(outcome: SweepOutcome, study: optuna.Study, *, max_failure_rat
     return None
 
 
-def _log(message: str) -> None:
-    print(f"[hpo] {message}", file=sys.stderr, flush=True)
+def _log(message: str, prefix: str = "hpo") -> None:
+    print(f"[{prefix}] {message}", file=sys.stderr, flush=True)
 
 
 def _fail_lost(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial, reason: str) -> None:
@@ -190,8 +190,8 @@ def _budget_reached(study: optuna.Study, n_trials: int, num_failed: int) -> bool
 
 
 def run_trials(study: optuna.Study, space: Mapping[str, BaseDistribution], run_trial: RunTrial, n_trials: int,
-               n_jobs: int = 1, max_failure_rate: float = 0.5, extend_space: ExtendSpace | None = None
-               ) -> SweepOutcome:
+               n_jobs: int = 1, max_failure_rate: float = 0.5, extend_space: ExtendSpace | None = None,
+               log_prefix: str = "hpo") -> SweepOutcome:
     """Run trials until the study holds ``n_trials`` (see the module docstring).
 
     Args:
@@ -204,6 +204,7 @@ def run_trials(study: optuna.Study, space: Mapping[str, BaseDistribution], run_t
         max_failure_rate: stop launching once more than this fraction of this run's finished trials failed.
         extend_space: called with each new trial after ``space`` was suggested, to suggest more parameters
             (hydra-optuna-sweeper's ``custom_search_space``); ``params`` then holds all of ``trial.params``.
+        log_prefix: the tag of the trial lines on stderr (``[hpo] trial 3 COMPLETE ...``; the calibration's ``tune``).
     """
     if n_trials < 1 or n_jobs < 1:
         raise ValueError(f"n_trials={n_trials} and n_jobs={n_jobs} must both be >= 1.")
@@ -211,7 +212,7 @@ def run_trials(study: optuna.Study, space: Mapping[str, BaseDistribution], run_t
         raise ValueError(f"max_failure_rate={max_failure_rate} must be between 0 and 1.")
     stale = fail_stale_trials(study)
     if stale:
-        _log(f"marked FAIL trials {stale}: left RUNNING by a sweeper process that no longer exists")
+        _log(f"marked FAIL trials {stale}: left RUNNING by a sweeper process that no longer exists", log_prefix)
     owner = {"host": socket.gethostname(), "pid": os.getpid()}
     running: dict[Future, optuna.Trial] = {}
     num_finished = num_failed = 0
@@ -234,7 +235,7 @@ def run_trials(study: optuna.Study, space: Mapping[str, BaseDistribution], run_t
                 for future in done:
                     trial = running.pop(future)
                     state, message = _finish(study, trial, future)
-                    _log(message)
+                    _log(message, log_prefix)
                     num_finished += 1
                     num_failed += state == TrialState.FAIL
                     if fatal_trial is None and isinstance(future.exception(), FatalTrialError):

@@ -97,6 +97,15 @@ def test_pruned_objective_is_marked_pruned() -> None:
     assert [t.state for t in study.trials] == [TrialState.PRUNED, TrialState.PRUNED]
 
 
+def test_trial_lines_carry_the_callers_tag(capsys: pytest.CaptureFixture[str]) -> None:
+    # The sweeper's lines say [hpo]; lds-train's calibration runs the same loop and says [tune].
+    space, _ = build_space({"x": "interval(0, 1)"})
+    for prefix in ("hpo", "tune"):
+        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+        run_trials(study, space, quadratic, n_trials=1, log_prefix=prefix)
+        assert capsys.readouterr().err.startswith(f"[{prefix}] trial 0 COMPLETE value=")
+
+
 def test_space_entries_that_are_not_search_spaces_are_rejected_by_name() -> None:
     # A plain value used to be dropped silently, and then every trial failed with KeyError('lr').
     with pytest.raises(SearchSpaceError, match=r"search\(space=\.\.\.\): 'lr': 0.01 is a float, not a search space; "
