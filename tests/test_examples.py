@@ -46,10 +46,10 @@ def test_hybrid_example_shards_the_encoder_feed_forward(tmp_path: Path) -> None:
     assert "`Trainer.fit` stopped: `max_steps=30` reached." in out
 
 
-def test_train_gpt_example_trains_and_validates(tmp_path: Path) -> None:
+def test_train_gpt_example_trains_and_checkpoints(tmp_path: Path) -> None:
     out = run_example("train_gpt.py", cwd=tmp_path)
     assert "`Trainer.fit` stopped: `max_steps=200` reached." in out
-    assert (tmp_path / "outputs" / "example").is_dir()
+    assert list((tmp_path / "outputs" / "example").rglob("*.ckpt"))  # Lightning's checkpoint, after validation
 
 
 def test_hpo_example_runs_a_resumable_search(tmp_path: Path) -> None:
