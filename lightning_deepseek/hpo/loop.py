@@ -102,7 +102,7 @@ def sweep_failure(outcome: SweepOutcome, study: optuna.Study, *, max_failure_rat
     return None
 
 
-def _log(message: str, prefix: str = "hpo") -> None:
+def _log(message: str, prefix: str) -> None:
     print(f"[{prefix}] {message}", file=sys.stderr, flush=True)
 
 
