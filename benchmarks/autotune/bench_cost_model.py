@@ -170,7 +170,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def alone_predictions(decision) -> dict[str, float]:
     """The predictions had compression under sharding come from the exchange timed alone (the cost model's rule
-    before it was timed in the sharded copies' steps): ``dp = max(E + Tc - T32, E Tc / T32)``, ``E`` the fp32
+    before it was timed in the copies' training steps): ``dp = max(E + Tc - T32, E Tc / T32)``, ``E`` the fp32
     candidate's. The grids here shard at most one way: unsharded candidates' replicated bytes are the larger
     measured size, sharded ones' the smaller."""
     out = {p.candidate.label: p.seconds for p in decision.predictions}
@@ -182,7 +182,7 @@ def alone_predictions(decision) -> dict[str, float]:
         sharding = ("tp", c.tp) if c.ep == 1 else ("ep", c.ep)
         if (*sharding, c.bits) not in decision.compute.exchange_in_backward:
             continue
-        size = sizes[0]
+        size = sizes[-1] if c.tp == c.ep == 1 else sizes[0]
         fp32 = decision.prediction(dataclasses.replace(c, bits=None)).parts["dp"]
         t32, tc = decision.exchange_seconds[(size, None)], decision.exchange_seconds[(size, c.bits)]
         out[c.label] += max(fp32 + tc - t32, fp32 * tc / t32) - p.parts["dp"]

@@ -137,18 +137,20 @@ def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology
                        bucket_view)
     options = candidates(world, sorted(plans), ep_sizes if layers else [1], bits)
     machine = _measure_exchange(machine, options, facts, next(module.parameters()).device, exchange_repeats)
-    measured = _measure_sharded(module, measured, options, plans, facts, machine, repeats=sharded_repeats)
+    measured = _measure_copies(module, measured, options, plans, facts, machine, repeats=sharded_repeats)
     decision = dataclasses.replace(decide(options, facts, measured.compute, machine, setting), tokens=tokens)
     _print(decision, setting, measured, tokens, machine)
     return decision
 
 
-def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Sequence[Candidate],
-                     plans: dict[int, Plan], facts: ModelFacts, machine: Machine, repeats: int) -> Measured:
-    """``measured`` with the sharding overheads of every ``tp`` and ``ep`` size among ``options`` timed on copies
-    of the model (:func:`~lightning_deepseek.autotune.measure.measure_sharded`; collective). Skipped (the formulas
-    then predict them) with ``repeats=0``, where the copies would not fit the device memory, or where the model
-    cannot be deep-copied."""
+def _measure_copies(module: pl.LightningModule, measured: Measured, options: Sequence[Candidate],
+                    plans: dict[int, Plan], facts: ModelFacts, machine: Machine, repeats: int) -> Measured:
+    """``measured`` with what copies of the model measure (collective): the sharding overheads of every ``tp`` and
+    ``ep`` size among ``options`` (:func:`~lightning_deepseek.autotune.measure.measure_sharded`), and compression's
+    cost in training steps of DDP-wrapped copies, unsharded and under each one-way sharding that has compressed
+    candidates (:func:`~lightning_deepseek.autotune.measure.measure_exchange_in_backward`). Skipped (the formulas and
+    the exchange timed alone then predict them) with ``repeats=0``, where the copies would not fit the device memory,
+    or where the model cannot be deep-copied."""
     device_type, world = next(module.parameters()).device.type, machine.world_size
     shardings: dict[tuple[str, int], Shard] = {}
     for tp in sorted({c.tp for c in options if c.tp > 1}):
@@ -157,46 +159,47 @@ def _measure_sharded(module: pl.LightningModule, measured: Measured, options: Se
                                                   device_type)
     for ep in sorted({c.ep for c in options if c.ep > 1}):
         shardings[("ep", ep)] = functools.partial(_shard_ep, ExpertParallelDims(world, ep), device_type)
-    if not shardings or repeats < 1 or measured.batch is None:
+    # compression unsharded or beside one sharding (tp or ep): one more copy per layout and exchange, timed in steps
+    compressed = [c for c in options if c.bits is not None and (c.tp == 1 or c.ep == 1)]
+    bits = tuple(sorted({c.bits for c in compressed}, reverse=True))
+    exchanged = {key: shard for key, shard in {("tp", 1): _unsharded, **shardings}.items()
+                 if any((c.tp, c.ep) == ((key[1], 1) if key[0] == "tp" else (1, key[1])) for c in compressed)}
+    if not (shardings or exchanged) or repeats < 1 or measured.batch is None:
         why = " (sharding predicted by the formulas: not measured)" if shardings else ""
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=measured.compute.source + why))
-    # compression beside one sharding (tp or ep): one more copy per size and exchange, timed in training steps
-    sharded_bits = tuple(sorted({c.bits for c in options if c.bits is not None and (c.tp > 1) != (c.ep > 1)},
-                                reverse=True))
-    exchanged = {key: shard for key, shard in shardings.items()
-                 if any(c.bits is not None and (c.tp, c.ep) == ((key[1], 1) if key[0] == "tp" else (1, key[1]))
-                        for c in options)}
-    copies = (1 + len(shardings) + len(exchanged) * (1 + len(sharded_bits))) * memory_bytes(Candidate(), facts,
-                                                                                           measured.compute)
-    room = machine.headroom * machine.device_memory_bytes - memory_bytes(Candidate(), facts, measured.compute)
+    replicated = memory_bytes(Candidate(), facts, measured.compute)
+    copies = (bool(shardings) + len(shardings) + len(exchanged) * (1 + len(bits))) * replicated
+    room = machine.headroom * machine.device_memory_bytes - replicated
     if agree([float(copies > room)])[0]:  # hosts may differ in memory: all ranks skip, or none (collectives follow)
-        why = " (sharding predicted by the formulas: no room for copies of the model)"
+        why = " (sharding predicted by the formulas: no room for copies of the model)" if shardings else ""
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=measured.compute.source + why))
     start = time.perf_counter()
-    try:
-        optimizer, sharded = measure_sharded(module, measured.batch, shardings, repeats)
-    except CopyError as exc:
-        return dataclasses.replace(measured, compute=dataclasses.replace(
-            measured.compute, source=f"{measured.compute.source} (sharding predicted by the formulas: {exc})"))
+    optimizer, sharded, source = measured.compute.optimizer_seconds, {}, measured.compute.source
+    if shardings:
+        try:
+            optimizer, sharded = measure_sharded(module, measured.batch, shardings, repeats)
+        except CopyError as exc:
+            return dataclasses.replace(measured, compute=dataclasses.replace(
+                measured.compute, source=f"{source} (sharding predicted by the formulas: {exc})"))
+        source += (f"; sharding measured on copies ({', '.join(f'{k}={n}' for k, n in shardings)}, "
+                   f"{repeats} interleaved steps each, {time.perf_counter() - start:.1f} s)")
     middle = time.perf_counter()
     in_backward: dict[tuple[str, int, int], float] = {}
     if exchanged:
         try:
-            in_backward = measure_exchange_in_backward(module, measured.batch, exchanged, sharded_bits,
+            in_backward = measure_exchange_in_backward(module, measured.batch, exchanged, bits,
                                                        machine.bucket_bytes, repeats)
-        except RuntimeError as exc:  # DDP's own refusal (unused parameters...), alike on every rank: keep the rest
-            rank_zero_info(f"cost model: compression under sharding not timed in training steps ({exc}); "
+        except (RuntimeError, CopyError) as exc:  # DDP's own refusal (unused parameters...), alike on every rank
+            rank_zero_info(f"cost model: compression not timed in training steps ({exc}); "
                            "predicted from the exchange timed alone")
-    compute = dataclasses.replace(measured.compute, optimizer_seconds=optimizer, sharded=sharded,
-                                  exchange_in_backward=in_backward)
-    compute = agree_compute(compute)
-    source = (f"{compute.source}; sharding measured on copies ({', '.join(f'{k}={n}' for k, n in shardings)}, "
-              f"{repeats} interleaved steps each, {middle - start:.1f} s)")
     if in_backward:
-        source += (f"; compression under sharding measured in training steps of DDP-wrapped copies "
-                   f"({time.perf_counter() - middle:.1f} s)")
+        layouts = ", ".join("unsharded" if n == 1 else f"{k}={n}" for k, n in exchanged)
+        source += (f"; compression measured in training steps of DDP-wrapped copies ({layouts}, "
+                   f"{time.perf_counter() - middle:.1f} s)")
+    compute = agree_compute(dataclasses.replace(measured.compute, optimizer_seconds=optimizer, sharded=sharded,
+                                                exchange_in_backward=in_backward))
     return dataclasses.replace(measured, compute=dataclasses.replace(compute, source=source))
 
 
@@ -225,6 +228,11 @@ def _shard_tp(styles: dict[str, str], dims: ParallelDims, grid: list[list[int]],
     return functools.partial(reduce_tensor_parallel_gradients, list(copy.parameters()), mesh)
 
 
+def _unsharded(copy: nn.Module) -> Callable[[], None]:
+    """The unsharded layout (plain data parallelism): nothing to shard, nothing to reduce after backward."""
+    return lambda: None
+
+
 def _shard_ep(dims: ExpertParallelDims, device_type: str, copy: nn.Module) -> Callable[[], None]:
     """Shard ``copy``'s experts as the strategy would at ``dims.ep_size``; returns the reduction of the experts'
     gradients over their replicas."""
@@ -246,6 +254,7 @@ def decide_compression(module: pl.LightningModule, trainer: pl.Trainer, topology
     setting = "GradientCompression(bits='auto')"
     options = candidates(dp_size, [1], [1], AUTO_BITS)
     machine = _measure_exchange(machine, options, facts, next(module.parameters()).device, repeats=3)
+    measured = _measure_copies(module, measured, options, {}, facts, machine, repeats=3)
     decision = decide(options, facts, measured.compute, machine, setting)
     _print(decision, setting, measured, measured.tokens, machine)
     return decision
@@ -275,8 +284,8 @@ def _print(decision: Decision, setting: str, measured: Measured, tokens: int, ma
         if m == n) for n in sizes)
     exchange = f"; gradient exchange measured on the world's group: {exchange}" if exchange else ""
     if compute.exchange_in_backward:
-        exchange += "; compression in a sharded training step, over fp32: " + ", ".join(
-            f"{kind}={size} int{b} {s * 1e3:+.1f} ms"
+        exchange += "; compression in a training step, over fp32: " + ", ".join(
+            f"{'unsharded' if size == 1 else f'{kind}={size}'} int{b} {s * 1e3:+.1f} ms"
             for (kind, size, b), s in sorted(compute.exchange_in_backward.items()))
     rank_zero_info(f"{setting}: cost model (lightning_deepseek.autotune.cost_model); compute {compute.source}: "
                    f"forward {compute.forward_seconds * 1e3:.1f} ms, backward {compute.backward_seconds * 1e3:.1f} ms, "

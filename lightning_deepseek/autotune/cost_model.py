@@ -71,14 +71,17 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   hook spent 50-107 ms of CPU per exchange where the kernels alone took 19-41 ms (the ranks share the cores and gloo's
   threads run beside them), so tp=1 int4 was predicted 176 ms faster than fp32 where training measured 72-91 ms; the
   measured exchanges (fp32 263 ms, int4 203 ms, slowest rank) give ~55 ms (benchmarks/RESULTS.md, "Compression predicted
-  from the exchange measured at setup"). Under one sharding (``tp > 1`` or ``ep > 1``), **measured in training steps**
-  where that was measured (:func:`~lightning_deepseek.autotune.measure.measure_exchange_in_backward`: copies sharded
-  that way, wrapped in DDP as the strategy wraps them, with the fp32 exchange and with the hook, training steps timed
-  back to back): ``exposed_dp = max(0, E + D)`` with ``D`` the measured difference. Why: the hook's quantize and
-  collectives run beside tensor or expert parallelism's collectives, on oversubscribed cores where a delay on one rank
-  stalls its partners, which the exchange timed alone does not see: on the 1 Gbit testbed, where tp=2 and ep=2 leave DDP
-  1.3-2.4 MiB, the exchange alone saw int8 save 7-21 ms while training measured it 7-18 ms slower, and single aligned
-  passes (this measurement until session 14) saw it save 6-16 ms (benchmarks/RESULTS.md, "Session 13", "Session 15").
+  from the exchange measured at setup"). Unsharded or under one sharding (``tp > 1`` or ``ep > 1``), **measured in
+  training steps** where that was measured (:func:`~lightning_deepseek.autotune.measure.measure_exchange_in_backward`:
+  copies sharded that way (or not at all), wrapped in DDP as the strategy wraps them, with the fp32 exchange and with
+  the hook, training steps timed back to back): ``exposed_dp = max(0, E + D)`` with ``D`` the measured difference.
+  Why: the hook's quantize and collectives run beside backward and tensor or expert parallelism's collectives, on
+  oversubscribed cores where a delay on one rank stalls its partners, which the exchange timed alone does not see: on
+  the 1 Gbit testbed, where tp=2 and ep=2 leave DDP 1.3-2.4 MiB, the exchange alone saw int8 save 7-21 ms while
+  training measured it 7-18 ms slower, and single aligned passes (this measurement until session 14) saw it save
+  6-16 ms (benchmarks/RESULTS.md, "Session 13", "Session 15"); unsharded, training measured compression 8-56 ms a step
+  slower against fp32 than the exchange timed alone predicted, in all 17 compressed candidates of the 1 Gbit runs of
+  sessions 25-27 (at 10 Gbit -4 to +16 ms; RESULTS.md, "Session 28").
 - ``quantize = replicated bytes * (q + n dq)`` (the fallback without the measurement) with ``q``/``dq`` the measured
   seconds per fp32 byte of the quantize / dequantize kernels on this machine, ``n`` the payloads dequantized (DDP's
   ranks, the world, with the single all-gather exchange; 2 with the two-phase one); it runs in DDP's hook on
@@ -165,10 +168,10 @@ class ComputeProfile:
             one micro-batch's forward + backward (its collectives included) and to an optimizer step, over a
             replicated copy timed interleaved with it (may be negative: noise, or less work). A size missing here
             is predicted by the formulas.
-        exchange_in_backward: ``{(kind, size, bits): seconds}`` (kind ``"tp"`` or ``"ep"``): what compressing
-            DDP's exchange to ``bits`` adds to a training step of a copy sharded that way and wrapped in DDP, over
-            the same with the fp32 exchange (negative: saves). Where present, a compressed candidate sharded that
-            way (and only that way) is predicted from it.
+        exchange_in_backward: ``{(kind, size, bits): seconds}`` (kind ``"tp"`` or ``"ep"``; ``("tp", 1)``: not
+            sharded): what compressing DDP's exchange to ``bits`` adds to a training step of a copy sharded that way
+            and wrapped in DDP, over the same with the fp32 exchange (negative: saves). Where present, a compressed
+            candidate sharded that way (and only that way) is predicted from it.
     """
 
     forward_seconds: float
@@ -372,8 +375,7 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
         fp32_exposed = max(fp32_exposed, timed_fp32 - machine.overlap * backward, timed_fp32 * last_bucket)
 
     sharding = ("tp", candidate.tp) if candidate.ep == 1 else ("ep", candidate.ep) if candidate.tp == 1 else None
-    in_backward = (compute.exchange_in_backward.get((*sharding, candidate.bits))
-                   if sharding is not None and sharding[1] > 1 else None)
+    in_backward = compute.exchange_in_backward.get((*sharding, candidate.bits)) if sharding is not None else None
     measured_exchange = [machine.exchange_seconds.get((ddp_bytes, b)) for b in (None, candidate.bits)]
     if candidate.bits is None or in_backward is not None or None in measured_exchange:
         measured_exchange = None

@@ -16,12 +16,12 @@
 - the gradient exchange: the fp32 all-reduce and the compression hook's own exchange of each candidate's replicated
   gradient bytes, on the world's process group, all ranks at once, interleaved (:func:`measure_exchange`): what
   the compressed exchange costs against the fp32 one where the ranks share the cores and gloo's threads.
-- the exchange in a sharded training step: copies of the model sharded at each ``tp`` or ``ep`` size and wrapped in
+- the exchange in a training step: copies of the model, whole and sharded at each ``tp`` or ``ep`` size, wrapped in
   DDP as the strategy wraps them, one per exchange (fp32 and each compression, the hook registered as training
   registers it), training steps timed back to back, the copies taking turns (:func:`measure_exchange_in_backward`):
-  what compression adds or saves where the exchange runs beside tensor or expert parallelism's collectives and
-  their gradient reduction, which the exchange timed alone does not see (benchmarks/RESULTS.md, "Session 13",
-  "Session 15").
+  what compression adds or saves where the exchange runs beside backward, tensor or expert parallelism's
+  collectives and their gradient reduction, which the exchange timed alone does not see (benchmarks/RESULTS.md,
+  "Session 13", "Session 15", "Session 28").
 - links: :func:`lightning_deepseek.parallel.placement.probe_links` (reused, not duplicated).
 - device memory: the GPU's total memory, or the host's physical memory shared by its processes.
 Ranks measure different figures; :func:`agree` takes the slowest of every figure so that every rank decides the
@@ -321,8 +321,8 @@ def measure_exchange_in_backward(module: pl.LightningModule, batch: MicroBatch,
                                  bucket_bytes: int, repeats: int = 3,
                                  steps: int = 2) -> dict[tuple[str, int, int], float]:
     """``{(kind, size, bits): seconds}``: what compressing DDP's exchange to ``bits`` adds to a training step under
-    each sharding of ``shardings`` (``("tp", 2)``, ``("ep", 4)``...; negative: saves), against the fp32 exchange
-    (collective).
+    each sharding of ``shardings`` (``("tp", 2)``, ``("ep", 4)``..., ``("tp", 1)`` with a function that shards
+    nothing: the whole model; negative: saves), against the fp32 exchange (collective).
 
     For each sharding and each exchange (fp32, then every ``bits``): a copy of ``module``, sharded, wrapped in
     ``DistributedDataParallel`` over the world with the shards (``DTensor`` parameters) ignored and

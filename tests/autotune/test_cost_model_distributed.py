@@ -101,6 +101,9 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "int8_parts": dict(decision.prediction(Candidate(1, 1, 8)).parts),
         "llama_exchange": ddp_compression.decision.exchange_seconds,
         "in_backward": in_backward,
+        "decided_in_backward": decision.compute.exchange_in_backward,
+        "fp32_parts": dict(decision.prediction(Candidate(1)).parts),
+        "llama_in_backward": ddp_compression.decision.compute.exchange_in_backward,
     }
 
 
@@ -185,6 +188,22 @@ def test_the_gradient_exchange_is_timed_on_the_world_group_and_decides_compressi
     assert rank0["int8_parts"]["quantize"] == rank0["int8_parts"]["chain"] == 0.0
     assert "gradient exchange measured on the world's group" in rank0["hybrid_tables"][0]
     assert rank0["llama_exchange"] == rank1["llama_exchange"] and len(rank0["llama_exchange"]) == 3
+
+
+def test_unsharded_compression_is_timed_in_training_steps_of_whole_copies(ranks) -> None:
+    rank0, rank1 = ranks
+    # the hybrid auto settings (tp=1 compressed candidates; tp=2 leaves one dp rank: none) and bits="auto" under
+    # plain DDP time fp32 against int8 and int4 on whole DDP-wrapped copies, agreed over ranks
+    decided = rank0["decided_in_backward"]
+    assert decided == rank1["decided_in_backward"] and set(decided) == {("tp", 1, 8), ("tp", 1, 4)}
+    assert set(rank0["llama_in_backward"]) == {("tp", 1, 8), ("tp", 1, 4)}
+    assert rank0["llama_in_backward"] == rank1["llama_in_backward"]
+    # and the compressed candidates are predicted from them
+    assert rank0["int8_parts"]["dp"] == pytest.approx(max(0.0, rank0["fp32_parts"]["dp"] + decided[("tp", 1, 8)]))
+    (table,) = rank0["hybrid_tables"]
+    assert "compression measured in training steps of DDP-wrapped copies (unsharded" in table
+    assert "compression in a training step, over fp32: unsharded int4" in table
+    assert "compression measured in training steps of DDP-wrapped copies (unsharded" in rank0["llama_tables"][0]
 
 
 def test_compression_is_timed_in_training_steps_of_tensor_and_expert_parallel_copies(ranks) -> None:
