@@ -172,7 +172,8 @@ def _measure_copies(module: pl.LightningModule, measured: Measured, options: Seq
     copies = (bool(shardings) + len(shardings) + len(exchanged) * (1 + len(bits))) * replicated
     room = machine.headroom * machine.device_memory_bytes - replicated
     if agree([float(copies > room)])[0]:  # hosts may differ in memory: all ranks skip, or none (collectives follow)
-        why = " (sharding predicted by the formulas: no room for copies of the model)" if shardings else ""
+        why = (" (sharding predicted by the formulas: no room for copies of the model)" if shardings else
+               " (compression predicted from the exchange timed alone: no room for copies of the model)")
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=measured.compute.source + why))
     start = time.perf_counter()
