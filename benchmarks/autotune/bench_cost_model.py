@@ -179,8 +179,7 @@ def alone_predictions(decision) -> dict[str, float]:
     sizes = sorted({n for n, _ in decision.exchange_seconds})
     for p in decision.predictions:
         c = p.candidate
-        sharding = ("tp", c.tp) if c.ep == 1 else ("ep", c.ep)
-        if (*sharding, c.bits) not in decision.compute.exchange_in_backward:
+        if c.layout is None or (*c.layout, c.bits) not in decision.compute.exchange_in_backward:
             continue
         size = sizes[-1] if c.tp == c.ep == 1 else sizes[0]
         fp32 = decision.prediction(dataclasses.replace(c, bits=None)).parts["dp"]

@@ -160,10 +160,10 @@ def _measure_copies(module: pl.LightningModule, measured: Measured, options: Seq
     for ep in sorted({c.ep for c in options if c.ep > 1}):
         shardings[("ep", ep)] = functools.partial(_shard_ep, ExpertParallelDims(world, ep), device_type)
     # compression unsharded or beside one sharding (tp or ep): one more copy per layout and exchange, timed in steps
-    compressed = [c for c in options if c.bits is not None and (c.tp == 1 or c.ep == 1)]
+    compressed = [c for c in options if c.bits is not None and c.layout is not None]
     bits = tuple(sorted({c.bits for c in compressed}, reverse=True))
     exchanged = {key: shard for key, shard in {("tp", 1): _unsharded, **shardings}.items()
-                 if any((c.tp, c.ep) == ((key[1], 1) if key[0] == "tp" else (1, key[1])) for c in compressed)}
+                 if any(c.layout == key for c in compressed)}
     if not (shardings or exchanged) or repeats < 1 or measured.batch is None:
         why = " (sharding predicted by the formulas: not measured)" if shardings else ""
         return dataclasses.replace(measured, compute=dataclasses.replace(

@@ -148,6 +148,12 @@ class Candidate:
         return f"tp={self.tp} ep={self.ep} {'fp32' if self.bits is None else f'int{self.bits}'}"
 
     @property
+    def layout(self) -> tuple[str, int] | None:
+        """The one way it is sharded, as the copies' measurements key it: ``("tp", n)`` (``("tp", 1)``: not
+        sharded) or ``("ep", n)``; None when sharded both ways."""
+        return ("tp", self.tp) if self.ep == 1 else ("ep", self.ep) if self.tp == 1 else None
+
+    @property
     def simplicity(self) -> tuple[int, int, int]:
         """Sort key: plain DDP first, then the least sharding, then the least compression."""
         return (self.tp, self.ep, 0 if self.bits is None else 16 - self.bits)
@@ -374,8 +380,8 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
     elif timed_fp32 is not None:  # free cores: backward hides the exchange as timed, except its last bucket
         fp32_exposed = max(fp32_exposed, timed_fp32 - machine.overlap * backward, timed_fp32 * last_bucket)
 
-    sharding = ("tp", candidate.tp) if candidate.ep == 1 else ("ep", candidate.ep) if candidate.tp == 1 else None
-    in_backward = compute.exchange_in_backward.get((*sharding, candidate.bits)) if sharding is not None else None
+    layout = candidate.layout
+    in_backward = compute.exchange_in_backward.get((*layout, candidate.bits)) if layout is not None else None
     measured_exchange = [machine.exchange_seconds.get((ddp_bytes, b)) for b in (None, candidate.bits)]
     if candidate.bits is None or in_backward is not None or None in measured_exchange:
         measured_exchange = None
