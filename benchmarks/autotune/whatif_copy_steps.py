@@ -18,7 +18,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cost_model import _medians, resolved_pairs, spearman  # noqa: E402
+from bench_cost_model import ROOT, _medians, resolved_pairs, spearman  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from lightning_deepseek.autotune.cost_model import Candidate  # noqa: E402
 
 
 def _layout(label: str) -> tuple[str, int | None]:
@@ -39,7 +42,7 @@ def copy_steps(row: dict) -> dict[str, float]:
 
 def _simplicity(label: str) -> tuple[int, int, int]:
     tp, ep, bits = re.match(r"tp=(\d+) ep=(\d+) (\w+)", label).groups()
-    return int(tp), int(ep), 0 if bits == "fp32" else 16 - int(bits[3:])
+    return Candidate(int(tp), int(ep), None if bits == "fp32" else int(bits[3:])).simplicity
 
 
 def choose(predicted: dict[str, float], margin: float = 0.05) -> str:
