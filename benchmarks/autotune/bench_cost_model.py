@@ -28,7 +28,6 @@ and the ceiling the measurement itself sets (below, :func:`tally`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import math
@@ -158,34 +157,16 @@ def worker(args: argparse.Namespace) -> None:
                                   optimizer=c.optimizer_seconds, routed_bytes=c.routed_bytes,
                                   sharded={f"{k}={n}": v for (k, n), v in c.sharded.items()}, source=c.source)
             row["exchange"] = {f"{n} {b}": v for (n, b), v in decision.exchange_seconds.items()}
-            row["in_backward"] = {f"{k}={n} int{b}": v for (k, n, b), v in c.exchange_in_backward.items()}
-            row["alone"] = alone_predictions(decision)
+            row["copy_steps"] = {f"{k}={n} {'fp32' if b is None else f'int{b}'}": v
+                                 for (k, n, b), v in c.copy_steps.items()}
+            row["by_parts"] = {p.candidate.label: p.seconds if p.by_parts is None else p.by_parts
+                               for p in decision.predictions}
             row["tokens_per_step"] = batch * seq * world
             results.append(row)
             if dist.get_rank() == 0:  # after every row: a run cut short (its timeout, Ctrl-C) keeps what it measured
                 partial = Path(args.out).with_suffix(".part")
                 partial.write_text(json.dumps(results))
                 partial.replace(args.out)
-
-
-def alone_predictions(decision) -> dict[str, float]:
-    """The predictions had compression under sharding come from the exchange timed alone (the cost model's rule
-    before it was timed in the copies' training steps): ``dp = max(E + Tc - T32, E Tc / T32)``, ``E`` the fp32
-    candidate's. The grids here shard at most one way: unsharded candidates' replicated bytes are the larger
-    measured size, sharded ones' the smaller."""
-    out = {p.candidate.label: p.seconds for p in decision.predictions}
-    if not decision.exchange_seconds:
-        return out
-    sizes = sorted({n for n, _ in decision.exchange_seconds})
-    for p in decision.predictions:
-        c = p.candidate
-        if c.layout is None or (*c.layout, c.bits) not in decision.compute.exchange_in_backward:
-            continue
-        size = sizes[-1] if c.tp == c.ep == 1 else sizes[0]
-        fp32 = decision.prediction(dataclasses.replace(c, bits=None)).parts["dp"]
-        t32, tc = decision.exchange_seconds[(size, None)], decision.exchange_seconds[(size, c.bits)]
-        out[c.label] += max(fp32 + tc - t32, fp32 * tc / t32) - p.parts["dp"]
-    return out
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -350,7 +331,17 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
             lines += [f"With every measured step scaled by the CPU share the host left it (t x (1 - stolen)): "
                       f"Spearman {spearman([predicted[k] for k in labels], [adjusted[k] for k in labels]):.2f}; "
                       f"measured vs measured {', '.join(f'{x:.2f}' for x in adjusted_stability) or 'n/a'}", ""]
-        if any(r.get("in_backward") for r in rows):
+        if any(r.get("by_parts") for r in rows):
+            def rho_of(field: str, row: dict, labels: list[str] = labels) -> str:
+                return f"{spearman([row[field][k] for k in labels], [row['measured'][k] for k in labels]):.2f}"
+            parts = {k: statistics.median(r["by_parts"][k] for r in rows) for k in labels}
+            lines += [f"Each layout predicted from its DDP-wrapped copies' training steps (first repetition: "
+                      f"{', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in rows[0]['copy_steps'].items())}). Spearman "
+                      f"had the parts' formula predicted them instead: "
+                      f"{spearman([parts[k] for k in labels], [measured[k] for k in labels]):.2f} (per repetition "
+                      f"{', '.join(rho_of('by_parts', r) for r in rows)}; with the copies: "
+                      f"{', '.join(rho_of('predicted', r) for r in rows)})", ""]
+        elif any(r.get("in_backward") for r in rows):  # runs recorded before session 29
             def rho_of(field: str, row: dict, labels: list[str] = labels) -> str:
                 return f"{spearman([row[field][k] for k in labels], [row['measured'][k] for k in labels]):.2f}"
             alone = {k: statistics.median(r["alone"][k] for r in rows) for k in labels}

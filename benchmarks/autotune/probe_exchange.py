@@ -5,12 +5,12 @@ probe times DDP-wrapped copies of a model (fp32, int8, int4 exchange; the hook a
 a candidate shards them (``--shard tp=2``, ``ep=2``...; DDP ignores the shards as ``HybridParallelStrategy`` does),
 several ways, on all 4 ranks, slowest rank's figures:
 
-- ``aligned``: one forward + backward after a barrier, interleaved across the exchanges (the setup's
-  ``measure_exchange_in_backward``);
+- ``aligned``: one forward + backward after a barrier, interleaved across the exchanges (the setup's measurement
+  until session 14);
 - ``consecutive``: ``--steps`` forward + backward + optimizer steps back to back after one barrier, the median step;
 - ``training``: the same with the strategy's reduction of the shards' gradients after backward (a training step);
 - ``alone``: the exchange of DDP's gradient bytes alone (the setup's ``measure_exchange``);
-- ``setup`` (sharded only): the setup's own ``measure_exchange_in_backward``, ``--repeats`` times;
+- ``setup`` (sharded only): the setup's own ``measure_copy_steps`` (compressed minus fp32), ``--repeats`` times;
 - ``fit`` (``--fits N``): ``N`` interleaved Lightning fits of ``HybridParallelStrategy`` + ``GradientCompression``
   (20 steps, the first 3 dropped), what ``bench_cost_model.py``'s grid measures.
 
@@ -49,8 +49,8 @@ def worker(args: argparse.Namespace) -> None:
         MicroBatch,
         _Forward,
         first_optimizer,
+        measure_copy_steps,
         measure_exchange,
-        measure_exchange_in_backward,
     )
     from lightning_deepseek.compression import CompressionConfig, register_compression_hook
     from lightning_deepseek.models import GPTConfig
@@ -203,7 +203,7 @@ def worker(args: argparse.Namespace) -> None:
         if i:
             ends = [e.item() for e in ends]
             skew.append((max(ends) - statistics.mean(ends), max(ends) - min(ends)))
-    if kind != "none":  # the setup's own measurement (measure_exchange_in_backward), --repeats times on fresh copies
+    if kind != "none":  # the setup's own measurement (measure_copy_steps), --repeats times on fresh copies
         fresh = TimedGPT(config, torch.optim.AdamW, lr=1e-4)
         fresh.log = fresh.log_dict = lambda *a, **k: None
         if kind == "tp":
@@ -211,11 +211,12 @@ def worker(args: argparse.Namespace) -> None:
             shard = functools.partial(_shard_tp, plan.styles, ParallelDims(world, tp=size), grid, "cpu")
         else:
             shard = functools.partial(_shard_ep, ExpertParallelDims(world, size), "cpu")
-        runs = [measure_exchange_in_backward(fresh, MicroBatch(data, False, "", batch * seq), {(kind, size): shard},
-                                             (8, 4), 25 * 2**20) for _ in range(args.repeats)]
-        runs = [{k: slowest(v) for k, v in run.items()} for run in runs]
-        out["setup"] = {None: 0.0, **{b: statistics.median(r[(kind, size, b)] for r in runs) for b in (8, 4)}}
-        out["setup runs"] = {b: [round(r[(kind, size, b)] * 1e3, 1) for r in runs] for b in (8, 4)}
+        copies = [(kind, size, b) for b in (None, 8, 4)]
+        runs = [measure_copy_steps(fresh, MicroBatch(data, False, "", batch * seq), {(kind, size): shard}, copies,
+                                   25 * 2**20) for _ in range(args.repeats)]
+        runs = [{b: slowest(run[(kind, size, b)]) - slowest(run[(kind, size, None)]) for b in (8, 4)} for run in runs]
+        out["setup"] = {None: 0.0, **{b: statistics.median(r[b] for r in runs) for b in (8, 4)}}
+        out["setup runs"] = {b: [round(r[b] * 1e3, 1) for r in runs] for b in (8, 4)}
     if args.fits:  # the real thing: Lightning fits of the strategy + GradientCompression, as bench_cost_model's grid
         out["fit"] = fits(args, kind, size)
     runs = out.pop("setup runs", {})

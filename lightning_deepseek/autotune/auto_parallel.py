@@ -46,8 +46,8 @@ from lightning_deepseek.autotune.measure import (
     agree_quantize,
     device_memory_bytes,
     measure_compute,
+    measure_copy_steps,
     measure_exchange,
-    measure_exchange_in_backward,
     measure_quantize,
     measure_sharded,
     micro_batch,
@@ -146,11 +146,11 @@ def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology
 def _measure_copies(module: pl.LightningModule, measured: Measured, options: Sequence[Candidate],
                     plans: dict[int, Plan], facts: ModelFacts, machine: Machine, repeats: int) -> Measured:
     """``measured`` with what copies of the model measure (collective): the sharding overheads of every ``tp`` and
-    ``ep`` size among ``options`` (:func:`~lightning_deepseek.autotune.measure.measure_sharded`), and compression's
-    cost in training steps of DDP-wrapped copies, unsharded and under each one-way sharding that has compressed
-    candidates (:func:`~lightning_deepseek.autotune.measure.measure_exchange_in_backward`). Skipped (the formulas and
-    the exchange timed alone then predict them) with ``repeats=0``, where the copies would not fit the device memory,
-    or where the model cannot be deep-copied."""
+    ``ep`` size among ``options`` (:func:`~lightning_deepseek.autotune.measure.measure_sharded`), and the training
+    steps of DDP-wrapped copies of every layout among them, unsharded or sharded one way, with each exchange
+    (:func:`~lightning_deepseek.autotune.measure.measure_copy_steps`), which the cost model predicts those
+    candidates from. Skipped (the formulas and the exchange timed alone then predict them) with ``repeats=0``, where
+    the copies would not fit the device memory, or where the model cannot be deep-copied."""
     device_type, world = next(module.parameters()).device.type, machine.world_size
     shardings: dict[tuple[str, int], Shard] = {}
     for tp in sorted({c.tp for c in options if c.tp > 1}):
@@ -159,21 +159,20 @@ def _measure_copies(module: pl.LightningModule, measured: Measured, options: Seq
                                                   device_type)
     for ep in sorted({c.ep for c in options if c.ep > 1}):
         shardings[("ep", ep)] = functools.partial(_shard_ep, ExpertParallelDims(world, ep), device_type)
-    # compression unsharded or beside one sharding (tp or ep): one more copy per layout and exchange, timed in steps
-    compressed = [c for c in options if c.bits is not None and c.layout is not None]
-    bits = tuple(sorted({c.bits for c in compressed}, reverse=True))
+    # every candidate unsharded or sharded one way (tp or ep): a DDP-wrapped copy of its layout and exchange
+    copies = sorted({(*c.layout, c.bits) for c in options if c.layout is not None},
+                    key=lambda k: (k[0], k[1], -1 if k[2] is None else -k[2]))
     exchanged = {key: shard for key, shard in {("tp", 1): _unsharded, **shardings}.items()
-                 if any(c.layout == key for c in compressed)}
+                 if any(k[:2] == key for k in copies)}
     if not (shardings or exchanged) or repeats < 1 or measured.batch is None:
-        why = " (sharding predicted by the formulas: not measured)" if shardings else ""
+        why = " (every candidate predicted by its parts: copies not measured)" if shardings or exchanged else ""
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=measured.compute.source + why))
     replicated = memory_bytes(Candidate(), facts, measured.compute)
-    copies = (bool(shardings) + len(shardings) + len(exchanged) * (1 + len(bits))) * replicated
+    needed = (bool(shardings) + len(shardings) + len(copies)) * replicated
     room = machine.headroom * machine.device_memory_bytes - replicated
-    if agree([float(copies > room)])[0]:  # hosts may differ in memory: all ranks skip, or none (collectives follow)
-        why = (" (sharding predicted by the formulas: no room for copies of the model)" if shardings else
-               " (compression predicted from the exchange timed alone: no room for copies of the model)")
+    if agree([float(needed > room)])[0]:  # hosts may differ in memory: all ranks skip, or none (collectives follow)
+        why = " (every candidate predicted by its parts: no room for copies of the model)"
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=measured.compute.source + why))
     start = time.perf_counter()
@@ -187,20 +186,17 @@ def _measure_copies(module: pl.LightningModule, measured: Measured, options: Seq
         source += (f"; sharding measured on copies ({', '.join(f'{k}={n}' for k, n in shardings)}, "
                    f"{repeats} interleaved steps each, {time.perf_counter() - start:.1f} s)")
     middle = time.perf_counter()
-    in_backward: dict[tuple[str, int, int], float] = {}
-    if exchanged:
-        try:
-            in_backward = measure_exchange_in_backward(module, measured.batch, exchanged, bits,
-                                                       machine.bucket_bytes, repeats)
-        except (RuntimeError, CopyError) as exc:  # DDP's own refusal (unused parameters...), alike on every rank
-            rank_zero_info(f"cost model: compression not timed in training steps ({exc}); "
-                           "predicted from the exchange timed alone")
-    if in_backward:
+    copy_steps: dict[tuple[str, int, int | None], float] = {}
+    try:
+        copy_steps = measure_copy_steps(module, measured.batch, exchanged, copies, machine.bucket_bytes, repeats)
+    except (RuntimeError, CopyError) as exc:  # DDP's own refusal (unused parameters...), alike on every rank
+        rank_zero_info(f"cost model: the layouts' training steps not timed ({exc}); predicted by their parts")
+    if copy_steps:
         layouts = ", ".join("unsharded" if n == 1 else f"{k}={n}" for k, n in exchanged)
-        source += (f"; compression measured in training steps of DDP-wrapped copies ({layouts}, "
+        source += (f"; training steps measured on {len(copies)} DDP-wrapped copies ({layouts}, "
                    f"{time.perf_counter() - middle:.1f} s)")
     compute = agree_compute(dataclasses.replace(measured.compute, optimizer_seconds=optimizer, sharded=sharded,
-                                                exchange_in_backward=in_backward))
+                                                copy_steps=copy_steps))
     return dataclasses.replace(measured, compute=dataclasses.replace(compute, source=source))
 
 
@@ -284,10 +280,10 @@ def _print(decision: Decision, setting: str, measured: Measured, tokens: int, ma
         f"{'fp32' if b is None else f'int{b}'} {s * 1e3:.1f} ms" for (m, b), s in machine.exchange_seconds.items()
         if m == n) for n in sizes)
     exchange = f"; gradient exchange measured on the world's group: {exchange}" if exchange else ""
-    if compute.exchange_in_backward:
-        exchange += "; compression in a training step, over fp32: " + ", ".join(
-            f"{'unsharded' if size == 1 else f'{kind}={size}'} int{b} {s * 1e3:+.1f} ms"
-            for (kind, size, b), s in sorted(compute.exchange_in_backward.items()))
+    if compute.copy_steps:
+        exchange += "; training steps of the copies: " + ", ".join(
+            f"{'unsharded' if size == 1 else f'{kind}={size}'} {'fp32' if b is None else f'int{b}'} {s * 1e3:.1f} ms"
+            for (kind, size, b), s in compute.copy_steps.items())
     rank_zero_info(f"{setting}: cost model (lightning_deepseek.autotune.cost_model); compute {compute.source}: "
                    f"forward {compute.forward_seconds * 1e3:.1f} ms, backward {compute.backward_seconds * 1e3:.1f} ms, "
                    f"{tokens} tokens per rank; links {links}{exchange}\n{decision.table()}")

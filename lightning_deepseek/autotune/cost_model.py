@@ -1,7 +1,26 @@
 """Decisions by a cost model: the predicted step time of each parallel candidate, from measured figures.
 
 A candidate is a tensor-parallel size ``tp``, an expert-parallel size ``ep`` (MoE models) and a gradient
-compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro-batches, on one rank:
+compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro-batches, on one rank, where the
+candidate's layout (unsharded, or sharded one way: ``tp > 1`` or ``ep > 1``) was timed whole at setup (the default
+of the ``"auto"`` settings):
+
+    step = copy + (m - 1) / m (compute + tp_comm + ep_comm)
+
+- ``copy``: the median training step of one micro-batch of a copy of the model sharded as the candidate would shard
+  it (not at all, or its real tensor- or expert-parallel plan on the real mesh and links), wrapped in DDP as the
+  strategy wraps it, with the candidate's exchange (fp32, or the compression hook registered as training registers
+  it): forward, backward with DDP's exchange beside it, the sharding's collectives and its reduction of the shards'
+  gradients, a step of the user's optimizer. The copies of every layout and exchange take turns, training steps
+  back to back (:func:`~lightning_deepseek.autotune.measure.measure_copy_steps`). Why whole steps, not the
+  parts below summed: the parts overlap in training in ways a sum cannot see (DDP's exchange and the all-to-all's
+  waits share the cores; the MoE's ep=4 was predicted 10-20 ms too slow in every quiet run of session 28), and
+  the parts' ranking reached Spearman >= 0.8 in 12 of 17 model-runs against the grid, whole steps in every one
+  checked (benchmarks/RESULTS.md, "Session 28", "Session 29"). Cost: one more copy of the model per layout and
+  exchange, and a few seconds of setup.
+- further micro-batches (``m > 1``) add their compute and sharding by the parts below.
+
+Otherwise (no room for the copies, a candidate sharded both ways, figures given, or ``repeats=0``), the parts:
 
     step = compute + optimizer + tp_comm + ep_comm + exposed_dp + after_backward + quantize + chain
 
@@ -71,17 +90,15 @@ compression ``bits`` (``None``: fp32, 8 or 4). Per optimizer step of ``m`` micro
   hook spent 50-107 ms of CPU per exchange where the kernels alone took 19-41 ms (the ranks share the cores and gloo's
   threads run beside them), so tp=1 int4 was predicted 176 ms faster than fp32 where training measured 72-91 ms; the
   measured exchanges (fp32 263 ms, int4 203 ms, slowest rank) give ~55 ms (benchmarks/RESULTS.md, "Compression predicted
-  from the exchange measured at setup"). Unsharded or under one sharding (``tp > 1`` or ``ep > 1``), **measured in
-  training steps** where that was measured (:func:`~lightning_deepseek.autotune.measure.measure_exchange_in_backward`:
-  copies sharded that way (or not at all), wrapped in DDP as the strategy wraps them, with the fp32 exchange and with
-  the hook, training steps timed back to back): ``exposed_dp = max(0, E + D)`` with ``D`` the measured difference.
-  Why: the hook's quantize and collectives run beside backward and tensor or expert parallelism's collectives, on
-  oversubscribed cores where a delay on one rank stalls its partners, which the exchange timed alone does not see: on
-  the 1 Gbit testbed, where tp=2 and ep=2 leave DDP 1.3-2.4 MiB, the exchange alone saw int8 save 7-21 ms while
-  training measured it 7-18 ms slower, and single aligned passes (this measurement until session 14) saw it save
-  6-16 ms (benchmarks/RESULTS.md, "Session 13", "Session 15"); unsharded, training measured compression 8-56 ms a step
-  slower against fp32 than the exchange timed alone predicted, in all 17 compressed candidates of the 1 Gbit runs of
-  sessions 25-27 (at 10 Gbit -4 to +16 ms; RESULTS.md, "Session 28").
+  from the exchange measured at setup"). Unsharded or under one sharding (``tp > 1`` or ``ep > 1``), where the
+  layout's copies were timed, the compressed copy's whole step stands in for all of this (``copy``, above). Why
+  compression needs it: the hook's quantize and collectives run beside backward and tensor or expert parallelism's
+  collectives, on oversubscribed cores where a delay on one rank stalls its partners, which the exchange timed
+  alone does not see: on the 1 Gbit testbed, where tp=2 and ep=2 leave DDP 1.3-2.4 MiB, the exchange alone saw int8
+  save 7-21 ms while training measured it 7-18 ms slower, and single aligned passes (this measurement until session
+  14) saw it save 6-16 ms (benchmarks/RESULTS.md, "Session 13", "Session 15"); unsharded, training measured
+  compression 8-56 ms a step slower against fp32 than the exchange timed alone predicted, in all 17 compressed
+  candidates of the 1 Gbit runs of sessions 25-27 (at 10 Gbit -4 to +16 ms; RESULTS.md, "Session 28").
 - ``quantize = replicated bytes * (q + n dq)`` (the fallback without the measurement) with ``q``/``dq`` the measured
   seconds per fp32 byte of the quantize / dequantize kernels on this machine, ``n`` the payloads dequantized (DDP's
   ranks, the world, with the single all-gather exchange; 2 with the two-phase one); it runs in DDP's hook on
@@ -174,10 +191,11 @@ class ComputeProfile:
             one micro-batch's forward + backward (its collectives included) and to an optimizer step, over a
             replicated copy timed interleaved with it (may be negative: noise, or less work). A size missing here
             is predicted by the formulas.
-        exchange_in_backward: ``{(kind, size, bits): seconds}`` (kind ``"tp"`` or ``"ep"``; ``("tp", 1)``: not
-            sharded): what compressing DDP's exchange to ``bits`` adds to a training step of a copy sharded that way
-            and wrapped in DDP, over the same with the fp32 exchange (negative: saves). Where present, a compressed
-            candidate sharded that way (and only that way) is predicted from it.
+        copy_steps: ``{(kind, size, bits): seconds}`` (kind ``"tp"`` or ``"ep"``; ``("tp", 1)``: not sharded;
+            ``bits`` None: the fp32 exchange): the median training step of one micro-batch of a copy sharded that
+            way, wrapped in DDP as the strategy wraps it, with that exchange
+            (:func:`~lightning_deepseek.autotune.measure.measure_copy_steps`). Where present, a candidate sharded
+            that way (and only that way) is predicted from it.
     """
 
     forward_seconds: float
@@ -187,7 +205,7 @@ class ComputeProfile:
     source: str = "given"
     optimizer_seconds: float = 0.0
     sharded: Mapping[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
-    exchange_in_backward: Mapping[tuple[str, int, int], float] = field(default_factory=dict)
+    copy_steps: Mapping[tuple[str, int, int | None], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -256,12 +274,14 @@ class Machine:
 
 @dataclass(frozen=True)
 class Prediction:
-    """One candidate's predicted step seconds, by part, and its memory per rank."""
+    """One candidate's predicted step seconds, by part, and its memory per rank; ``by_parts``: where its layout's
+    copy predicted it, what the parts' formula alone would have (``benchmarks/autotune`` compares the two)."""
 
     candidate: Candidate
     parts: Mapping[str, float]
     memory_bytes: int
     fits: bool
+    by_parts: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -380,10 +400,9 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
     elif timed_fp32 is not None:  # free cores: backward hides the exchange as timed, except its last bucket
         fp32_exposed = max(fp32_exposed, timed_fp32 - machine.overlap * backward, timed_fp32 * last_bucket)
 
-    layout = candidate.layout
-    in_backward = compute.exchange_in_backward.get((*layout, candidate.bits)) if layout is not None else None
+    copy_step = compute.copy_steps.get((*candidate.layout, candidate.bits)) if candidate.layout else None
     measured_exchange = [machine.exchange_seconds.get((ddp_bytes, b)) for b in (None, candidate.bits)]
-    if candidate.bits is None or in_backward is not None or None in measured_exchange:
+    if candidate.bits is None or None in measured_exchange:
         measured_exchange = None
     parts = {
         "compute": micro * (compute.forward_seconds + compute.backward_seconds),
@@ -405,9 +424,7 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
         replicas = [list(range(r, world, candidate.ep)) for r in range(candidate.ep)]  # the edp groups, at once
         parts["after"] += all_reduce_seconds(facts.expert_bytes // candidate.ep, world // candidate.ep,
                                              concurrent_link(topology, replicas, links))
-    if in_backward is not None and ddp_bytes:  # measured where it runs: beside the sharding's collectives
-        parts["dp"] = max(0.0, parts["dp"] + in_backward)
-    elif measured_exchange is not None and ddp_bytes:
+    if measured_exchange is not None and ddp_bytes:
         fp32, compressed = measured_exchange  # the same bytes, both exchanges measured on the real group
         parts["dp"] = max(parts["dp"] + compressed - fp32, parts["dp"] * compressed / max(fp32, 1e-9))
     elif candidate.bits is not None and ddp_bytes:
@@ -416,8 +433,13 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
         single = world <= machine.single_exchange_max_world  # the hook runs on DDP's group: the world, not dp
         parts["quantize"] = ddp_bytes * (q + (world if single else 2) * dq)
         parts["chain"] = (1 if single else 2) * (world - 1) * world_link.latency
+    by_parts = None
+    if copy_step is not None:  # the layout's whole step, timed as training runs it; the parts add micro-batches
+        by_parts = sum(parts.values())
+        parts = {"copy": copy_step,
+                 "micro-batches": (micro - 1) / micro * (parts["compute"] + parts["tp"] + parts["ep"])}
     memory = memory_bytes(candidate, facts, compute)
-    return Prediction(candidate, parts, memory, memory <= machine.headroom * machine.device_memory_bytes)
+    return Prediction(candidate, parts, memory, memory <= machine.headroom * machine.device_memory_bytes, by_parts)
 
 
 def candidates(world_size: int, tp_sizes: Iterable[int] = (1,), ep_sizes: Iterable[int] = (1,),

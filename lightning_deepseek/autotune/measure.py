@@ -16,12 +16,12 @@
 - the gradient exchange: the fp32 all-reduce and the compression hook's own exchange of each candidate's replicated
   gradient bytes, on the world's process group, all ranks at once, interleaved (:func:`measure_exchange`): what
   the compressed exchange costs against the fp32 one where the ranks share the cores and gloo's threads.
-- the exchange in a training step: copies of the model, whole and sharded at each ``tp`` or ``ep`` size, wrapped in
-  DDP as the strategy wraps them, one per exchange (fp32 and each compression, the hook registered as training
-  registers it), training steps timed back to back, the copies taking turns (:func:`measure_exchange_in_backward`):
-  what compression adds or saves where the exchange runs beside backward, tensor or expert parallelism's
-  collectives and their gradient reduction, which the exchange timed alone does not see (benchmarks/RESULTS.md,
-  "Session 13", "Session 15", "Session 28").
+- training steps of whole layouts: copies of the model, whole and sharded at each ``tp`` or ``ep`` size, wrapped
+  in DDP as the strategy wraps them, one per exchange (fp32 and each compression, the hook registered as training
+  registers it), training steps timed back to back, the copies taking turns (:func:`measure_copy_steps`): each
+  layout's step as training runs it, its DDP exchange beside backward, tensor or expert parallelism's collectives
+  and their gradient reduction, and the optimizer, which parts timed apart and summed do not see: the ranks share
+  the cores, and the parts overlap (benchmarks/RESULTS.md, "Session 13", "Session 15", "Session 28", "Session 29").
 - links: :func:`lightning_deepseek.parallel.placement.probe_links` (reused, not duplicated).
 - device memory: the GPU's total memory, or the host's physical memory shared by its processes.
 Ranks measure different figures; :func:`agree` takes the slowest of every figure so that every rank decides the
@@ -34,7 +34,7 @@ import copy
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,36 +316,34 @@ class _Forward(nn.Module):
         return self._step()
 
 
-def measure_exchange_in_backward(module: pl.LightningModule, batch: MicroBatch,
-                                 shardings: Mapping[tuple[str, int], Shard], bits_options: tuple[int, ...],
-                                 bucket_bytes: int, repeats: int = 3,
-                                 steps: int = 2) -> dict[tuple[str, int, int], float]:
-    """``{(kind, size, bits): seconds}``: what compressing DDP's exchange to ``bits`` adds to a training step under
-    each sharding of ``shardings`` (``("tp", 2)``, ``("ep", 4)``..., ``("tp", 1)`` with a function that shards
-    nothing: the whole model; negative: saves), against the fp32 exchange (collective).
+def measure_copy_steps(module: pl.LightningModule, batch: MicroBatch, shardings: Mapping[tuple[str, int], Shard],
+                       copies: Iterable[tuple[str, int, int | None]], bucket_bytes: int, repeats: int = 3,
+                       steps: int = 2) -> dict[tuple[str, int, int | None], float]:
+    """``{(kind, size, bits): seconds}`` for each of ``copies``: the median training step of a DDP-wrapped copy of
+    ``module`` sharded by ``shardings[(kind, size)]`` (``("tp", 2)``, ``("ep", 4)``..., ``("tp", 1)`` with a
+    function that shards nothing: plain data parallelism) with the exchange ``bits`` (None: fp32) (collective).
 
-    For each sharding and each exchange (fp32, then every ``bits``): a copy of ``module``, sharded, wrapped in
-    ``DistributedDataParallel`` over the world with the shards (``DTensor`` parameters) ignored and
-    ``bucket_bytes`` buckets, as ``HybridParallelStrategy`` wraps it, and the compression hook registered on it
-    (warm-up steps 0). Every copy runs ``repeats`` rounds (after one warm-up round: DDP's bucket rebuild, the hook's
-    plans, the optimizer states) of ``steps`` training steps back to back after a barrier: forward, backward (which
-    returns once DDP's exchange has completed), the sharding's reduction of the shards' gradients, a step of the
-    module's own optimizer; the copies take turns round by round. The differences of the median steps from the
-    fp32 copy's are returned. Steps back to back, not single passes after a barrier: on the 1 Gbit testbed single
-    aligned passes saw compression under tp=2 save 6-16 ms where training measured it 13-18 ms slower
-    (benchmarks/RESULTS.md, "Session 15"). ``module`` and the random state are not touched.
+    Each copy is sharded, wrapped in ``DistributedDataParallel`` over the world with the shards (``DTensor``
+    parameters) ignored and ``bucket_bytes`` buckets, as ``HybridParallelStrategy`` wraps it, and, compressed, the
+    compression hook registered on it (warm-up steps 0). Every copy runs ``repeats`` rounds (after one warm-up round:
+    DDP's bucket rebuild, the hook's plans, the optimizer states) of ``steps`` training steps back to back after a
+    barrier: forward, backward (which returns once DDP's exchange has completed), the sharding's reduction of the
+    shards' gradients, a step of the module's own optimizer; the copies take turns round by round. Steps back to
+    back, not single passes after a barrier: on the 1 Gbit testbed single aligned passes saw compression under tp=2
+    save 6-16 ms where training measured it 13-18 ms slower (benchmarks/RESULTS.md, "Session 15"). ``module`` and
+    the random state are not touched.
 
     Raises:
         CopyError: ``module`` cannot be deep-copied (raised before any collective, on every rank alike).
     """
     device = next(module.parameters()).device
-    keys = [(sharding, bits) for sharding in shardings for bits in (None, *bits_options)]
-    copies = {key: replica(module) for key in keys}
-    configs, _ = _exchange_settings(bits_options)
+    keys = [((kind, size), bits) for kind, size, bits in copies]
+    replicas = {key: replica(module) for key in keys}
+    configs, _ = _exchange_settings(tuple(sorted({bits for _, bits in keys if bits is not None}, reverse=True)))
     wrapped: dict[tuple[tuple[str, int], int | None], DistributedDataParallel] = {}
     reductions: dict[tuple[tuple[str, int], int | None], Callable[[], None]] = {}
     optimizers: dict[tuple[tuple[str, int], int | None], torch.optim.Optimizer | None] = {}
-    for (sharding, bits), m in copies.items():
+    for (sharding, bits), m in replicas.items():
         reductions[(sharding, bits)] = shardings[sharding](m)
         optimizers[(sharding, bits)] = first_optimizer(m)
         if isinstance(m, pl.LightningModule):
@@ -374,9 +372,7 @@ def measure_exchange_in_backward(module: pl.LightningModule, batch: MicroBatch,
                     if i:  # the first round rebuilds DDP's buckets and makes the hook's plans
                         seconds[key].append(time.perf_counter() - start)
                     ddp.zero_grad(set_to_none=True)
-    median = {key: statistics.median(times) for key, times in seconds.items()}
-    return {(*sharding, bits): median[(sharding, bits)] - median[(sharding, None)]
-            for sharding, bits in keys if bits is not None}
+    return {(*sharding, bits): statistics.median(times) for (sharding, bits), times in seconds.items()}
 
 
 def measure_quantize(num_bytes: int, bits_options: tuple[int, ...] = (8, 4), device: torch.device | None = None,
@@ -488,15 +484,15 @@ def agree(values: list[float]) -> list[float]:
 def agree_compute(profile: ComputeProfile) -> ComputeProfile:
     """``profile`` with the slowest rank's figures (collective; every rank measured the same shardings)."""
     keys = sorted(profile.sharded)
-    in_backward = sorted(profile.exchange_in_backward)
+    steps = sorted(profile.copy_steps, key=lambda k: (k[0], k[1], -1 if k[2] is None else k[2]))
     f, b, a, r, o, *rest = agree([profile.forward_seconds, profile.backward_seconds,
                                   float(profile.activation_bytes), float(profile.routed_bytes),
                                   profile.optimizer_seconds, *(v for k in keys for v in profile.sharded[k]),
-                                  *(profile.exchange_in_backward[k] for k in in_backward)])
-    sharded, exchange = rest[:2 * len(keys)], rest[2 * len(keys):]
+                                  *(profile.copy_steps[k] for k in steps)])
+    sharded, copy_steps = rest[:2 * len(keys)], rest[2 * len(keys):]
     return ComputeProfile(f, b, int(a), int(r), profile.source, o,
                           {k: (sharded[2 * i], sharded[2 * i + 1]) for i, k in enumerate(keys)},
-                          dict(zip(in_backward, exchange)))
+                          dict(zip(steps, copy_steps)))
 
 
 def agree_exchange(seconds: dict[tuple[int, int | None], float]) -> dict[tuple[int, int | None], float]:

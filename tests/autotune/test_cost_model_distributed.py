@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from lightning_deepseek.autotune.auto_parallel import _shard_ep, _shard_tp
 from lightning_deepseek.autotune.cost_model import Candidate
-from lightning_deepseek.autotune.measure import MicroBatch, measure_exchange, measure_exchange_in_backward
+from lightning_deepseek.autotune.measure import MicroBatch, measure_copy_steps, measure_exchange
 from lightning_deepseek.compression import GradientCompression
 from lightning_deepseek.parallel import HybridParallelStrategy
 from lightning_deepseek.parallel.dims import ParallelDims
@@ -79,7 +79,7 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
     exchange_kept_rng = torch.equal(rng, torch.get_rng_state())
     # with gradient_as_bucket_view, no copies of the gradients into DDP's buckets and back
     bucket_view = measure_exchange([1 << 16], (8,), torch.device("cpu"), repeats=1, copies=False)
-    in_backward = _in_backward(world_size)
+    copy_steps = _copy_steps(world_size)
     moe = HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size="auto", min_shard_params=0)
     moe_run = _fit(world_size, moe, TinyLM(**MOE), [])
     return {
@@ -100,15 +100,16 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "decided_exchange": decision.exchange_seconds,
         "int8_parts": dict(decision.prediction(Candidate(1, 1, 8)).parts),
         "llama_exchange": ddp_compression.decision.exchange_seconds,
-        "in_backward": in_backward,
-        "decided_in_backward": decision.compute.exchange_in_backward,
+        "copy_steps": copy_steps,
+        "decided_copy_steps": decision.compute.copy_steps,
         "fp32_parts": dict(decision.prediction(Candidate(1)).parts),
-        "llama_in_backward": ddp_compression.decision.compute.exchange_in_backward,
+        "llama_copy_steps": ddp_compression.decision.compute.copy_steps,
+        "moe_copy_steps": moe.autotune_decision.compute.copy_steps,
     }
 
 
-def _in_backward(world_size: int) -> dict[str, Any]:
-    """``measure_exchange_in_backward`` on tp=2 and ep=2 copies of the tiny MoE GPT; the module itself must stay
+def _copy_steps(world_size: int) -> dict[str, Any]:
+    """``measure_copy_steps`` on tp=2 and ep=2 copies of the tiny MoE GPT; the module itself must stay
     untouched."""
     pl.seed_everything(1, verbose=False)
     module = TinyLM(**MOE)
@@ -119,8 +120,9 @@ def _in_backward(world_size: int) -> dict[str, Any]:
                  ("ep", 2): functools.partial(_shard_ep, ExpertParallelDims(world_size, 2), "cpu")}
     data = token_data(4)[:2]
     rng = torch.get_rng_state()
-    seconds = measure_exchange_in_backward(module, MicroBatch(data, False, "two rows", 32), shardings, (8, 4),
-                                           25 << 20, repeats=1)
+    copies = [(kind, 2, bits) for kind in ("tp", "ep") for bits in (None, 8, 4)]
+    seconds = measure_copy_steps(module, MicroBatch(data, False, "two rows", 32), shardings, copies, 25 << 20,
+                                 repeats=1)
     return {"seconds": seconds, "untouched": all(torch.equal(a, p) for a, p in zip(before, module.parameters())),
             "grads": all(p.grad is None for p in module.parameters()),
             "kept_rng": torch.equal(rng, torch.get_rng_state())}
@@ -150,7 +152,9 @@ def test_hybrid_auto_decides_tp_and_bits_from_measurements_and_prints_the_table(
     # tp=2 was timed on a sharded copy of the model (its collectives included), not predicted from bytes alone
     assert [tuple(k) for k in rank0["sharded"]] == [("tp", 2)] and rank0["optimizer_seconds"] > 0
     assert "sharding measured on copies (tp=2, 3 interleaved steps each" in table
-    assert rank0["tp2_parts"]["tp"] == rank1["tp2_parts"]["tp"] != 0  # agreed over ranks
+    # and its whole training step on a DDP-wrapped copy, which predicts it, agreed over ranks
+    assert rank0["tp2_parts"]["copy"] == rank1["tp2_parts"]["copy"] > 0
+    assert rank0["tp2_parts"]["copy"] == rank0["decided_copy_steps"][("tp", 2, None)]
 
 
 def test_bits_auto_under_ddp_decides_on_a_transformers_model(ranks) -> None:
@@ -185,30 +189,34 @@ def test_the_gradient_exchange_is_timed_on_the_world_group_and_decides_compressi
     assert decided == rank1["decided_exchange"] and all(v > 0 for v in decided.values())
     (size,) = {n for n, _ in decided}
     assert set(decided) == {(size, b) for b in (None, 8, 4)}
-    assert rank0["int8_parts"]["quantize"] == rank0["int8_parts"]["chain"] == 0.0
+    assert "quantize" not in rank0["int8_parts"]  # whole copies' steps predict it (the timed exchange: fallback)
     assert "gradient exchange measured on the world's group" in rank0["hybrid_tables"][0]
     assert rank0["llama_exchange"] == rank1["llama_exchange"] and len(rank0["llama_exchange"]) == 3
 
 
-def test_unsharded_compression_is_timed_in_training_steps_of_whole_copies(ranks) -> None:
+def test_every_layout_is_timed_in_training_steps_of_ddp_wrapped_copies(ranks) -> None:
     rank0, rank1 = ranks
-    # the hybrid auto settings (tp=1 compressed candidates; tp=2 leaves one dp rank: none) and bits="auto" under
-    # plain DDP time fp32 against int8 and int4 on whole DDP-wrapped copies, agreed over ranks
-    decided = rank0["decided_in_backward"]
-    assert decided == rank1["decided_in_backward"] and set(decided) == {("tp", 1, 8), ("tp", 1, 4)}
-    assert set(rank0["llama_in_backward"]) == {("tp", 1, 8), ("tp", 1, 4)}
-    assert rank0["llama_in_backward"] == rank1["llama_in_backward"]
-    # and the compressed candidates are predicted from them
-    assert rank0["int8_parts"]["dp"] == pytest.approx(max(0.0, rank0["fp32_parts"]["dp"] + decided[("tp", 1, 8)]))
+    # the hybrid auto settings (unsharded fp32, int8, int4; tp=2 leaves one dp rank: fp32 only), bits="auto" under
+    # plain DDP (unsharded, each exchange) and expert_parallel_size="auto" (ep=1 and ep=2, fp32): each candidate's
+    # layout and exchange timed on a whole DDP-wrapped copy, agreed over ranks
+    decided = rank0["decided_copy_steps"]
+    assert decided == rank1["decided_copy_steps"]
+    assert set(decided) == {("tp", 1, None), ("tp", 1, 8), ("tp", 1, 4), ("tp", 2, None)}
+    assert set(rank0["llama_copy_steps"]) == {("tp", 1, b) for b in (None, 8, 4)}
+    assert rank0["llama_copy_steps"] == rank1["llama_copy_steps"]
+    assert set(rank0["moe_copy_steps"]) == {("tp", 1, None), ("ep", 2, None)}
+    assert all(v > 0 for v in [*decided.values(), *rank0["moe_copy_steps"].values()])
+    # and the candidates are predicted from them
+    assert rank0["fp32_parts"]["copy"] == decided[("tp", 1, None)]
+    assert rank0["int8_parts"]["copy"] == decided[("tp", 1, 8)]
     (table,) = rank0["hybrid_tables"]
-    assert "compression measured in training steps of DDP-wrapped copies (unsharded" in table
-    assert "compression in a training step, over fp32: unsharded int4" in table
-    assert "compression measured in training steps of DDP-wrapped copies (unsharded" in rank0["llama_tables"][0]
+    assert "training steps measured on 4 DDP-wrapped copies (unsharded, tp=2" in table
+    assert "training steps of the copies: unsharded fp32" in table
+    assert "training steps measured on 3 DDP-wrapped copies (unsharded" in rank0["llama_tables"][0]
 
 
-def test_compression_is_timed_in_training_steps_of_tensor_and_expert_parallel_copies(ranks) -> None:
-    rank0, rank1 = ranks
-    for rank in ranks:  # fp32 against int8 and int4 on DDP-wrapped tp=2 and ep=2 copies: finite, no side effects
-        assert set(rank["in_backward"]["seconds"]) == {(k, 2, b) for k in ("tp", "ep") for b in (8, 4)}
-        assert all(abs(v) < 5 for v in rank["in_backward"]["seconds"].values())
-        assert all(rank["in_backward"][k] for k in ("untouched", "grads", "kept_rng"))
+def test_tensor_and_expert_parallel_copies_are_timed_in_training_steps(ranks) -> None:
+    for rank in ranks:  # fp32, int8 and int4 on DDP-wrapped tp=2 and ep=2 copies: positive, no side effects
+        assert set(rank["copy_steps"]["seconds"]) == {(k, 2, b) for k in ("tp", "ep") for b in (None, 8, 4)}
+        assert all(0 < v < 5 for v in rank["copy_steps"]["seconds"].values())
+        assert all(rank["copy_steps"][k] for k in ("untouched", "grads", "kept_rng"))
