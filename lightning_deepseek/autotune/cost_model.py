@@ -436,8 +436,8 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
     by_parts = None
     if copy_step is not None:  # the layout's whole step, timed as training runs it; the parts add micro-batches
         by_parts = sum(parts.values())
-        parts = {"copy": copy_step,
-                 "micro-batches": (micro - 1) / micro * (parts["compute"] + parts["tp"] + parts["ep"])}
+        further = (micro - 1) / micro * (parts["compute"] + parts["tp"] + parts["ep"])
+        parts = {"copy": copy_step, **({"micro-batches": further} if micro > 1 else {})}
     memory = memory_bytes(candidate, facts, compute)
     return Prediction(candidate, parts, memory, memory <= machine.headroom * machine.device_memory_bytes, by_parts)
 
