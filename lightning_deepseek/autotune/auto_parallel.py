@@ -162,10 +162,10 @@ def _measure_copies(module: pl.LightningModule, measured: Measured, options: Seq
     # every candidate unsharded or sharded one way (tp or ep): a DDP-wrapped copy of its layout and exchange
     copies = sorted({(*c.layout, c.bits) for c in options if c.layout is not None},
                     key=lambda k: (k[0], k[1], -1 if k[2] is None else -k[2]))
-    exchanged = {key: shard for key, shard in {("tp", 1): _unsharded, **shardings}.items()
-                 if any(k[:2] == key for k in copies)}
-    if not (shardings or exchanged) or repeats < 1 or measured.batch is None:
-        why = " (every candidate predicted by its parts: copies not measured)" if shardings or exchanged else ""
+    layouts = {key: shard for key, shard in {("tp", 1): _unsharded, **shardings}.items()
+               if any(k[:2] == key for k in copies)}
+    if not (shardings or layouts) or repeats < 1 or measured.batch is None:
+        why = " (every candidate predicted by its parts: copies not measured)" if shardings or layouts else ""
         return dataclasses.replace(measured, compute=dataclasses.replace(
             measured.compute, source=measured.compute.source + why))
     replicated = memory_bytes(Candidate(), facts, measured.compute)
@@ -188,12 +188,12 @@ def _measure_copies(module: pl.LightningModule, measured: Measured, options: Seq
     middle = time.perf_counter()
     copy_steps: dict[tuple[str, int, int | None], float] = {}
     try:
-        copy_steps = measure_copy_steps(module, measured.batch, exchanged, copies, machine.bucket_bytes, repeats)
+        copy_steps = measure_copy_steps(module, measured.batch, layouts, copies, machine.bucket_bytes, repeats)
     except (RuntimeError, CopyError) as exc:  # DDP's own refusal (unused parameters...), alike on every rank
         rank_zero_info(f"cost model: the layouts' training steps not timed ({exc}); predicted by their parts")
     if copy_steps:
-        layouts = ", ".join("unsharded" if n == 1 else f"{k}={n}" for k, n in exchanged)
-        source += (f"; training steps measured on {len(copies)} DDP-wrapped copies ({layouts}, "
+        named = ", ".join("unsharded" if n == 1 else f"{k}={n}" for k, n in layouts)
+        source += (f"; training steps measured on {len(copies)} DDP-wrapped copies ({named}, "
                    f"{time.perf_counter() - middle:.1f} s)")
     compute = agree_compute(dataclasses.replace(measured.compute, optimizer_seconds=optimizer, sharded=sharded,
                                                 copy_steps=copy_steps))

@@ -400,7 +400,7 @@ def predict(candidate: Candidate, facts: ModelFacts, compute: ComputeProfile, ma
     elif timed_fp32 is not None:  # free cores: backward hides the exchange as timed, except its last bucket
         fp32_exposed = max(fp32_exposed, timed_fp32 - machine.overlap * backward, timed_fp32 * last_bucket)
 
-    copy_step = compute.copy_steps.get((*candidate.layout, candidate.bits)) if candidate.layout else None
+    copy_step = compute.copy_steps.get((*candidate.layout, candidate.bits)) if candidate.layout is not None else None
     measured_exchange = [machine.exchange_seconds.get((ddp_bytes, b)) for b in (None, candidate.bits)]
     if candidate.bits is None or None in measured_exchange:
         measured_exchange = None
