@@ -331,9 +331,9 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
             lines += [f"With every measured step scaled by the CPU share the host left it (t x (1 - stolen)): "
                       f"Spearman {spearman([predicted[k] for k in labels], [adjusted[k] for k in labels]):.2f}; "
                       f"measured vs measured {', '.join(f'{x:.2f}' for x in adjusted_stability) or 'n/a'}", ""]
+        def rho_of(field: str, row: dict, labels: list[str] = labels) -> str:
+            return f"{spearman([row[field][k] for k in labels], [row['measured'][k] for k in labels]):.2f}"
         if any(r.get("by_parts") for r in rows):
-            def rho_of(field: str, row: dict, labels: list[str] = labels) -> str:
-                return f"{spearman([row[field][k] for k in labels], [row['measured'][k] for k in labels]):.2f}"
             parts = {k: statistics.median(r["by_parts"][k] for r in rows) for k in labels}
             lines += [f"Each layout predicted from its DDP-wrapped copies' training steps (first repetition: "
                       f"{', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in rows[0]['copy_steps'].items())}). Spearman "
@@ -342,8 +342,6 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
                       f"{', '.join(rho_of('by_parts', r) for r in rows)}; with the copies: "
                       f"{', '.join(rho_of('predicted', r) for r in rows)})", ""]
         elif any(r.get("in_backward") for r in rows):  # runs recorded before session 29
-            def rho_of(field: str, row: dict, labels: list[str] = labels) -> str:
-                return f"{spearman([row[field][k] for k in labels], [row['measured'][k] for k in labels]):.2f}"
             alone = {k: statistics.median(r["alone"][k] for r in rows) for k in labels}
             inside = ", ".join(f"{k} {v * 1e3:+.0f} ms" for k, v in rows[0]["in_backward"].items())
             lines += [f"Compression under sharding timed in the copies' training steps at setup (over fp32, first "
