@@ -4,7 +4,10 @@ Reads ``bench_cost_model.py --json`` runs recorded with the fp32 copies' median 
 ``s28-direct``, ``*_s28_copysteps.json``) and ranks, against the same runs' grids, the cost model's predictions and
 the copies' own: the layout's fp32 copy step plus the measured compression difference (``in_backward``); a layout
 without a copy keeps the cost model's figure. Prints Spearman and the resolved pairs for both, and the choice each
-repetition's copies would make (the cost model's rule: the simplest candidate within 5% of the fastest)::
+repetition's copies would make (the cost model's rule: the simplest candidate within 5% of the fastest). The rule
+landed in session 29 (``cost_model.predict``, ``measure.measure_copy_steps``); runs recorded since carry each copy's
+step (``copy_steps``) and the parts' prediction (``by_parts``) and are compared by ``bench_cost_model.py --report``.
+This replay stays for the session 28 runs it was judged on::
 
     .venv/bin/python benchmarks/autotune/whatif_copy_steps.py benchmarks/autotune/*_s28_copysteps.json
 """
