@@ -1,4 +1,4 @@
-# The README's two commands: `make demo` (the main job) and `make test` (the suite).
+# The README's two commands: `make demo` (the main job) and `make test` (lint, import contracts, the suite).
 # Each creates .venv on first use. TORCH is pinned so that pip takes the CPU wheel on this machine
 # instead of a multi-GB CUDA build; override it (make TORCH=2.11.0) on a GPU machine.
 PYTHON ?= python3
@@ -22,10 +22,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports  # the layering declared in pyproject.toml: the library never imports the app
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) outputs multirun lightning_logs

@@ -22,9 +22,9 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import Dataset
 
-from lightning_deepseek import GPTConfig, LightningGPT, TextDataModule
-from lightning_deepseek.data import read_corpus
+from lightning_deepseek.data import TextDataModule, read_corpus
 from lightning_deepseek.elastic import ElasticTraining
+from lightning_deepseek.models import GPTConfig, LightningGPT
 
 
 class IndexedWindows(Dataset):

@@ -19,8 +19,9 @@ import lightning.pytorch as pl
 import optuna
 import torch
 
-from lightning_deepseek import LightningGPT, OptunaPruning, TextDataModule, search
-from lightning_deepseek.models import PRESETS, GPTConfig
+from lightning_deepseek import OptunaPruning, search
+from lightning_deepseek.data import TextDataModule
+from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
 
 
 def main() -> None:

@@ -5,8 +5,8 @@
 
 import lightning.pytorch as pl
 
-from lightning_deepseek import GPTConfig, LightningGPT, TextDataModule
-from lightning_deepseek.models import PRESETS
+from lightning_deepseek.data import TextDataModule
+from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
 
 
 def main() -> None:

@@ -22,8 +22,9 @@ def test_every_public_name_resolves() -> None:
 def test_training_components_import_without_optuna_or_hydra() -> None:
     # The GPU machines have torch and Lightning but not the search stack: benchmarks there import these names.
     code = ("import sys\nfor m in ('optuna', 'hydra', 'omegaconf'): sys.modules[m] = None\n"
-            "from lightning_deepseek import (GPTConfig, GradientCompression, HybridParallelStrategy, LightningGPT,\n"
-            "                                StagedPrecision, TextDataModule)\n"
+            "from lightning_deepseek import GradientCompression, HybridParallelStrategy, StagedPrecision\n"
+            "from lightning_deepseek.data import TextDataModule\n"
+            "from lightning_deepseek.models import GPTConfig, LightningGPT\n"
             "assert 'optuna' not in [m for m, v in sys.modules.items() if v is not None]\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -44,8 +45,8 @@ def test_a_built_wheel_carries_the_hydra_configs(tmp_path: Path) -> None:
         shutil.rmtree(root / "build", ignore_errors=True)
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = tmp_path.glob("*.whl")
-    shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.startswith("lightning_deepseek/conf/")}
-    configs = {str(p.relative_to(root)) for p in (root / "lightning_deepseek" / "conf").rglob("*.yaml")}
+    shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.startswith("lightning_deepseek/app/conf/")}
+    configs = {str(p.relative_to(root)) for p in (root / "lightning_deepseek" / "app" / "conf").rglob("*.yaml")}
     assert configs and shipped == configs
 
 

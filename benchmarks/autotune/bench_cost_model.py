@@ -79,7 +79,7 @@ def fit_step_times(config: dict, batch: int, seq: int, steps: int, strategy, cal
     from torch.utils.data import DataLoader, TensorDataset
 
     from benchmarks.timed_gpt import TimedGPT
-    from lightning_deepseek.autotune.steal import cpu_times, stolen_share
+    from lightning_deepseek.app.tune.steal import cpu_times, stolen_share
     from lightning_deepseek.models import GPTConfig
     from lightning_deepseek.models.gpt import PRESETS
 

@@ -50,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from lightning_deepseek.autotune.steal import cpu_times, stolen_share  # noqa: E402
+from lightning_deepseek.app.tune.steal import cpu_times, stolen_share  # noqa: E402
 
 LDS_TRAIN = ROOT / ".venv" / "bin" / "lds-train"
 COMMON = ["plot=false", "trainer.enable_progress_bar=false", "trainer.limit_val_batches=2"]

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from benchmarks.timed_gpt import TimedGPT  # noqa: E402
 from lightning_deepseek import HybridParallelStrategy  # noqa: E402
-from lightning_deepseek.autotune.steal import cpu_times  # noqa: E402
+from lightning_deepseek.app.tune.steal import cpu_times  # noqa: E402
 from lightning_deepseek.compression import GradientCompression  # noqa: E402
 from lightning_deepseek.models import GPTConfig  # noqa: E402
 

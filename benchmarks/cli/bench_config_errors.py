@@ -29,9 +29,9 @@ ENTRY = """
 import sys
 sys.argv[0] = "lds-train"
 try:
-    from lightning_deepseek.console import train
+    from lightning_deepseek.app.console import train
 except ImportError:
-    from lightning_deepseek.cli import train
+    from lightning_deepseek.app.cli import train
 train()
 """
 

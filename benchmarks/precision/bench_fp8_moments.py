@@ -34,7 +34,8 @@ from bench_precision import (  # same directory
     train_and_measure,
 )
 
-from lightning_deepseek import LightningGPT, StagedPrecision
+from lightning_deepseek import StagedPrecision
+from lightning_deepseek.models import LightningGPT
 from lightning_deepseek.optim import AdamW
 
 PARTS = {"fp8": ("BF16", "FP8"), "moments": ("FP32 moments", "BF16 moments", "BF16 moments, nearest rounding")}

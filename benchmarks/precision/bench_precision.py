@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_deepseek import GPTConfig, LightningGPT, StagedPrecision, TextDataModule
-from lightning_deepseek.models import PRESETS
+from lightning_deepseek import StagedPrecision
+from lightning_deepseek.data import TextDataModule
+from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
 
 CONFIGS = ("FP32", "FP16", "BF16", "staged")
 DEFAULTS = {  # per device: size, steps, batch size, block size, repetitions

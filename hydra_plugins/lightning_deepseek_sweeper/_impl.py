@@ -52,7 +52,7 @@ from hydra.types import HydraContext, TaskFunction
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_deepseek.errors import USER_ERROR_EXIT, USER_ERROR_PREFIX, exit_on_user_error
+from lightning_deepseek.app.errors import USER_ERROR_EXIT, USER_ERROR_PREFIX, exit_on_user_error
 from lightning_deepseek.hpo.loop import FatalTrialError, SweepFailedError, run_trials, sweep_failure
 from lightning_deepseek.hpo.report import dashboard_command, write_report
 from lightning_deepseek.hpo.space import (

@@ -139,7 +139,7 @@ class ElasticTraining(Callback):
             raise TypeError(
                 "ElasticTraining needs a LightningDataModule with a `batch_size` attribute and a `train_sampler` "
                 "attribute (None by default) that train_dataloader() passes as `sampler=` when set, like "
-                "lightning_deepseek.TextDataModule. Add both to your datamodule and call trainer.fit(model, "
+                "lightning_deepseek.data.TextDataModule. Add both to your datamodule and call trainer.fit(model, "
                 "datamodule=...)."
             )
         # Data shards follow the strategy (a tensor-parallel strategy may place them by mesh coordinate).

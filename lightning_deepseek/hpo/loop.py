@@ -35,7 +35,6 @@ from optuna.trial import TrialState
 
 from lightning_deepseek.hpo.report import count_states
 from lightning_deepseek.hpo.space import suggest
-from lightning_deepseek.processes import pid_alive
 
 OWNER_ATTR = "lds_owner"
 LOST_ATTR = "lds_lost"  # FAIL because its sweeper died or was interrupted, not because the job failed
@@ -124,7 +123,7 @@ def fail_stale_trials(study: optuna.Study) -> list[int]:
         # A live sweeper records itself milliseconds after ask(); no owner a minute later means it died in between.
         orphan = owner is None and (now - trial.datetime_start).total_seconds() > ORPHAN_AFTER_S
         dead = (owner is not None and owner.get("host") == host and owner.get("pid") != os.getpid()
-                and not pid_alive(owner.get("pid", 0)))
+                and not _pid_alive(owner.get("pid", 0)))
         if orphan or dead:
             _fail_lost(study, trial, "its sweeper process died")
             stale.append(trial.number)
@@ -246,3 +245,16 @@ def run_trials(study: optuna.Study, space: Mapping[str, BaseDistribution], run_t
                 future.cancel()
                 _fail_lost(study, trial, "the sweep was interrupted")
     return SweepOutcome(count_states(study), num_finished, num_failed, aborted, fatal_trial)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host (one of another user counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

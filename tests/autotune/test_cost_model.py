@@ -273,7 +273,7 @@ def test_lds_train_compression_auto_preset_builds_the_callback() -> None:
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from lightning_deepseek.cli import CONFIG_DIR
+    from lightning_deepseek.app.cli import CONFIG_DIR
 
     with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=["compression=auto"])

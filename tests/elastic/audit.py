@@ -12,9 +12,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from lightning_deepseek import GPTConfig, LightningGPT
 from lightning_deepseek.data import read_corpus
 from lightning_deepseek.elastic import find_latest
+from lightning_deepseek.models import GPTConfig, LightningGPT
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "elastic_train.py"

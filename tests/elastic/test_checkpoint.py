@@ -10,8 +10,10 @@ import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_deepseek import GPTConfig, LightningGPT, StagedPrecision, TextDataModule
+from lightning_deepseek import StagedPrecision
+from lightning_deepseek.data import TextDataModule
 from lightning_deepseek.elastic import CheckpointMismatchError, ElasticTraining, find_latest
+from lightning_deepseek.models import GPTConfig, LightningGPT
 from tests.elastic.audit import write_corpus
 
 GLOBAL_BATCH = 8

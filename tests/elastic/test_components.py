@@ -19,8 +19,10 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.tensor import DTensor
 
-from lightning_deepseek import GPTConfig, GradientCompression, HybridParallelStrategy, LightningGPT, TextDataModule
+from lightning_deepseek import GradientCompression, HybridParallelStrategy
+from lightning_deepseek.data import TextDataModule
 from lightning_deepseek.elastic import ElasticTraining
+from lightning_deepseek.models import GPTConfig, LightningGPT
 from tests.elastic.audit import write_corpus
 from tests.helpers import run_distributed
 

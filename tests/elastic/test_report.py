@@ -7,8 +7,9 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from lightning_deepseek import GPTConfig, LightningGPT, TextDataModule
+from lightning_deepseek.data import TextDataModule
 from lightning_deepseek.elastic import ElasticTraining, GradNormMonitor, Reports, write_report
+from lightning_deepseek.models import GPTConfig, LightningGPT
 from tests.elastic.audit import write_corpus
 
 

@@ -50,8 +50,8 @@ def test_ddp_and_ddp_strategy_keywords_still_pass_through() -> None:
 
 
 def test_misspelt_lds_train_override_names_the_key(capsys: pytest.CaptureFixture[str]) -> None:
-    from lightning_deepseek.cli import CONFIG_DIR
-    from lightning_deepseek.errors import exit_on_user_error
+    from lightning_deepseek.app.cli import CONFIG_DIR
+    from lightning_deepseek.app.errors import exit_on_user_error
 
     with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=["strategy=hybrid", "+strategy.tensor_paralel_size=2"])

@@ -31,7 +31,7 @@ def write_gpt_folder(world_size: int, folder: Path) -> dict[str, Any]:
 
 
 def test_lds_sample_reads_the_dcp_folder(two_ranks: dict[str, Any]) -> None:
-    from lightning_deepseek.sampling import load_model
+    from lightning_deepseek.app.sampling import load_model
 
     result = two_ranks["gpt_folder"]
     folder = Path(result["folder"])

@@ -197,8 +197,9 @@ def sample_checkpoint(world_size: int, folder: str) -> dict[str, Any]:
 
 def elastic(world_size: int, folder: str) -> dict[str, Any]:
     """ElasticTraining at ep=2: 6 steps uninterrupted, and 3 steps then a resume to 6 (full weights and biases)."""
-    from lightning_deepseek import GPTConfig, LightningGPT, TextDataModule
+    from lightning_deepseek.data import TextDataModule
     from lightning_deepseek.elastic import ElasticTraining
+    from lightning_deepseek.models import GPTConfig, LightningGPT
     from tests.elastic.audit import write_corpus
 
     def run(run_dir: Path, max_steps: int) -> dict[str, np.ndarray]:
@@ -350,8 +351,8 @@ def test_elastic_training_resumes_an_expert_parallel_job_bitwise(result: dict[st
 def test_lds_sample_reads_an_expert_parallel_checkpoint(result: dict[str, Any]) -> None:
     from omegaconf import OmegaConf
 
-    from lightning_deepseek.cli import run_sampling
-    from lightning_deepseek.sampling import load_model
+    from lightning_deepseek.app.cli import run_sampling
+    from lightning_deepseek.app.sampling import load_model
 
     ckpt = Path(result["sample"]["ckpt"])
     weights = {name: p.detach().numpy() for name, p in load_model(ckpt).named_parameters()}

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lightning_deepseek.cli import CONFIG_DIR
-from lightning_deepseek.training import run_training
+from lightning_deepseek.app.cli import CONFIG_DIR
+from lightning_deepseek.app.training import run_training
 
 TINY = ["model=tiny", "precision=staged", "trainer.devices=1", "trainer.max_steps=10", "data.batch_size=4",
         "trainer.val_check_interval=10", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",

@@ -13,8 +13,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_deepseek import GPTConfig, LightningGPT, StagedPrecision, TextDataModule
-from lightning_deepseek.models import PRESETS
+from lightning_deepseek import StagedPrecision
+from lightning_deepseek.data import TextDataModule
+from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
 from lightning_deepseek.precision import float8
 from lightning_deepseek.precision.float8 import Float8ConfigError, Float8Training
 from tests.precision.tiny import TinyRegressor, make_trainer, regression_data

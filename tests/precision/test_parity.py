@@ -5,8 +5,9 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 
-from lightning_deepseek import GPTConfig, LightningGPT, StagedPrecision, TextDataModule
-from lightning_deepseek.models import PRESETS
+from lightning_deepseek import StagedPrecision
+from lightning_deepseek.data import TextDataModule
+from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
 
 
 def _val_loss(plugin: StagedPrecision | None, cache_dir) -> float:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lightning_deepseek.cli import run_sampling
-from lightning_deepseek.run import CONFIG_DIR
+from lightning_deepseek.app.cli import run_sampling
+from lightning_deepseek.app.run import CONFIG_DIR
 
 BIN = Path(sys.executable).parent
 TINY = ["model=tiny", "data.batch_size=8", "trainer.val_check_interval=20", "trainer.limit_val_batches=5",
@@ -62,7 +62,7 @@ def test_run_folder_has_plot_logs_and_checkpoint(trained_run) -> None:
 
 def test_sample_prints_text_from_checkpoint(trained_run, capsys: pytest.CaptureFixture[str]) -> None:
     # lds-sample's own code on Hydra's compose, in this process (a fresh one would spend ~10 s importing torch):
-    # tests/test_config_errors.py runs the console script itself.
+    # tests/app/test_config_errors.py runs the console script itself.
     run_dir, _ = trained_run
     overrides = [f"ckpt={run_dir / 'checkpoints' / 'last.ckpt'}", "prompt=Python", "max_new_tokens=40"]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
@@ -72,7 +72,8 @@ def test_sample_prints_text_from_checkpoint(trained_run, capsys: pytest.CaptureF
     assert stdout.startswith("Python") and len(stdout) >= 40
 
 
-# Two cases as real processes, for the run folder's log; tests/test_config_errors.py has the whole battery in-process.
+# Two cases as real processes, for the run folder's log; tests/app/test_config_errors.py has the whole battery
+# in-process.
 @pytest.mark.parametrize("args, needle", [
     (["data.path=/nonexistent/corpus.txt"], "data.path='/nonexistent/corpus.txt' does not exist"),
     (["+trainer.max_step=5"], "trainer.max_step is not an argument of Lightning's Trainer: did you mean "

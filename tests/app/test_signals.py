@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 BIN = Path(sys.executable).parent
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_STEPS = 16
 ARGS = ["model=tiny", "strategy=ddp", "compression=none", "data.batch_size=4", "trainer.devices=2",
         f"trainer.max_steps={MAX_STEPS}", "trainer.val_check_interval=4", "trainer.limit_val_batches=1",

@@ -90,7 +90,7 @@ class RunSummary(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        from lightning_deepseek.checkpointing import RunInterrupted
+        from lightning_deepseek.app.checkpointing import RunInterrupted
 
         if isinstance(exception, RunInterrupted):  # every rank stopped at the same step: report as at the end
             self._finish(trainer, stopped_by=str(exception))

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import sys
 
-from lightning_deepseek.signals import OUTSIDE_TRAINING
+from lightning_deepseek.app.signals import OUTSIDE_TRAINING
 
 
 def train() -> None:
     """``lds-train``."""
     OUTSIDE_TRAINING.install(sys.argv[1:])
-    from lightning_deepseek import cli
+    from lightning_deepseek.app import cli
 
     cli.train()
 
 
 def sample() -> None:
     """``lds-sample``."""
-    from lightning_deepseek import cli
+    from lightning_deepseek.app import cli
 
     cli.sample()

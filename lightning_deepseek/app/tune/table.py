@@ -1,7 +1,7 @@
 """The calibration's result: one :class:`Row` per candidate, the :class:`Calibration` (table, choice, summary
 rows, ``tune.txt``/``tune.json``) and :class:`TuneReport`, which carries its rows into the run summary.
 
-Kept apart from :mod:`~lightning_deepseek.autotune.calibrate`, which measures the candidates and decides: this
+Kept apart from :mod:`~lightning_deepseek.app.tune.calibrate`, which measures the candidates and decides: this
 module is only the record of what was measured and how it is shown.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_deepseek.autotune.candidates import Candidate
+from lightning_deepseek.app.tune.candidates import Candidate
 
 STEAL_WARNING = 0.05  # the table warns from this share of the CPU taken by the host during the calibration
 
@@ -59,7 +59,7 @@ class Calibration:
             DDP stayed.
         margin: the gain over plain DDP the fastest other needed (``min_gain`` or the measured noise, the larger).
         stolen: the share of this machine's CPU its hypervisor gave to other guests during the calibration
-            (:mod:`~lightning_deepseek.autotune.steal`; 0 on bare metal or where unknown).
+            (:mod:`~lightning_deepseek.app.tune.steal`; 0 on bare metal or where unknown).
         paired: the others measured against plain DDP in paired rounds (``tune.budget``; empty: none ran), each
             round's plain DDP mean step time over the other's.
     """

@@ -39,8 +39,8 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_deepseek.checkpoint_files import LAST, META, checkpoints_in, is_complete
-from lightning_deepseek.signals import EXIT_CODES, OUTSIDE_TRAINING, exit_code
+from lightning_deepseek.app.checkpoint_files import LAST, META, checkpoints_in, is_complete
+from lightning_deepseek.app.signals import EXIT_CODES, OUTSIDE_TRAINING, exit_code
 
 __all__ = ["EXIT_CODES", "RunCheckpoint", "RunInterrupted", "checkpoint_model_config", "checkpoints_in",
            "is_complete"]

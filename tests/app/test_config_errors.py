@@ -23,11 +23,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from lightning_deepseek.cli import run_sampling
-from lightning_deepseek.errors import user_errors_exit
+from lightning_deepseek.app.cli import run_sampling
+from lightning_deepseek.app.errors import user_errors_exit
+from lightning_deepseek.app.run import CONFIG_DIR, RunFolder
+from lightning_deepseek.app.training import prepare_training
 from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
-from lightning_deepseek.run import CONFIG_DIR, RunFolder
-from lightning_deepseek.training import prepare_training
 from tests.helpers import Background
 
 BIN = Path(sys.executable).parent
@@ -126,7 +126,7 @@ TORCH_CASES = [
     _case("+callbacks.extra._target_=no.such.Callback", "no.such.Callback"),
     _case("trainer.accelerator=gpu", "trainer.accelerator=gpu but this machine has no GPU", marks=NO_GPU),
 ]
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 # The issue's cases (and the ones only the command line shows: `~`, hydra.run.dir) run lds-train's whole entry
 # point; the others its configuration check (cli.check_training_config) on Hydra's compose, once each: the entry
@@ -141,8 +141,8 @@ _BATTERY = """
 import contextlib, io, json, sys
 from pathlib import Path
 from hydra import compose, initialize_config_dir
-from lightning_deepseek import cli, console
-from lightning_deepseek.run import CONFIG_DIR, RunFolder
+from lightning_deepseek.app import cli, console
+from lightning_deepseek.app.run import CONFIG_DIR, RunFolder
 
 def run(job):
     err = io.StringIO()
@@ -303,6 +303,6 @@ def test_trainer_arguments_read_from_lightnings_source_equal_its_signature() -> 
 
     import lightning.pytorch as pl
 
-    from lightning_deepseek.config_checks import trainer_arguments
+    from lightning_deepseek.app.config_checks import trainer_arguments
 
     assert trainer_arguments() == set(inspect.signature(pl.Trainer.__init__).parameters) - {"self"}

@@ -4,7 +4,7 @@ Plain DDP stays unless the fastest other beats it by ``tune.min_gain`` and by ``
 of their difference, estimated from the spread of the two candidates' own timed steps (:func:`noise`). Why: a few
 timed steps of two configurations within ~10% of each other cannot rank them by a 3% criterion; on the idle
 loopback, int8 measured 1.033x of plain DDP in 2 rounds of 2 steps while the exhaustive grid put it at 0.91x
-(benchmarks/RESULTS.md). Measured against the recorded calibrations in tests/autotune/test_calibrate_choice.py.
+(benchmarks/RESULTS.md). Measured against the recorded calibrations in tests/app/tune/test_calibrate_choice.py.
 
 Every rank decides alike: the step times are the slowest rank's (``calibrate._StepTimer``).
 
@@ -29,8 +29,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_deepseek.autotune.candidates import Candidate
-from lightning_deepseek.autotune.table import Row
+from lightning_deepseek.app.tune.candidates import Candidate
+from lightning_deepseek.app.tune.table import Row
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """``lds-train tune=quick|grid``: measure candidate configurations inside the training processes, train with the
 fastest.
 
-Each candidate (:mod:`~lightning_deepseek.autotune.candidates`: strategy, tp/ep sizes, compression, DDP bucket
+Each candidate (:mod:`~lightning_deepseek.app.tune.candidates`: strategy, tp/ep sizes, compression, DDP bucket
 size) is one trial of an Optuna study with a throughput objective, run by the project's own trial loop
 (:func:`lightning_deepseek.hpo.loop.run_trials`): a short ``Trainer.fit`` of a freshly seeded model on the run's
 own data, ``tune.warmup_steps`` untimed steps then ``tune.steps`` timed ones. Plain DDP without compression is
@@ -23,7 +23,7 @@ steps at plain DDP's measured step time) settles the leading others against plai
 share after the rounds above: they are measured back to back, round after round, until paired rounds order each
 against plain DDP beyond the noise (taken at ``tune.paired_margin`` standard errors beyond ``min_gain`` from the
 fifth round on, dropped at ``tune.noise_margin`` short of it from the third) or the share is spent (:func:`_settle`;
-the verdict is :func:`~lightning_deepseek.autotune.choice.settle`). Two timed steps a round cannot order a candidate
+the verdict is :func:`~lightning_deepseek.app.tune.choice.settle`). Two timed steps a round cannot order a candidate
 within ~10% of plain DDP where a fit's speed swings more than that between fits (the 10 Gbit MoE: hybrid tp=2 1.10x
 of plain DDP by the median of 5 repetitions of an exhaustive grid, 0.90-1.14x by repetition; the short calibration
 kept plain DDP 5 of 5, benchmarks/RESULTS.md "Session 19"); a run of thousands of steps can afford the rounds that
@@ -42,10 +42,10 @@ same choice, with no message passing beyond that.
 
 The training that follows is untouched: the run's config with the chosen candidate applied
 (:meth:`Candidate.apply`) goes through ``prepare_training`` as a direct run would, re-seeded, so its losses equal
-those of ``lds-train <the choice's overrides> tune=none`` (tests/autotune/test_calibrate.py checks this).
+those of ``lds-train <the choice's overrides> tune=none`` (tests/app/tune/test_calibrate.py checks this).
 The choice (plain DDP unless another is faster by more than the margin and the measured noise) is
-:func:`~lightning_deepseek.autotune.choice.choose`. The table (``tune.txt``, ``tune.json`` in the run folder) and
-the summary rows come from :class:`~lightning_deepseek.autotune.table.Calibration`.
+:func:`~lightning_deepseek.app.tune.choice.choose`. The table (``tune.txt``, ``tune.json`` in the run folder) and
+the summary rows come from :class:`~lightning_deepseek.app.tune.table.Calibration`.
 """
 
 from __future__ import annotations
@@ -73,12 +73,12 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import CategoricalDistribution
 from typing_extensions import override
 
-from lightning_deepseek.autotune.candidates import PLAIN_DDP, Candidate, candidates, describe_forced, forced_settings
-from lightning_deepseek.autotune.checks import nothing_to_choose, task_overrides
-from lightning_deepseek.autotune.choice import MIN_TAKE_ROUNDS, Choice, choose, paired_choice, settle
-from lightning_deepseek.autotune.steal import cpu_times, stolen_share
-from lightning_deepseek.autotune.sweep_choice import publish, reused, shared_choice, sweep_table
-from lightning_deepseek.autotune.table import Calibration, Row, TuneReport
+from lightning_deepseek.app.tune.candidates import PLAIN_DDP, Candidate, candidates, describe_forced, forced_settings
+from lightning_deepseek.app.tune.checks import nothing_to_choose, task_overrides
+from lightning_deepseek.app.tune.choice import MIN_TAKE_ROUNDS, Choice, choose, paired_choice, settle
+from lightning_deepseek.app.tune.steal import cpu_times, stolen_share
+from lightning_deepseek.app.tune.sweep_choice import publish, reused, shared_choice, sweep_table
+from lightning_deepseek.app.tune.table import Calibration, Row, TuneReport
 from lightning_deepseek.hpo.loop import run_trials
 
 
@@ -314,7 +314,7 @@ def _settle(calibrator: _Calibrator, measure: Callable[[list[str]], None], cfg: 
             clock: Callable[[], float] = time.perf_counter) -> Settled | None:
     """Paired rounds of the leading others and plain DDP within ``tune.budget`` of the planned training (module
     docstring); ``None`` when there is nothing to settle (plain DDP not eligible, no other measured) or the share
-    left cannot pay for :data:`~lightning_deepseek.autotune.choice.MIN_TAKE_ROUNDS` rounds (fewer could only
+    left cannot pay for :data:`~lightning_deepseek.app.tune.choice.MIN_TAKE_ROUNDS` rounds (fewer could only
     drop others and keep plain DDP)."""
     tune = cfg.tune
     min_gain, take, drop = float(tune.min_gain), float(tune.get("paired_margin", 2.0)), float(tune.noise_margin)
@@ -459,7 +459,7 @@ def calibrated_config(cfg: DictConfig, plan: Any, folder: Any) -> DictConfig:
     Not measured: a resumed run continues with the choice its own run folder recorded (``tune.json`` beside its
     ``checkpoints``), as its checkpoint was written with it; ``tune=auto`` with nothing to choose from (one
     process, or every setting kept) trains as configured; a later trial of a sweep trains with the choice of the
-    sweep's first calibration (:mod:`~lightning_deepseek.autotune.sweep_choice`).
+    sweep's first calibration (:mod:`~lightning_deepseek.app.tune.sweep_choice`).
     """
     folder.claim()
     if plan.resume is not None:

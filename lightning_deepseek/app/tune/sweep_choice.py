@@ -27,7 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_deepseek.processes import is_launcher
+from lightning_deepseek.app.processes import is_launcher
 
 CHOICE_ENV = "LDS_TUNE_CHOICE"
 _TRAINER_KEYS = ("accelerator", "devices", "num_nodes", "accumulate_grad_batches")

@@ -12,7 +12,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_deepseek.autotune.candidates import (
+from lightning_deepseek.app.errors import ConfigError
+from lightning_deepseek.app.tune.candidates import (
     CONF_DIR,
     DIMENSIONS,
     candidates,
@@ -20,7 +21,6 @@ from lightning_deepseek.autotune.candidates import (
     forced_settings,
     processes,
 )
-from lightning_deepseek.errors import ConfigError
 
 MODES = ("none", "auto", "quick", "grid")
 _STRATEGIES = ("ddp", "hybrid")

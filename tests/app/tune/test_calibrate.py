@@ -22,8 +22,8 @@ def _train(overrides: list[str], run_dir: Path, sweep_dir: Path | None = None) -
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from lightning_deepseek.run import CONFIG_DIR
-    from lightning_deepseek.training import run_training
+    from lightning_deepseek.app.run import CONFIG_DIR
+    from lightning_deepseek.app.training import run_training
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[*BASE, *overrides, f"run_dir={run_dir}"],

@@ -1,5 +1,4 @@
-"""Small process helpers shared by ``lds-train`` (run folders, stopping a launch) and the Optuna sweeper (stale
-trials); standard library only."""
+"""Small process helpers of ``lds-train`` (run folders, stopping a launch); standard library only."""
 
 from __future__ import annotations
 

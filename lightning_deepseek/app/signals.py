@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from lightning_deepseek.processes import is_launcher, kill_children
+from lightning_deepseek.app.processes import is_launcher, kill_children
 
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}  # 128 + signal number, as a shell reports them
 

@@ -10,10 +10,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from lightning_deepseek.autotune import candidates, choose
-from lightning_deepseek.autotune.calibrate import _Calibrator, _frozen_heap, _pruner
-from lightning_deepseek.autotune.table import Row
-from lightning_deepseek.run import CONFIG_DIR
+from lightning_deepseek.app.run import CONFIG_DIR
+from lightning_deepseek.app.tune import candidates, choose
+from lightning_deepseek.app.tune.calibrate import _Calibrator, _frozen_heap, _pruner
+from lightning_deepseek.app.tune.table import Row
 
 
 def _calibrator() -> _Calibrator:

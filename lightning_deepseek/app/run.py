@@ -24,13 +24,13 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_deepseek.autotune.checks import check_tune
-from lightning_deepseek.checkpoint_files import checkpoints_in, is_complete, not_a_checkpoint
-from lightning_deepseek.config_checks import check_gpus, check_groups, check_model_fields, describe_model_difference
+from lightning_deepseek.app.checkpoint_files import checkpoints_in, is_complete, not_a_checkpoint
+from lightning_deepseek.app.config_checks import check_gpus, check_groups, check_model_fields, describe_model_difference
+from lightning_deepseek.app.errors import ConfigError
+from lightning_deepseek.app.processes import is_launcher, pid_alive
+from lightning_deepseek.app.tune.checks import check_tune
 from lightning_deepseek.data.corpus import VOCAB_SIZE, check_splits, read_corpus
-from lightning_deepseek.errors import ConfigError
 from lightning_deepseek.models.config import PRESETS, GPTConfig
-from lightning_deepseek.processes import is_launcher, pid_alive
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")  # packaged with the module; ./conf links here
 _RESOLVED_ENV = "LDS_RESUME_RESOLVED"
@@ -136,7 +136,7 @@ def resolve_resume(resume: str | None, folder: RunFolder, model_config: GPTConfi
 
 def check_resume_shape(resume: str, path: Path, model_config: GPTConfig) -> None:
     """The checkpoint at ``path`` holds a model of ``model_config``'s shape (reading it imports torch)."""
-    from lightning_deepseek.checkpointing import checkpoint_model_config
+    from lightning_deepseek.app.checkpointing import checkpoint_model_config
 
     try:
         saved = checkpoint_model_config(path)

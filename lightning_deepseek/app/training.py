@@ -17,15 +17,15 @@ import lightning.pytorch as pl
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_deepseek.checkpointing import RunCheckpoint, RunInterrupted
+from lightning_deepseek.app.checkpointing import RunCheckpoint, RunInterrupted
+from lightning_deepseek.app.errors import USER_ERROR_EXIT, exit_on_user_error, user_errors
+from lightning_deepseek.app.progress_bar import progress_bar
+from lightning_deepseek.app.run import RunFolder, RunPlan, check_config, check_with_torch
+from lightning_deepseek.app.signals import OUTSIDE_TRAINING, exit_code
+from lightning_deepseek.app.summary import RunSummary
+from lightning_deepseek.app.watchdog import LostRankWatchdog, wait_for_watchdog
 from lightning_deepseek.data import TextDataModule
-from lightning_deepseek.errors import USER_ERROR_EXIT, exit_on_user_error, user_errors
 from lightning_deepseek.models import LightningGPT
-from lightning_deepseek.progress_bar import progress_bar
-from lightning_deepseek.run import RunFolder, RunPlan, check_config, check_with_torch
-from lightning_deepseek.signals import OUTSIDE_TRAINING, exit_code
-from lightning_deepseek.summary import RunSummary
-from lightning_deepseek.watchdog import LostRankWatchdog, wait_for_watchdog
 
 # Lightning prints its messages through its own handler only when it is imported before logging is configured; here
 # Hydra has configured the root logger first, so each message would print twice (Lightning's "INFO: ..." handler and
@@ -132,7 +132,7 @@ def run_training(cfg: DictConfig, folder: RunFolder | None = None, plan: RunPlan
     folder = folder or RunFolder.from_config(cfg)
     try:
         if cfg.get("tune") is not None and cfg.tune.get("mode") != "none":  # measure, then train with the fastest
-            from lightning_deepseek.autotune import calibrated_config  # Optuna: imported only when tuning
+            from lightning_deepseek.app.tune import calibrated_config  # Optuna: imported only when tuning
 
             plan = plan or check_config(cfg, folder)
             check_with_torch(cfg, plan)  # e.g. a resume checkpoint of another model: before any measurement

@@ -18,11 +18,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_deepseek.checkpoint_files import not_a_checkpoint
-from lightning_deepseek.checkpointing import RunCheckpoint, checkpoints_in
+from lightning_deepseek.app.checkpoint_files import not_a_checkpoint
+from lightning_deepseek.app.checkpointing import RunCheckpoint, checkpoints_in
+from lightning_deepseek.app.run import RunFolder, resolve_resume
 from lightning_deepseek.data import TextDataModule
 from lightning_deepseek.models import PRESETS, GPTConfig, LightningGPT
-from lightning_deepseek.run import RunFolder, resolve_resume
 from tests.helpers import Background, context
 
 BIN = Path(sys.executable).parent

@@ -2,17 +2,17 @@
 measured back to back until each other's ratio to plain DDP is beyond the noise of the rounds themselves, or the
 run's share of time is spent.
 
-The rounds are walked as :func:`~lightning_deepseek.autotune.calibrate._settle` runs them, with each fit's mean step
+The rounds are walked as :func:`~lightning_deepseek.app.tune.calibrate._settle` runs them, with each fit's mean step
 time given and a clock advancing one second a fit."""
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lightning_deepseek.autotune import candidates
-from lightning_deepseek.autotune.calibrate import Settled, _Calibrator, _settle, planned_batches
-from lightning_deepseek.autotune.choice import paired_gain, settle
-from lightning_deepseek.autotune.table import Calibration, Row
-from lightning_deepseek.run import CONFIG_DIR
+from lightning_deepseek.app.run import CONFIG_DIR
+from lightning_deepseek.app.tune import candidates
+from lightning_deepseek.app.tune.calibrate import Settled, _Calibrator, _settle, planned_batches
+from lightning_deepseek.app.tune.choice import paired_gain, settle
+from lightning_deepseek.app.tune.table import Calibration, Row
 
 # Session 19, the 10 Gbit testbed, moe-tiny: hybrid tp2/ep1 against plain DDP in each of 5 repetitions of a grid of
 # 4 rounds x 8 steps (benchmarks/RESULTS.md): 1.10x by the median, but no order the repetitions agree on.

@@ -4,7 +4,7 @@ Everything that can be known without torch is checked here, once, in well under 
 mistake, a setting Lightning would ignore or overwrite, a misspelt ``trainer.*`` key. Each failure is a
 ``ConfigError`` naming the setting, the value and the fix, which ``lds-train`` prints as one paragraph with exit
 code 2 (see ``errors.py``). ``run.py`` adds the model shape, the corpus and the ``resume`` path, also without
-torch. This module must not import torch or Lightning (``tests/test_config_errors.py`` fails if the checks do):
+torch. This module must not import torch or Lightning (``tests/app/test_config_errors.py`` fails if the checks do):
 importing them takes ~9 s, the checks ~1 s. The exceptions, checked after torch is imported and still before any
 process starts, are in ``run.check_with_torch``: a GPU count, the model shape inside a ``resume`` checkpoint, and
 whatever instantiating a ``_target_`` node reveals. What only a running job can tell (a tensor-parallel plan that
@@ -29,7 +29,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_deepseek.errors import ConfigError
+from lightning_deepseek.app.errors import ConfigError
 
 _FROM_GROUPS = {"strategy": "strategy=hybrid or strategy=ddp", "precision": "precision=fp32|fp16|bf16|staged",
                 "plugins": "the precision group", "logger": "lds-train's CSV and TensorBoard loggers",

@@ -7,9 +7,9 @@ ranked first."""
 
 import pytest
 
-from lightning_deepseek.autotune.candidates import Candidate
-from lightning_deepseek.autotune.choice import choose, noise
-from lightning_deepseek.autotune.table import Calibration, Row
+from lightning_deepseek.app.tune.candidates import Candidate
+from lightning_deepseek.app.tune.choice import choose, noise
+from lightning_deepseek.app.tune.table import Calibration, Row
 
 
 def _row(name: str, tokens_per_s: float, steps: list[float]) -> Row:
@@ -80,7 +80,7 @@ def test_without_a_spread_min_gain_decides_and_the_table_says_why() -> None:
 def test_the_table_says_when_the_host_took_the_cpu_during_the_calibration(tmp_path) -> None:
     import json
 
-    from lightning_deepseek.autotune.steal import cpu_times, stolen_share
+    from lightning_deepseek.app.tune.steal import cpu_times, stolen_share
 
     plain, int8 = _row("ddp/none", 1000.0, [0.5, 0.5]), _row("ddp/int8", 1020.0, [0.49, 0.5])
     quiet = Calibration("auto", [plain, int8], plain.candidate, 3.0, reason="r", stolen=0.01)

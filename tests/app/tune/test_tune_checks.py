@@ -6,7 +6,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lightning_deepseek.autotune import (
+from lightning_deepseek.app.errors import user_errors_exit
+from lightning_deepseek.app.run import CONFIG_DIR, RunFolder
+from lightning_deepseek.app.training import prepare_training
+from lightning_deepseek.app.tune import (
     PLAIN_DDP,
     Candidate,
     candidates,
@@ -15,11 +18,8 @@ from lightning_deepseek.autotune import (
     choose,
     forced_settings,
 )
-from lightning_deepseek.autotune.checks import nothing_to_choose
-from lightning_deepseek.autotune.table import Calibration, Row
-from lightning_deepseek.errors import user_errors_exit
-from lightning_deepseek.run import CONFIG_DIR, RunFolder
-from lightning_deepseek.training import prepare_training
+from lightning_deepseek.app.tune.checks import nothing_to_choose
+from lightning_deepseek.app.tune.table import Calibration, Row
 
 
 def _cfg(*overrides: str):
@@ -90,7 +90,7 @@ def test_choice_is_the_fastest_measured_unless_plain_ddp_is_within_min_gain() ->
 
 
 def test_staged_search_compresses_only_the_layouts_measured_to_the_end() -> None:
-    from lightning_deepseek.autotune.calibrate import _Calibrator
+    from lightning_deepseek.app.tune.calibrate import _Calibrator
 
     order = candidates(_cfg("tune=quick", "trainer.devices=4", "allow_oversubscribe=true"), forced=[])
     calibrator = _Calibrator(None, None, None, order, order)
@@ -164,7 +164,7 @@ def test_unknown_tune_option_on_the_command_line_names_the_options() -> None:
 def test_a_resumed_run_keeps_the_choice_its_run_folder_recorded(tmp_path: Path) -> None:
     from dataclasses import asdict
 
-    from lightning_deepseek.autotune.calibrate import _resumed_choice
+    from lightning_deepseek.app.tune.calibrate import _resumed_choice
 
     choice = Candidate("ddp", None, None, "int4", 1)
     (tmp_path / "tune.json").write_text(json.dumps({"choice_fields": asdict(choice)}))

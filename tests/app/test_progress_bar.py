@@ -10,8 +10,8 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_deepseek import progress_bar as module
-from lightning_deepseek.progress_bar import StepLimitedRichProgressBar, progress_bar
+from lightning_deepseek.app import progress_bar as module
+from lightning_deepseek.app.progress_bar import StepLimitedRichProgressBar, progress_bar
 
 
 class _Regression(pl.LightningModule):

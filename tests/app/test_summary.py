@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_deepseek.summary import RunSummary, smooth
+from lightning_deepseek.app.summary import RunSummary, smooth
 
 
 def test_smoothing_starts_at_the_first_value_and_follows_the_trend() -> None:

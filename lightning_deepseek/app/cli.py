@@ -3,7 +3,7 @@
 ``lds-train`` composes ``conf/train.yaml`` and its groups (model, data, trainer, strategy, precision,
 compression, hpo), then builds the model, data, strategy, plugins and callbacks from ``_target_`` nodes,
 so a component joins the app by adding a config file, not by editing this module. The configs live in
-``lightning_deepseek/conf`` (installed with the package; ``./conf`` links there).
+``lightning_deepseek/app/conf`` (installed with the package; ``./conf`` links there).
 
 This module imports no torch and no Lightning (~9 s together): the whole configuration is checked first, in the
 launching process, with Hydra, OmegaConf and the light modules only (``run.check_config``), so that a mistake ends
@@ -22,12 +22,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from lightning_deepseek.autotune import check_tune_option
-from lightning_deepseek.checkpoint_files import checkpoints_in, is_complete, not_a_checkpoint
-from lightning_deepseek.config_checks import check_run_dir_override, expand_home_in_overrides
-from lightning_deepseek.errors import ConfigError, exit_on_user_error, user_errors, user_errors_exit
-from lightning_deepseek.run import CONFIG_DIR, RunFolder, RunPlan, check_config
-from lightning_deepseek.signals import OUTSIDE_TRAINING
+from lightning_deepseek.app.checkpoint_files import checkpoints_in, is_complete, not_a_checkpoint
+from lightning_deepseek.app.config_checks import check_run_dir_override, expand_home_in_overrides
+from lightning_deepseek.app.errors import ConfigError, exit_on_user_error, user_errors, user_errors_exit
+from lightning_deepseek.app.run import CONFIG_DIR, RunFolder, RunPlan, check_config
+from lightning_deepseek.app.signals import OUTSIDE_TRAINING
+from lightning_deepseek.app.tune import check_tune_option
 
 __all__ = ["CONFIG_DIR", "check_training_config", "resolve_sample_checkpoint", "run_sampling", "sample", "train"]
 
@@ -36,7 +36,7 @@ def _train_app(cfg: DictConfig) -> float | None:
     folder = RunFolder.from_config(cfg)
     OUTSIDE_TRAINING.begin_launch(folder.fail)  # a signal before training: nothing to keep
     plan = check_training_config(cfg, folder)
-    from lightning_deepseek.training import run_training  # torch and Lightning: only for a good configuration
+    from lightning_deepseek.app.training import run_training  # torch and Lightning: only for a good configuration
 
     report = run_training(cfg, folder, plan)
     if cfg.hpo.get("objectives"):  # a multi-objective sweep (hpo=pareto): one value per direction
@@ -87,8 +87,8 @@ def run_sampling(cfg: DictConfig) -> str:
             raise ConfigError(f"{key}={cfg[key]!r} must be a positive whole number, e.g. {key}=100.")
     if not isinstance(cfg.temperature, (int, float)) or isinstance(cfg.temperature, bool) or cfg.temperature <= 0:
         raise ConfigError(f"temperature={cfg.temperature!r} must be a positive number, e.g. temperature=0.8.")
-    from lightning_deepseek.checkpointing import checkpoint_model_config  # torch: only for good settings
-    from lightning_deepseek.sampling import generate
+    from lightning_deepseek.app.checkpointing import checkpoint_model_config  # torch: only for good settings
+    from lightning_deepseek.app.sampling import generate
 
     try:
         checkpoint_model_config(path)
