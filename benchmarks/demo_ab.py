@@ -8,8 +8,8 @@ CPU time much less so). Both trees run on this venv's Python and
 packages; ``PYTHONPATH`` picks the tree whose ``lightning_deepseek`` is imported (Lightning's second process
 inherits it).
 
-    git worktree add /tmp/oldcode 6f08263
-    .venv/bin/python benchmarks/demo_ab.py --old /tmp/oldcode --steps 150 --reps 3
+    git worktree add ../lds-old <revision>
+    .venv/bin/python benchmarks/demo_ab.py --old ../lds-old --steps 150 --reps 3
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU figure the open issues need, in one device call of under 10 minutes (the steps took 5.3 min on an H200
-# in session 26 before 4b and the fused kernels' tests were added, ~7.5 min with them; their timeouts add to 14 min:
-# GPU_CHECKS splits the steps over two calls if a run nears the limit; see ../.library/device):
+# Every GPU figure the open issues need, in one device call of under 10 minutes (the steps take ~7.5 min on an H200;
+# their timeouts add to 14 min: GPU_CHECKS splits the steps over two calls if a run nears the limit):
 #   1. the compression hook's CUDA path (tests/compression/test_cuda.py: NCCL, device futures, residual reset,
 #      both exchanges, event timings under Lightning), the topology probe's (tests/parallel/test_cuda.py) and expert
 #      parallelism's (tests/parallel/test_expert_cuda.py: NCCL all-to-all dispatch, grouped GEMM in BF16, #15);
@@ -21,8 +20,8 @@
 # At most 8 files come back: every step's stderr goes to stderr.log.
 # Usage, from the repository root on the device machine:  bash benchmarks/gpu_checks.sh "$OUT"
 # The device image has torch, Lightning and pytest; benchmarks/gpu_pack.sh packs the rest (torchao for step 4; omegaconf
-# and hydra for step 5) and shows the call. First run: session 25 (2026-12-04); its figures are in RESULTS.md's GPU
-# subsections of "Staged precision" and "Gradient compression", and its raw outputs in benchmarks/gpu_results/.
+# and hydra for step 5) and shows the call. The latest run's figures: benchmarks/gpu_results/REPORT.md, its raw outputs
+# beside it (benchmarks/gpu_results/<device>/).
 set -uo pipefail
 out=${1:-/tmp/gpu_checks}
 mkdir -p "$out"
@@ -48,7 +47,7 @@ want testbed && OMP_NUM_THREADS=1 timeout 560 $pin python3 benchmarks/autotune/b
 want tests && timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/compression/test_cuda.py \
   tests/compression/test_fused.py tests/parallel/test_cuda.py tests/parallel/test_expert_cuda.py 2>&1 \
   | tee "$out/cuda_tests.txt"
-# --compile adds inductor's fused kernel of the plain int8 round trip (the eager ops reached 0.12x of a copy, session 25)
+# --compile adds inductor's fused kernel of the plain int8 round trip (the eager int8 round trip reaches 0.11x of a copy)
 want kernels && timeout 120 python3 benchmarks/compression/kernels.py --device cuda --numel 67108864 --compile 2>&1 | tee "$out/kernels.md"
 want precision && timeout 180 python3 benchmarks/precision/bench_precision.py --device cuda --size gpt2-124m --steps 100 2>>"$out/stderr.log" \
   | tee "$out/precision.md"

@@ -5,8 +5,8 @@
 #   .site/  omegaconf, antlr4 and hydra, pure Python, copied from this checkout's .venv (step 5: the cost model's
 #           workers import lightning_deepseek.autotune, which reads Hydra configs)
 # Both are kept out of git by .git/info/exclude. Then one device call (carry: .whl and .site):
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
-#     PYTHONPATH=/tmp/site:$PWD/.site bash benchmarks/gpu_checks.sh "$OUT"
+#   python3 -m pip install -q --no-index --no-deps --target .site/whl .whl/*.whl &&
+#     PYTHONPATH=$PWD/.site/whl:$PWD/.site bash benchmarks/gpu_checks.sh "$OUT"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")

@@ -2,11 +2,13 @@
 
 Loopback (2 processes on this machine)::
 
-    flock /work/wt/bench.lock .venv/bin/python benchmarks/autotune/bench_cost_model.py [--models demo,ffn,moe]
+    .venv/bin/python benchmarks/autotune/bench_cost_model.py [--models demo,ffn,moe]
 
 Network testbed (root; 2 emulated nodes x 2 ranks, namespaces ``ldsm*``, subnet ``10.213.73.0/24``)::
 
-    flock /work/wt/bench.lock .venv/bin/python benchmarks/autotune/bench_cost_model.py --testbed --rate 1gbit
+    .venv/bin/python benchmarks/autotune/bench_cost_model.py --testbed --rate 1gbit
+
+Run nothing else on the machine meanwhile (on a shared machine, wrap the command in ``flock LOCKFILE``).
 
 For each model, every candidate of its grid (dense GPTs: ``tensor_parallel_size`` x compression fp32/int8/int4;
 the MoE GPT: ``expert_parallel_size`` x compression fp32/int8; each as ``HybridParallelStrategy`` +
@@ -266,7 +268,7 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
         ddp = statistics.median(r["ddp"] for r in rows)
         auto = statistics.median(r["auto"] for r in rows)
         # each repetition's auto run against its own plain DDP run (the two in the same counterbalanced order): a
-        # drift over the run (loopback's steps went 47 -> 60 ms in session 16) does not enter the ratio
+        # drift over the run (loopback's steps have gone 47 -> 60 ms in one run) does not enter the ratio
         paired = sorted(r["ddp"] / r["auto"] for r in rows)
         choices = [r["chosen"] for r in rows]
         rho = spearman([predicted[k] for k in labels], [measured[k] for k in labels])
@@ -341,7 +343,7 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
                       f"{spearman([parts[k] for k in labels], [measured[k] for k in labels]):.2f} (per repetition "
                       f"{', '.join(rho_of('by_parts', r) for r in rows)}; with the copies: "
                       f"{', '.join(rho_of('predicted', r) for r in rows)})", ""]
-        elif any(r.get("in_backward") for r in rows):  # runs recorded before session 29
+        elif any(r.get("in_backward") for r in rows):  # runs recorded before the copies' steps were the prediction
             alone = {k: statistics.median(r["alone"][k] for r in rows) for k in labels}
             inside = ", ".join(f"{k} {v * 1e3:+.0f} ms" for k, v in rows[0]["in_backward"].items())
             lines += [f"Compression under sharding timed in the copies' training steps at setup (over fp32, first "

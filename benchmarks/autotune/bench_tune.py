@@ -7,7 +7,7 @@ Run (testbed, as root: 2 emulated nodes x 2 processes, ``lds-train trainer.num_n
 network namespace with ``MASTER_ADDR``/``NODE_RANK``, the link throttled to ``--rate``):
 ``.venv/bin/python benchmarks/autotune/bench_tune.py --testbed --rate 1gbit [--model moe-tiny]``; the wide-FFN
 model where tensor parallelism wins at 1 Gbit: ``--model wide-ffn --set data.batch_size=2``.
-Two or more repetitions within a locked run of ~8 minutes on the testbed (benchmarks/RESULTS.md): ``--reps 3
+Two or more repetitions in a run of ~8 minutes on the testbed: ``--reps 3
 --limit 490 --steps 12 --grid-steps 2 --grid-rounds 2 --grid-warmup 1 --grid-buckets "[null]" --skip-ddp-run``
 (``--limit`` starts a repetition only when the longest so far still fits). A long run's paired rounds
 (``tune.budget``): ``--set tune.planned_steps=20000`` (the grid's ``tune.budget`` is 0; the auto run calibrates as
@@ -28,7 +28,7 @@ Reports medians over the repetitions with min-max spreads and the machine's load
 The grid's tokens/s of a configuration is its best round (as the calibration ranks); what a long run sustains is its
 mean step time, so the report also ranks the grid by the mean of every timed step of each configuration (median over
 the repetitions) and puts each choice against that best: the best round favours a configuration whose speed swings
-more (benchmarks/RESULTS.md, "Session 24"). ``--report FILE`` prints that view of a recorded ``--grid-out`` file.
+more (benchmarks/autotune/REPORT.md). ``--report FILE`` prints that view of a recorded ``--grid-out`` file.
 The grid's table (every configuration's median tokens/s) goes to ``--grid-out`` (default
 ``benchmarks/autotune/grid_<where>_<model>.json``) for a cost model's ranking check (Spearman).
 """

@@ -1,12 +1,11 @@
-"""Why is compression predicted faster than training measures it? (issue #16, sessions 14-15)
+"""Why is compression predicted faster than training measures it? (issue #16)
 
 The cost model predicts some compressed candidates faster than training measures them on the 1 Gbit testbed. This
 probe times DDP-wrapped copies of a model (fp32, int8, int4 exchange; the hook as training registers it), sharded as
 a candidate shards them (``--shard tp=2``, ``ep=2``...; DDP ignores the shards as ``HybridParallelStrategy`` does),
 several ways, on all 4 ranks, slowest rank's figures:
 
-- ``aligned``: one forward + backward after a barrier, interleaved across the exchanges (the setup's measurement
-  until session 14);
+- ``aligned``: one forward + backward after a barrier, interleaved across the exchanges (what the setup once timed);
 - ``consecutive``: ``--steps`` forward + backward + optimizer steps back to back after one barrier, the median step;
 - ``training``: the same with the strategy's reduction of the shards' gradients after backward (a training step);
 - ``alone``: the exchange of DDP's gradient bytes alone (the setup's ``measure_exchange``);
@@ -16,7 +15,7 @@ several ways, on all 4 ranks, slowest rank's figures:
 
 Run (root)::
 
-    flock /work/wt/bench.lock .venv/bin/python benchmarks/autotune/probe_exchange.py --testbed --rate 1gbit \
+    .venv/bin/python benchmarks/autotune/probe_exchange.py --testbed --rate 1gbit \
         [--model demo --shard tp=2]
 """
 

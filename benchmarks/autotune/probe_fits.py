@@ -4,7 +4,8 @@ gc objects, process groups, and the CPU jiffies the host stole meanwhile. Kinds:
 ``tp2int8``, ``auto`` (the cost model's ``"auto"`` settings for tp and bits).
 
 Run: ``LDS_TOPOLOGY="0,1;2,3" .venv/bin/python benchmarks/autotune/probe_fits.py tp2int8,tp2int8,auto,tp2int8``
-(benchmarks/RESULTS.md, "Session 13", "Session 14").
+(A fit keeps no memory or process groups beyond the first two ``auto`` fits: the meshes and communicators are
+reused across fits.)
 """
 
 from __future__ import annotations

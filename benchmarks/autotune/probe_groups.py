@@ -2,7 +2,7 @@
 slower.) Two processes on loopback time a plain DDP loop, then create 100 more ``dist.new_group`` and time it again,
 five times; prints the step time and the thread count each round.
 
-Run: ``.venv/bin/python benchmarks/autotune/probe_groups.py`` (benchmarks/RESULTS.md, "Session 13").
+Run: ``.venv/bin/python benchmarks/autotune/probe_groups.py``.
 """
 
 from __future__ import annotations

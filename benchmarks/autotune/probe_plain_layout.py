@@ -1,13 +1,13 @@
 """Does ``HybridParallelStrategy`` at the plain layout (tp=1, ep=1, nothing sharded) train slower than Lightning's
-``"ddp"``? (issue #16: the loopback MoE measured 0.95-0.97x in 6 of 8 recorded runs, benchmarks/RESULTS.md "Session
-19".) Two processes on loopback (or, ``--testbed``, 2 emulated nodes x 2 ranks) train the same model with ``"ddp"``, the
-strategy, and the strategy without its per-step reduction of shards (an ablation; since the strategy skips that
-reduction itself where nothing is sharded, the same code as the second arm: an A/A check of the noise), in the orders
-ABC then CBA, ``--pairs`` times ``--steps`` steps (the first 3 dropped, the slowest rank's step); prints each round's
-medians and the ratios to ``"ddp"``, and with ``--profile`` the rank-0 functions whose cumulative time differs most
-between ``"ddp"`` and the strategy (cProfile over one fit of each).
+``"ddp"``? (issue #16; findings: benchmarks/hybrid/REPORT.md.) Two processes on loopback (or, ``--testbed``, 2
+emulated nodes x 2 ranks) train the same model with ``"ddp"``, the strategy, and the strategy without its per-step
+reduction of shards (an ablation; since the strategy skips that reduction itself where nothing is sharded, the same
+code as the second arm: an A/A check of the noise), in the orders ABC then CBA, ``--pairs`` times ``--steps`` steps
+(the first 3 dropped, the slowest rank's step); prints each round's medians and the ratios to ``"ddp"``, and with
+``--profile`` the rank-0 functions whose cumulative time differs most between ``"ddp"`` and the strategy (cProfile
+over one fit of each).
 
-Run: ``flock /work/wt/bench.lock .venv/bin/python benchmarks/autotune/probe_plain_layout.py [--model moe]
+Run: ``.venv/bin/python benchmarks/autotune/probe_plain_layout.py [--model moe]
 [--testbed --rate 10gbit]``.
 """
 

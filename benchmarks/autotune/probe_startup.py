@@ -2,11 +2,11 @@
 
 Times every step of plain DDP and ddp/int4 from the first fit on, no untimed steps, in three interleaved rounds
 in the same processes (``lds-train tune=grid`` restricted to the two, ``tune.warmup_steps=0``), and writes the
-run's ``tune.json`` (each row's ``step_seconds``: every step's time, the rounds one after the other; rank 0's
-in the runs recorded before 2026-12-02 08:36 UTC, the slowest rank's since).
+run's ``tune.json`` (each row's ``step_seconds``: every step's time, the rounds one after the other, the slowest
+rank's).
 
-Run: ``flock /work/wt/bench.lock .venv/bin/python benchmarks/autotune/probe_startup.py --out DIR [--testbed --rate
-1gbit --prefix P --subnet 10.x.y]``. Results: ``benchmarks/autotune/startup/`` and benchmarks/RESULTS.md.
+Run: ``.venv/bin/python benchmarks/autotune/probe_startup.py --out DIR [--testbed --rate 1gbit --prefix P --subnet
+10.x.y]``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ runs (issue #16), nothing is run.
 The cost model (``lightning_deepseek/autotune/cost_model.py``) hides the part of DDP's exchange that waits on a link
 behind backward; on a host whose cores the ranks keep busy it counts only the host's share (the exchange's bytes at
 the intra link's rate) as not hidden. On this project's 2-core machine its unsharded candidates are predicted too
-fast: 9-23 ms on loopback with 24 repetitions (benchmarks/RESULTS.md, "Session 21"), while the exchange of their
+fast (9-23 ms on loopback with 24 repetitions, in the runs this was written for), while the exchange of their
 gradients alone, timed at setup (``exchange``), takes 5-31 ms. Here the fp32 candidate's exposed exchange ``E`` is
 raised to ``alpha`` times that timed exchange, where it was timed (the unsharded candidates' size, and the sharded
 ones' where a compressed sharded candidate had it timed), and the compressed candidates follow one of two rules:
@@ -13,17 +13,18 @@ ones' where a compressed sharded candidate had it timed), and the compressed can
   ``max(0, E + D)`` under sharding (``D`` measured in the sharded copies' steps);
 - ``shift``: the same raise as their fp32 candidate (what compression saves is unchanged).
 
-``--copy-ms`` (milliseconds per MiB and copy; session 24) adds DDP's copies of the gradients into its bucket and back
+``--copy-ms`` (milliseconds per MiB and copy) adds DDP's copies of the gradients into its bucket and back
 to the recorded exchanges, as ``measure_exchange`` now times them: one copy to the fp32 exchange (the copy in is
-fused with the division, which was already timed), two to a compressed one. Runs recorded with the copies timed
-(``cost_model_*_s24_*``) have them already: give them with ``--copy-ms 0``.
+fused with the division, which was already timed), two to a compressed one. Runs recorded since those copies are
+timed at setup have them already: give them with ``--copy-ms 0``.
 
 Printed per variant: the model-runs whose Spearman reaches 0.8, the resolved pairs ordered alike, the predictions'
 median absolute error by testbed, and per model-run the choice the cost model's rule (the simplest candidate the
 fastest does not beat by 5%) makes among the grid's candidates on each repetition's predictions, as its measured
 step against that repetition's best (median over repetitions). ``alpha = 0`` reproduces the recorded predictions.
 
-Run: ``.venv/bin/python benchmarks/autotune/whatif_exposed_exchange.py benchmarks/autotune/cost_model_*_s2*.json``.
+Run: ``.venv/bin/python benchmarks/autotune/whatif_exposed_exchange.py RUN.json [RUN.json ...]`` (files recorded by
+``bench_cost_model.py --json``).
 """
 
 from __future__ import annotations

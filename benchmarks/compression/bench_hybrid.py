@@ -2,12 +2,12 @@
 
 Loopback (2 processes on this machine)::
 
-    flock /work/wt/bench.lock .venv/bin/python benchmarks/compression/bench_hybrid.py
+    .venv/bin/python benchmarks/compression/bench_hybrid.py
 
 Network testbed (root; 2 emulated nodes x 2 ranks, namespaces ``ldsb*``, subnet ``10.213.74.0/24`` unless
 ``--prefix``/``--subnet``)::
 
-    flock /work/wt/bench.lock .venv/bin/python benchmarks/compression/bench_hybrid.py --testbed --rate 1gbit
+    .venv/bin/python benchmarks/compression/bench_hybrid.py --testbed --rate 1gbit
 
 Each configuration (``--configs``: ``ddp`` is Lightning's plain ``"ddp"``; ``tp=T ep=E fp32|int8|int4`` a
 ``HybridParallelStrategy`` with ``GradientCompression(warmup_steps=0)`` where compressed) trains ``--steps`` steps
@@ -136,7 +136,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def report(results: dict[str, list], where: str, argv: list[str], load: tuple[float, float]) -> str:
-    lines = [f"Command: `flock /work/wt/bench.lock .venv/bin/python {' '.join(argv)}` ({where}; load average "
+    lines = [f"Command: `.venv/bin/python {' '.join(argv)}` ({where}; load average "
              f"{load[0]:.1f} before, {load[1]:.1f} after)", "",
              "| configuration | step (slowest rank) | vs plain DDP | rank 0: " + " | ".join(PHASES)
              + " | steps per rep |",

@@ -1,4 +1,4 @@
-"""What a callback's per-step ``log_dict`` costs a Lightning step (session 16).
+"""What a callback's per-step ``log_dict`` costs a Lightning step.
 
 ``GradientCompression``, ``StagedPrecision`` and ``MoEBalancing`` logged their metrics on every step; they now log
 on the steps Lightning's loggers write (``log_every_n_steps``), as Lightning's own monitors do. This times one

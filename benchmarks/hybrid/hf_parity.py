@@ -1,4 +1,5 @@
-"""HF families under ``strategy="hybrid"`` (tp=2) against Lightning's DDP: the parity table of benchmarks/RESULTS.md.
+"""HF families under ``strategy="hybrid"`` (tp=2) against Lightning's DDP: the parity table of
+benchmarks/hybrid/REPORT.md.
 
 Runs the scenario of ``tests/parallel/test_hf_families.py`` (one 2-process gloo spawn, every family in one module,
 10 SGD steps, DDP then hybrid) and prints, per family, the sharded layers, where the plan came from, the largest

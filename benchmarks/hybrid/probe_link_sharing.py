@@ -1,4 +1,4 @@
-"""Do process groups that cross the slow link at the same time share it? (issue #16, session 15)
+"""Do process groups that cross the slow link at the same time share it? (issue #16)
 
 On 2 emulated nodes x 2 ranks (``--testbed``; ranks 0, 1 on one node, 2, 3 on the other), all-reduces of the same
 bytes timed four ways, slowest rank, median of ``--repeats``: one pair across the link alone (``{0, 2}``), two pairs
@@ -8,7 +8,7 @@ bandwidth (``parallel.placement.concurrent_link``).
 
 Run (root)::
 
-    flock /work/wt/bench.lock .venv/bin/python benchmarks/hybrid/probe_link_sharing.py --testbed --rate 1gbit
+    .venv/bin/python benchmarks/hybrid/probe_link_sharing.py --testbed --rate 1gbit
 """
 
 from __future__ import annotations
