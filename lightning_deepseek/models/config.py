@@ -100,7 +100,7 @@ PRESETS: dict[str, dict[str, int | float | str]] = {
     "small": dict(block_size=128, n_layer=4, n_head=4, n_embd=128),
     "gpt2-124m": dict(block_size=1024, n_layer=12, n_head=12, n_embd=768),
     # Feed-forward-heavy (16x n_embd hidden, short sequences): where tensor parallelism pays on a slow link
-    # (benchmarks/RESULTS.md, "Decisions by a cost model", the wide FFN; there with data.batch_size=2).
+    # (benchmarks/autotune/REPORT.md, the wide FFN; there with data.batch_size=2).
     "wide-ffn": dict(block_size=16, n_layer=2, n_head=4, n_embd=256, mlp_ratio=16),
     # DeepSeekMoE presets: fine-grained routed experts + one shared expert, sigmoid routing, top-k normalised.
     "moe-tiny": dict(block_size=64, n_layer=2, n_head=4, n_embd=64, n_routed_experts=8, moe_top_k=2,

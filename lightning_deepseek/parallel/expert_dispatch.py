@@ -112,9 +112,10 @@ def resolve_dispatch(dispatch: Dispatch, topology: Topology | None, grid: list[l
     """``"flat"`` or ``"per_island"`` for the ``(edp, ep)`` rank grid ``grid``; raise when ``per_island`` cannot be.
 
     ``"auto"`` is per island when routing is node-limited (``node_limited``: ``max_islands_per_token`` is set) and
-    an ``ep`` group spans islands of equal size, else flat: measured on the CPU testbed (RESULTS, moe), the per-island
-    dispatch's extra collectives cost more than its bytes save at 1 Gbit, and it pays (0.78x) only with node-limited
-    routing where the slow link's bandwidth is what a step waits for; a user who limits the islands asked for that.
+    an ``ep`` group spans islands of equal size, else flat: measured on the CPU testbed (benchmarks/moe/REPORT.md),
+    the per-island dispatch's extra collectives cost more than its bytes save at 1 Gbit, and it pays (0.78x) only with
+    node-limited routing where the slow link's bandwidth is what a step waits for; a user who limits the islands asked
+    for that.
     """
     if dispatch == "flat":
         return "flat"

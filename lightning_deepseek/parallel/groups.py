@@ -2,7 +2,7 @@
 
 Why: torch keeps every ``new_group`` (and every ``DeviceMesh``'s groups) until the default process group is
 destroyed, and an idle gloo group still costs its process time: a 2-process DDP loop ran 20.3 ms per step with no
-extra group and 31.9 ms with 400 (benchmarks/RESULTS.md, "Session 13"). Every fit of ``HybridParallelStrategy``
+extra group and 31.9 ms with 400 (benchmarks/autotune/probe_groups.py). Every fit of ``HybridParallelStrategy``
 builds a mesh, every ``GradientCompression`` a second communicator, the cost model's setup several more; a
 calibration or a benchmark fits dozens of times in the same processes, so later candidates ran slower than earlier
 ones. torch has no such cache (``init_device_mesh`` and ``new_group`` always create).

@@ -10,7 +10,7 @@ and ``auto`` is ``tp_intra_node``. A fixed policy without ``link_costs`` is not 
 Cost model (per optimizer step, ring algorithms, ``n`` ranks in a group, link of bandwidth ``B`` and latency
 ``a``; a group crossing islands runs at the slow link's figures, and ``k`` groups of one kind that leave the same
 island at once share its link, ``B / k`` each: on the 1 Gbit testbed two pairs all-reducing across the link at once
-took 2.0x one pair's time, 78 ms against 38 ms for 4.5 MiB, benchmarks/RESULTS.md "Session 15"):
+took 2.0x one pair's time, 78 ms against 38 ms for 4.5 MiB, benchmarks/hybrid/REPORT.md):
 - tensor-parallel activations, per micro-batch: each column-wise layer all-gathers its input in forward and
   reduce-scatters the input gradient in backward, each row-wise layer reduce-scatters its output and
   all-gathers the output gradient: ``(n - 1) * (M / B + a)`` each, ``M`` the bytes of one rank's activations;

@@ -16,7 +16,7 @@ already slower than the median is not tried compressed ("skipped" in the table).
 saves a share of the data-parallel exchange, and a layout that exchanges fewer bytes (more sharding) gains no more
 from it than plain DDP, so a layout that loses uncompressed loses compressed too. A further round re-measures only
 when at least two candidates that could be chosen are left in it (one cannot change the choice). Together with
-the pruner, this keeps the calibration within 5% of the demo's training (benchmarks/RESULTS.md).
+the pruner, this keeps the calibration within 5% of the demo's training (benchmarks/demo/REPORT.md).
 
 A long run (``tune.budget``, a share of the planned training's time: ``tune.planned_steps`` or ``trainer.max_steps``
 steps at plain DDP's measured step time) settles the leading others against plain DDP with the time left in that
@@ -26,7 +26,7 @@ fifth round on, dropped at ``tune.noise_margin`` short of it from the third) or 
 the verdict is :func:`~lightning_deepseek.app.tune.choice.settle`). Two timed steps a round cannot order a candidate
 within ~10% of plain DDP where a fit's speed swings more than that between fits (the 10 Gbit MoE: hybrid tp=2 1.10x
 of plain DDP by the median of 5 repetitions of an exhaustive grid, 0.90-1.14x by repetition; the short calibration
-kept plain DDP 5 of 5, benchmarks/RESULTS.md "Session 19"); a run of thousands of steps can afford the rounds that
+kept plain DDP 5 of 5, benchmarks/autotune/REPORT.md); a run of thousands of steps can afford the rounds that
 can. The leading others are the two fastest by what the rounds above measured of them, pruned ones included (a step
 or two of each: in session 19's calibrations hybrid tp=2, the grid's best, was first or second of the pruned). A
 short run (the demo's 500 steps) has no time left in its share and calibrates as before.
@@ -229,7 +229,7 @@ class _Calibrator:
         gain within noise).
 
         Why backward: the machine's speed drifts while the calibration runs (on a loaded machine the steps of the
-        first minute after start-up ran up to 2x slower than later ones, benchmarks/RESULTS.md). Plain DDP is
+        first minute after start-up ran up to 2x slower than later ones, benchmarks/autotune/REPORT.md). Plain DDP is
         measured first; measured again last, its two rounds bracket every other candidate's, so with each
         candidate keeping its best round a drift in either direction cannot make another candidate look faster
         than plain DDP (rounds A B C, then C B A)."""
