@@ -6,9 +6,15 @@ It imports neither torch nor Lightning. What runs inside each training process (
 checkpoints, sampler and reports) is the parent package, ``lightning_deepseek.elastic``.
 """
 
-from lightning_deepseek.elastic.controller.backend import Backend, JobSpec, LocalBackend, RendezvousTuning
+from lightning_deepseek.elastic.controller.backend import (
+    Backend,
+    BackendError,
+    JobSpec,
+    LocalBackend,
+    RendezvousTuning,
+)
 from lightning_deepseek.elastic.controller.controller import ElasticController, JobFailed, main
 from lightning_deepseek.elastic.controller.policy import JobStatus, ScalingPolicy
 
-__all__ = ["Backend", "ElasticController", "JobFailed", "JobSpec", "JobStatus", "LocalBackend", "RendezvousTuning",
-           "ScalingPolicy", "main"]
+__all__ = ["Backend", "BackendError", "ElasticController", "JobFailed", "JobSpec", "JobStatus", "LocalBackend",
+           "RendezvousTuning", "ScalingPolicy", "main"]

@@ -11,9 +11,8 @@ a shrink deadlocks when workers share the agent's store. ``RendezvousTuning`` sh
 (30 s last call, 3 x 5 s keep-alive before a stopped agent counts as gone), which dominate the outage of a
 resize; it costs more rendezvous rounds when agents join one by one.
 
-Other schedulers plug in by implementing ``Backend`` (see docs/elastic.md): SLURM (``scale`` submits or
-``scancel --signal=TERM``s one single-node job step that runs the same torchrun command, all pointing at the
-first step's rendezvous endpoint) or Kubernetes (``scale`` patches the Kubeflow ``PyTorchJob``'s
+``SlurmBackend`` (``slurm.py``) runs the same agents as single-node SLURM jobs. Other schedulers plug in by
+implementing ``Backend`` (see docs/elastic.md), e.g. Kubernetes (``scale`` patches the Kubeflow ``PyTorchJob``'s
 ``Worker.replicas`` within its ``elasticPolicy.minReplicas/maxReplicas``; the operator starts or deletes pods,
 and pod deletion sends SIGTERM).
 """
@@ -103,6 +102,10 @@ class JobSpec:
             raise ValueError(f"job {self.name!r} has an empty command: pass the training script and its arguments.")
         self.run_dir = Path(self.run_dir)
         self.report_file = Path(self.report_file) if self.report_file else self.run_dir / "reports.jsonl"
+
+
+class BackendError(RuntimeError):
+    """A backend cannot start, stop or query a job's nodes (its message names the command or setting at fault)."""
 
 
 class Backend(ABC):

@@ -5,9 +5,11 @@ Every ``interval_s`` the controller reads each job's report file (``report.py``)
 never touches training processes itself, so it can die without harming the jobs: the agents run in their
 own sessions and keep training at their current size (``LocalBackend`` records their pids in
 ``<run_dir>/agents.json``). A job that reports ``fatal`` (e.g. a checkpoint of another model) is stopped
-and the controller exits with its message; a job that reports ``done`` is left to finish.
+and the controller exits with its message; a job that reports ``done`` is left to finish. Each resize is
+printed with its reason; at the end ``<run_dir>/workers.png`` plots the workers of every job over time.
 
     lds-elastic --min-workers 1 --max-workers 2 --run-dir runs/demo -- examples/elastic_train.py --run-dir runs/demo
+    lds-elastic --backend slurm --partition gpu --min-workers 1 --max-workers 4 --run-dir /shared/runs/demo -- ...
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_deepseek.elastic.controller.backend import Backend, JobSpec, LocalBackend, RendezvousTuning
+from lightning_deepseek.elastic.controller.backend import Backend, BackendError, JobSpec, LocalBackend, RendezvousTuning
 from lightning_deepseek.elastic.controller.policy import JobStatus, ScalingPolicy
+from lightning_deepseek.elastic.controller.timeline import Timeline, resize_reason
 from lightning_deepseek.elastic.report import Reports
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,7 @@ class ElasticController:
         self.done: set[str] = set()
         self.started: set[str] = set()
         self.healthy = {job.name: True for job in jobs}
+        self.timeline = Timeline()
 
     def status(self, job: JobSpec) -> JobStatus:
         """The policy's view of ``job`` from its latest reports."""
@@ -83,10 +87,13 @@ class ElasticController:
                 raise JobFailed(f"job {job.name!r} stopped without finishing; see the agent logs in {job.run_dir}.")
         targets = self.policy.decide(statuses)
         for job, status in zip(active, statuses):
+            self.timeline.record(job.name, status.workers)
             if job.name in self.done or targets[job.name] == status.workers or targets[job.name] == 0:
                 continue
-            log.info(f"lds-elastic: job {job.name!r}: {status.workers} -> {targets[job.name]} workers "
-                     f"({self.policy.classify(status)}, {status.samples_per_s or 0:.1f} samples/s)")
+            reason = resize_reason(self.policy, status, targets[job.name], statuses, targets)
+            print(f"lds-elastic: job {job.name!r}: {status.workers} -> {targets[job.name]} workers: {reason}",
+                  flush=True)
+            self.timeline.record(job.name, targets[job.name], reason)
             self.backend.scale(job, targets[job.name])
             self.started.add(job.name)
             self.last_resize[job.name] = time.time()
@@ -107,6 +114,9 @@ class ElasticController:
             for job in self.jobs:
                 self.backend.stop(job)
             raise
+        finally:
+            for run_dir in dict.fromkeys(job.run_dir for job in self.jobs):
+                self.timeline.plot(run_dir / "workers.png")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lds-elastic", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", default="lds-elastic", help="job id (torchrun --rdzv-id)")
+    parser.add_argument("--backend", choices=("local", "slurm"), default="local",
+                        help="local: torchrun agents on this machine; slurm: one single-node SLURM job per node")
+    parser.add_argument("--partition", default=None, help="SLURM partition (--backend slurm; default: the default)")
     parser.add_argument("--min-workers", type=int, required=True, help="fewest nodes")
     parser.add_argument("--max-workers", type=int, required=True, help="most nodes")
     parser.add_argument("--nproc-per-node", type=int, default=1)
@@ -136,8 +149,14 @@ def main(argv: list[str] | None = None) -> None:
                       target_samples_per_s=args.target_samples_per_s, deadline_s=args.deadline_s)
         tuning = RendezvousTuning.torchrun_defaults() if args.torchrun_defaults else RendezvousTuning()
         policy = ScalingPolicy(pool_size=args.pool_size or args.max_workers, cooldown_s=args.cooldown_s)
-        ElasticController(LocalBackend(args.rdzv_port, tuning), policy, [job], args.interval_s).run()
-    except (ValueError, JobFailed) as exc:
+        if args.backend == "slurm":
+            from lightning_deepseek.elastic.controller.slurm import SlurmBackend
+
+            backend: Backend = SlurmBackend(args.partition, args.rdzv_port, tuning)
+        else:
+            backend = LocalBackend(args.rdzv_port, tuning)
+        ElasticController(backend, policy, [job], args.interval_s).run()
+    except (ValueError, JobFailed, BackendError) as exc:
         print(f"lds-elastic: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
 
