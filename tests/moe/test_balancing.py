@@ -132,7 +132,7 @@ def test_sign_update_cancels_an_offset_and_a_smaller_step_dithers_less() -> None
         assert ratios[0] > 1.6  # unbalanced: experts 0 and 1 take most tokens
         assert (summed.max() / summed.mean()).item() < 1.05
         assert sum(ratios[-50:]) / 50 < 1.2
-        # Why moe-tiny's preset uses 3e-3 rather than 1e-2 (benchmarks/RESULTS.md): once the bias has cancelled the
+        # Why moe-tiny's preset uses 3e-3 rather than 1e-2 (benchmarks/moe/REPORT.md): once the bias has cancelled the
         # offset, every sign step reacts to the batch's sampling noise and the step size sets how far the bias wanders.
         balanced = layer.router.expert_bias.clone()
         per_step = {}
@@ -145,7 +145,7 @@ def test_sign_update_cancels_an_offset_and_a_smaller_step_dithers_less() -> None
 
 
 def test_proportional_update_undoes_a_collapse_faster_than_sign() -> None:
-    """moe-small's case (benchmarks/RESULTS.md): a router collapsed onto one expert, where a sign step small enough
+    """moe-small's case (benchmarks/moe/REPORT.md): a router collapsed onto one expert, where a sign step small enough
     not to dither takes long to undo the collapse; the proportional step is large while one expert takes every token
     (relative error E/k - 1 = 7) and small near balance."""
     torch.manual_seed(0)

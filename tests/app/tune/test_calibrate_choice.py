@@ -1,7 +1,7 @@
 """The choice against recorded calibrations (no processes started): a candidate replaces plain DDP only when its
 gain is beyond both ``tune.min_gain`` and the noise of the two measurements, and the table says why.
 
-Each case is a ``tune=auto`` calibration of benchmarks/RESULTS.md ("Calibration: lds-train tune"): its rows'
+Each case is a recorded ``tune=auto`` calibration (benchmarks/autotune/REPORT.md covers the current runs): its rows'
 tokens/s (best round) and timed step times (every round), and what the exhaustive grid of the same repetition
 ranked first."""
 

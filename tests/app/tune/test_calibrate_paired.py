@@ -15,7 +15,7 @@ from lightning_deepseek.app.tune.choice import paired_gain, settle
 from lightning_deepseek.app.tune.table import Calibration, Row
 
 # Session 19, the 10 Gbit testbed, moe-tiny: hybrid tp2/ep1 against plain DDP in each of 5 repetitions of a grid of
-# 4 rounds x 8 steps (benchmarks/RESULTS.md): 1.10x by the median, but no order the repetitions agree on.
+# 4 rounds x 8 steps (benchmarks/autotune/REPORT.md): 1.10x by the median, but no order the repetitions agree on.
 SESSION_19 = [1.14, 1.10, 1.08, 0.96, 0.90]
 
 

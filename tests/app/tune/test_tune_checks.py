@@ -49,7 +49,7 @@ def test_forced_settings_come_from_the_command_line_and_tune_keep() -> None:
 
 def test_hybrid_candidates_are_placed_by_the_runs_own_micro_batch() -> None:
     # Without it a fixed tp size places by 2048 tokens (placement.py's default): on the 1 Gbit testbed the wide-FFN
-    # model's tp=2 then ran inside a node at 437 ms a step instead of across nodes at 238 ms (RESULTS.md).
+    # model's tp=2 then ran inside a node at 437 ms a step instead of across nodes at 238 ms (benchmarks/autotune).
     found = candidates(_cfg("tune=quick", "model=wide-ffn", "data.batch_size=2"), forced=[])
     assert {c.micro_batch_tokens for c in found if c.strategy == "hybrid"} == {2 * 16}
     assert all(c.micro_batch_tokens is None for c in found if c.strategy == "ddp")
