@@ -1,15 +1,17 @@
 """``lds-train tune=auto|quick|grid``: calibration of the application's configurations (docs/autotune.md).
 
-Candidate configurations of ``lds-train`` (``candidates``) are measured in the training processes (``calibrate``),
-chosen by the margin rule (``choice``) and reported (``table``). The candidates and the checks import neither torch
-nor Optuna (``lds-train`` checks ``tune`` before loading them); everything else is imported on first use.
+The candidate configurations of ``lds-train`` (``configurations``) are measured in the training processes
+(``calibrate``), chosen by the margin rule (``choice``) and reported (``table``). The configurations and the checks
+import neither torch nor Optuna (``lds-train`` checks ``tune`` before loading them); everything else is imported
+on first use. Not to be confused with the library's ``autotune.Candidate`` (a ``(tp, ep, bits)`` layout timed on
+copies of a model): a ``Configuration`` is a whole ``lds-train`` configuration, timed by short fits.
 """
 
 import importlib
 from typing import Any
 
-from lightning_deepseek.app.tune.candidates import PLAIN_DDP, Candidate, candidates, forced_settings
 from lightning_deepseek.app.tune.checks import check_tune, check_tune_option
+from lightning_deepseek.app.tune.configurations import PLAIN_DDP, Configuration, configurations, forced_settings
 
 _LAZY = {
     **dict.fromkeys(("calibrate", "calibrated_config"), "calibrate"),
@@ -24,4 +26,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["PLAIN_DDP", "Candidate", "candidates", "check_tune", "check_tune_option", "forced_settings", *_LAZY]
+__all__ = ["PLAIN_DDP", "Configuration", "check_tune", "check_tune_option", "configurations", "forced_settings",
+           *_LAZY]

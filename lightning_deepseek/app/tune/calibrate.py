@@ -1,7 +1,7 @@
 """``lds-train tune=quick|grid``: measure candidate configurations inside the training processes, train with the
 fastest.
 
-Each candidate (:mod:`~lightning_deepseek.app.tune.candidates`: strategy, tp/ep sizes, compression, DDP bucket
+Each candidate (:mod:`~lightning_deepseek.app.tune.configurations`: strategy, tp/ep sizes, compression, DDP bucket
 size) is one trial of an Optuna study with a throughput objective, run by the project's own trial loop
 (:func:`lightning_deepseek.hpo.loop.run_trials`): a short ``Trainer.fit`` of a freshly seeded model on the run's
 own data, ``tune.warmup_steps`` untimed steps then ``tune.steps`` timed ones. Plain DDP without compression is
@@ -41,7 +41,7 @@ all-reduce of one number per step), so every rank sees the same values, prunes t
 same choice, with no message passing beyond that.
 
 The training that follows is untouched: the run's config with the chosen candidate applied
-(:meth:`Candidate.apply`) goes through ``prepare_training`` as a direct run would, re-seeded, so its losses equal
+(:meth:`Configuration.apply`) goes through ``prepare_training`` as a direct run would, re-seeded, so its losses equal
 those of ``lds-train <the choice's overrides> tune=none`` (tests/app/tune/test_calibrate.py checks this).
 The choice (plain DDP unless another is faster by more than the margin and the measured noise) is
 :func:`~lightning_deepseek.app.tune.choice.choose`. The table (``tune.txt``, ``tune.json`` in the run folder) and
@@ -73,9 +73,15 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import CategoricalDistribution
 from typing_extensions import override
 
-from lightning_deepseek.app.tune.candidates import PLAIN_DDP, Candidate, candidates, describe_forced, forced_settings
 from lightning_deepseek.app.tune.checks import nothing_to_choose, task_overrides
 from lightning_deepseek.app.tune.choice import MIN_TAKE_ROUNDS, Choice, choose, paired_choice, settle
+from lightning_deepseek.app.tune.configurations import (
+    PLAIN_DDP,
+    Configuration,
+    configurations,
+    describe_forced,
+    forced_settings,
+)
 from lightning_deepseek.app.tune.steal import cpu_times, stolen_share
 from lightning_deepseek.app.tune.sweep_choice import publish, reused, shared_choice, sweep_table
 from lightning_deepseek.app.tune.table import Calibration, Row, TuneReport
@@ -158,8 +164,8 @@ class _Calibrator:
     cfg: DictConfig
     plan: Any
     folder: Any
-    order: list[Candidate]
-    eligible: list[Candidate]
+    order: list[Configuration]
+    eligible: list[Configuration]
     results: dict[str, Row] = field(default_factory=dict)
     up_at: float | None = None  # perf_counter when every process had joined (the first fit's setup)
     pruning: bool = True  # off for the paired rounds (_settle): both candidates measured to the end
@@ -250,7 +256,7 @@ class _Calibrator:
                 and r.state in ("measured", "pruned") and r.tokens_per_s]
         return sorted(rows, key=lambda r: -(r.tokens_per_s or 0.0))[:count]
 
-    def _timer(self, candidate: Candidate, trial: optuna.Trial, first: bool) -> _StepTimer:
+    def _timer(self, candidate: Configuration, trial: optuna.Trial, first: bool) -> _StepTimer:
         cfg = candidate.apply(self.cfg)
         tune = self.cfg.tune
         accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
@@ -260,7 +266,7 @@ class _Calibrator:
         prune = self.pruning and tune.prune and not candidate.is_plain_ddp and candidate != self.eligible[0]
         return _StepTimer(trial, warmup * accumulate, prune=prune)
 
-    def _measure(self, candidate: Candidate, timer: _StepTimer) -> None:
+    def _measure(self, candidate: Configuration, timer: _StepTimer) -> None:
         from lightning_deepseek.data import TextDataModule
         from lightning_deepseek.models import LightningGPT
 
@@ -328,7 +334,7 @@ def _settle(calibrator: _Calibrator, measure: Callable[[list[str]], None], cfg: 
     round_seconds = (1 + len(leaders)) * (clock() - calibrator.up_at) / calibrator.fits
     if clock() - calibrator.up_at + MIN_TAKE_ROUNDS * round_seconds > allowed:
         return None
-    ratios: dict[Candidate, list[float]] = {row.candidate: [] for row in leaders}
+    ratios: dict[Configuration, list[float]] = {row.candidate: [] for row in leaders}
     open_, rounds = list(ratios), 0  # the others not yet decided
     calibrator.pruning = False
     try:
@@ -353,7 +359,7 @@ def _settle(calibrator: _Calibrator, measure: Callable[[list[str]], None], cfg: 
     return Settled(choice, {c.name: tuple(round(r, 4) for r in v) for c, v in ratios.items()})
 
 
-def _layout(candidate: Candidate) -> tuple[Any, ...]:
+def _layout(candidate: Configuration) -> tuple[Any, ...]:
     """What the staged search measures first: the rank layout, apart from compression and bucket size."""
     return candidate.strategy, candidate.tensor_parallel_size, candidate.expert_parallel_size
 
@@ -417,7 +423,7 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
     started, cpu_before = time.perf_counter(), cpu_times()
     forced = forced_settings(cfg, task_overrides())
     experts = int(getattr(plan.model_config, "n_routed_experts", 0) or 0)
-    eligible = candidates(cfg, forced, experts)
+    eligible = configurations(cfg, forced, experts)
     order = eligible if eligible[0].is_plain_ddp else [PLAIN_DDP, *eligible]
     calibrator = _Calibrator(cfg, plan, folder, order, eligible)
     pruner = _pruner(cfg.tune)
@@ -480,7 +486,7 @@ def calibrated_config(cfg: DictConfig, plan: Any, folder: Any) -> DictConfig:
 
 def _sweep_choice(cfg: DictConfig, table: Path, folder: Any) -> DictConfig:
     recorded = reused(table)
-    choice = Candidate(**recorded["choice_fields"])
+    choice = Configuration(**recorded["choice_fields"])
     if folder.is_launcher:
         folder.path.mkdir(parents=True, exist_ok=True)  # tune.json beside the checkpoints: a resume keeps the choice
         (folder.path / "tune.json").write_text(json.dumps({**recorded, "reused_from": str(table)}, indent=2))
@@ -497,7 +503,7 @@ def _resumed_choice(cfg: DictConfig, checkpoint: Path, is_launcher: bool) -> Dic
     if found is None:
         return cfg  # a run without calibration: its settings are the ones given
     recorded = json.loads(found.read_text())
-    choice = Candidate(**recorded["choice_fields"])
+    choice = Configuration(**recorded["choice_fields"])
     if is_launcher:
         print(f"lds-train: tune: resuming with the choice of {found.parent}: {choice.name} (no new calibration)",
               flush=True)

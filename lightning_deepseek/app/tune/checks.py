@@ -13,10 +13,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_deepseek.app.errors import ConfigError
-from lightning_deepseek.app.tune.candidates import (
+from lightning_deepseek.app.tune.configurations import (
     CONF_DIR,
     DIMENSIONS,
-    candidates,
+    configurations,
     describe_forced,
     forced_settings,
     processes,
@@ -129,7 +129,7 @@ def nothing_to_choose(cfg: DictConfig, experts: int = 0) -> str | None:
                 f"(trainer.devices={cfg.trainer.get('devices')}, trainer.num_nodes={nodes}). Train with two or more "
                 "processes (trainer.devices=2), or pass tune=none.")
     forced = forced_settings(cfg, task_overrides())
-    found = candidates(cfg, forced, experts)
+    found = configurations(cfg, forced, experts)
     if len(found) >= 2:
         return None
     kept = describe_forced(cfg, forced) or "nothing"

@@ -29,7 +29,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_deepseek.app.tune.candidates import Candidate
+from lightning_deepseek.app.tune.configurations import Configuration
 from lightning_deepseek.app.tune.table import Row
 
 
@@ -44,7 +44,7 @@ class Choice:
             plain DDP was not compared).
     """
 
-    candidate: Candidate
+    candidate: Configuration
     reason: str
     margin: float = 0.0
 
@@ -61,7 +61,7 @@ def noise(plain: Row, other: Row, steps: int) -> float:
     return math.hypot(spread(plain), spread(other)) / math.sqrt(steps)
 
 
-def choose(rows: list[Row], eligible: list[Candidate], min_gain: float, noise_margin: float = 0.0,
+def choose(rows: list[Row], eligible: list[Configuration], min_gain: float, noise_margin: float = 0.0,
            steps: int = 1) -> Choice:
     """The fastest measured eligible candidate; plain DDP (when eligible) unless that one beats it by the margin:
     ``min_gain``, or ``noise_margin`` standard errors of their difference (:func:`noise`, ``steps`` timed steps a
@@ -122,7 +122,7 @@ def settle(ratios: Sequence[float], min_gain: float, take: float, drop: float | 
     return None
 
 
-def paired_choice(plain: Candidate, ratios: Mapping[Candidate, Sequence[float]], min_gain: float, take: float,
+def paired_choice(plain: Configuration, ratios: Mapping[Configuration, Sequence[float]], min_gain: float, take: float,
                   drop: float) -> Choice:
     """The choice after paired rounds of ``plain`` DDP and each other in ``ratios`` (its rounds' ratios): of the
     others :func:`settle` says beat plain DDP, the one with the largest gain; plain DDP when none does (each fell

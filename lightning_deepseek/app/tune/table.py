@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_deepseek.app.tune.candidates import Candidate
+from lightning_deepseek.app.tune.configurations import Configuration
 
 STEAL_WARNING = 0.05  # the table warns from this share of the CPU taken by the host during the calibration
 
@@ -35,7 +35,7 @@ class Row:
             set-up up to the first batch), ``warmup`` (untimed steps), ``timed`` (timed steps), ``teardown``.
     """
 
-    candidate: Candidate
+    candidate: Configuration
     state: str
     tokens_per_s: float | None = None
     note: str = ""
@@ -66,7 +66,7 @@ class Calibration:
 
     mode: str
     rows: list[Row]
-    choice: Candidate
+    choice: Configuration
     seconds: float
     kept: str = ""
     min_gain: float = 0.0

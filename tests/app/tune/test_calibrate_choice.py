@@ -7,8 +7,8 @@ ranked first."""
 
 import pytest
 
-from lightning_deepseek.app.tune.candidates import Candidate
 from lightning_deepseek.app.tune.choice import choose, noise
+from lightning_deepseek.app.tune.configurations import Configuration
 from lightning_deepseek.app.tune.table import Calibration, Row
 
 
@@ -16,7 +16,7 @@ def _row(name: str, tokens_per_s: float, steps: list[float]) -> Row:
     strategy, *rest = name.split("/")
     tp = int(rest.pop(0)[2:]) if strategy == "hybrid" else None
     ep = int(rest.pop(0)[2:]) if rest[0].startswith("ep") else None
-    return Row(Candidate(strategy, tp, ep, rest[0]), "measured", tokens_per_s, step_seconds=tuple(steps))
+    return Row(Configuration(strategy, tp, ep, rest[0]), "measured", tokens_per_s, step_seconds=tuple(steps))
 
 
 def _choose(*rows: Row) -> tuple[str, str]:

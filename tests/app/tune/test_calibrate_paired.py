@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from lightning_deepseek.app.run import CONFIG_DIR
-from lightning_deepseek.app.tune import candidates
+from lightning_deepseek.app.tune import configurations
 from lightning_deepseek.app.tune.calibrate import Settled, _Calibrator, _settle, planned_batches
 from lightning_deepseek.app.tune.choice import paired_gain, settle
 from lightning_deepseek.app.tune.table import Calibration, Row
@@ -48,7 +48,7 @@ def test_the_verdict_comes_from_the_rounds_spread() -> None:
 def _calibrator(*overrides: str) -> _Calibrator:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=["model=tiny", "trainer.devices=2", "tune=quick", *overrides])
-    order = candidates(cfg, forced=[])
+    order = configurations(cfg, forced=[])
     calibrator = _Calibrator(cfg, None, None, order, order)
     ddp, int8, int4, hybrid = (next(c for c in order if c.name == n)
                                for n in ("ddp/none", "ddp/int8", "ddp/int4", "hybrid/tp2/none"))

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lightning_deepseek.app.run import CONFIG_DIR
-from lightning_deepseek.app.tune import candidates, choose
+from lightning_deepseek.app.tune import choose, configurations
 from lightning_deepseek.app.tune.calibrate import _Calibrator, _frozen_heap, _pruner
 from lightning_deepseek.app.tune.table import Row
 
@@ -19,7 +19,7 @@ from lightning_deepseek.app.tune.table import Row
 def _calibrator() -> _Calibrator:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=["model=tiny", "trainer.devices=2", "tune=quick"])
-    order = candidates(cfg, forced=[])
+    order = configurations(cfg, forced=[])
     return _Calibrator(cfg, None, None, order, order)
 
 

@@ -11,11 +11,11 @@ from lightning_deepseek.app.run import CONFIG_DIR, RunFolder
 from lightning_deepseek.app.training import prepare_training
 from lightning_deepseek.app.tune import (
     PLAIN_DDP,
-    Candidate,
-    candidates,
+    Configuration,
     check_tune,
     check_tune_option,
     choose,
+    configurations,
     forced_settings,
 )
 from lightning_deepseek.app.tune.checks import nothing_to_choose
@@ -28,13 +28,13 @@ def _cfg(*overrides: str):
 
 
 def test_candidates_start_with_plain_ddp() -> None:
-    found = candidates(_cfg("tune=quick"), forced=[])
+    found = configurations(_cfg("tune=quick"), forced=[])
     assert found[0] == PLAIN_DDP
     assert [c.name for c in found] == ["ddp/none", "ddp/int8", "ddp/int4", "hybrid/tp2/none", "hybrid/tp2/int8",
                                        "hybrid/tp2/int4"]
-    four = candidates(_cfg("tune=grid", "trainer.devices=4", "allow_oversubscribe=true"), forced=[])
+    four = configurations(_cfg("tune=grid", "trainer.devices=4", "allow_oversubscribe=true"), forced=[])
     assert {"hybrid/tp2/int8/bucket1", "hybrid/tp4/none", "ddp/int4/bucket100"} <= {c.name for c in four}
-    moe = candidates(_cfg("tune=quick", "model=moe-tiny"), forced=[], experts=8)
+    moe = configurations(_cfg("tune=quick", "model=moe-tiny"), forced=[], experts=8)
     assert {"hybrid/tp1/ep2/none", "hybrid/tp2/ep1/none", "hybrid/tp2/ep2/none"} <= {c.name for c in moe}
     assert "hybrid/tp1/ep1/none" not in {c.name for c in moe}
 
@@ -43,25 +43,25 @@ def test_forced_settings_come_from_the_command_line_and_tune_keep() -> None:
     cfg = _cfg("tune=quick", "tune.keep=[bucket_cap_mb]")
     forced = forced_settings(cfg, ["compression=int8", "strategy.tensor_parallel_size=2", "model=tiny"])
     assert forced == ["tensor_parallel_size", "compression", "bucket_cap_mb"]
-    found = candidates(_cfg("tune=quick", "compression=int8"), forced=["compression"])
+    found = configurations(_cfg("tune=quick", "compression=int8"), forced=["compression"])
     assert [c.name for c in found] == ["ddp/int8", "hybrid/tp2/int8"]
 
 
 def test_hybrid_candidates_are_placed_by_the_runs_own_micro_batch() -> None:
     # Without it a fixed tp size places by 2048 tokens (placement.py's default): on the 1 Gbit testbed the wide-FFN
     # model's tp=2 then ran inside a node at 437 ms a step instead of across nodes at 238 ms (benchmarks/autotune).
-    found = candidates(_cfg("tune=quick", "model=wide-ffn", "data.batch_size=2"), forced=[])
+    found = configurations(_cfg("tune=quick", "model=wide-ffn", "data.batch_size=2"), forced=[])
     assert {c.micro_batch_tokens for c in found if c.strategy == "hybrid"} == {2 * 16}
     assert all(c.micro_batch_tokens is None for c in found if c.strategy == "ddp")
     assert "strategy.micro_batch_tokens=32" in found[-1].overrides() and found[-1].name == "hybrid/tp2/int4"
-    block = candidates(_cfg("tune=quick", "data.block_size=32"), forced=[])[-1]
+    block = configurations(_cfg("tune=quick", "data.block_size=32"), forced=[])[-1]
     assert block.micro_batch_tokens == 16 * 32  # data.block_size, where set, over the model's
-    own = candidates(_cfg("tune=quick", "strategy=hybrid", "strategy.micro_batch_tokens=100"), forced=[])[-1]
+    own = configurations(_cfg("tune=quick", "strategy=hybrid", "strategy.micro_batch_tokens=100"), forced=[])[-1]
     assert own.micro_batch_tokens == 100  # the run's own setting is kept
 
 
 def test_apply_gives_the_config_a_direct_run_with_the_overrides_composes() -> None:
-    candidate = Candidate("hybrid", 2, None, "int8", 5, 32)
+    candidate = Configuration("hybrid", 2, None, "int8", 5, 32)
     applied = candidate.apply(_cfg("tune=quick"))
     direct = _cfg(*candidate.overrides(), "tune=quick")
     assert applied.strategy == direct.strategy and applied.compression == direct.compression
@@ -71,7 +71,7 @@ def test_apply_gives_the_config_a_direct_run_with_the_overrides_composes() -> No
 def _row(name: str, tps: float | None, state: str = "measured") -> Row:
     strategy, *rest = name.split("/")
     tp = int(rest.pop(0)[2:]) if strategy == "hybrid" else None
-    return Row(Candidate(strategy, tp, None, rest[0]), state, tps)
+    return Row(Configuration(strategy, tp, None, rest[0]), state, tps)
 
 
 def test_choice_is_the_fastest_measured_unless_plain_ddp_is_within_min_gain() -> None:
@@ -92,7 +92,7 @@ def test_choice_is_the_fastest_measured_unless_plain_ddp_is_within_min_gain() ->
 def test_staged_search_compresses_only_the_layouts_measured_to_the_end() -> None:
     from lightning_deepseek.app.tune.calibrate import _Calibrator
 
-    order = candidates(_cfg("tune=quick", "trainer.devices=4", "allow_oversubscribe=true"), forced=[])
+    order = configurations(_cfg("tune=quick", "trainer.devices=4", "allow_oversubscribe=true"), forced=[])
     calibrator = _Calibrator(None, None, None, order, order)
     assert calibrator.first_stage(staged=False) == [c.name for c in order]
     assert calibrator.first_stage(staged=True) == ["ddp/none", "hybrid/tp2/none", "hybrid/tp4/none"]
@@ -112,7 +112,7 @@ def test_staged_search_compresses_only_the_layouts_measured_to_the_end() -> None
     assert calibrator.next_round(best=None, min_gain=0.03) == ["ddp/none", "ddp/int4"]  # grid: every one again
     assert calibrator.next_round(best=1, min_gain=0.0) == ["ddp/none", "ddp/int4"]  # the choice would change
     # Compression forced: plain DDP is the reference only; the first stage still holds each layout's first.
-    forced = candidates(_cfg("tune=quick", "compression=int8", "tune.bucket_cap_mb=[null,1]"), ["compression"])
+    forced = configurations(_cfg("tune=quick", "compression=int8", "tune.bucket_cap_mb=[null,1]"), ["compression"])
     staged = _Calibrator(None, None, None, [PLAIN_DDP, *forced], forced)
     assert staged.first_stage(staged=True) == ["ddp/none", "ddp/int8", "hybrid/tp2/int8"]
     table = Calibration("quick", [_row("ddp/none", 1000.0), Row(order[1], "skipped", note="x")], PLAIN_DDP, 2.0)
@@ -166,7 +166,7 @@ def test_a_resumed_run_keeps_the_choice_its_run_folder_recorded(tmp_path: Path) 
 
     from lightning_deepseek.app.tune.calibrate import _resumed_choice
 
-    choice = Candidate("ddp", None, None, "int4", 1)
+    choice = Configuration("ddp", None, None, "int4", 1)
     (tmp_path / "tune.json").write_text(json.dumps({"choice_fields": asdict(choice)}))
     resumed = _resumed_choice(_cfg("tune=auto"), tmp_path / "checkpoints" / "last.ckpt", is_launcher=False)
     assert resumed.strategy == _cfg(*choice.overrides()).strategy

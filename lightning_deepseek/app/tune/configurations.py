@@ -1,8 +1,8 @@
 """The configurations ``lds-train tune=...`` measures: which ones, and how one is applied to the run's config.
 
-A :class:`Candidate` is one system configuration (strategy, tensor- and expert-parallel sizes, gradient
+A :class:`Configuration` is one system configuration (strategy, tensor- and expert-parallel sizes, gradient
 compression, DDP bucket size), spelt as the ``lds-train`` overrides that select it, so that the chosen one can be
-replayed as a direct run (``lds-train <its overrides> tune=none``) with the same losses. :func:`candidates`
+replayed as a direct run (``lds-train <its overrides> tune=none``) with the same losses. :func:`configurations`
 enumerates them from the ``tune`` group's lists; a setting the user forced (on the command line, or listed in
 ``tune.keep``) is taken from the run's own config instead of being enumerated. Plain DDP without compression
 (the baseline every table compares with) is always measured first, as a reference when the forced settings rule
@@ -27,7 +27,7 @@ HYBRID_TARGET = "lightning_deepseek.HybridParallelStrategy"
 
 
 @dataclass(frozen=True)
-class Candidate:
+class Configuration:
     """One system configuration.
 
     Args:
@@ -98,7 +98,7 @@ class Candidate:
         return out
 
 
-PLAIN_DDP = Candidate()
+PLAIN_DDP = Configuration()
 
 
 def strategy_of(cfg: DictConfig) -> str:
@@ -112,10 +112,10 @@ def compression_of(cfg: DictConfig) -> str:
     return "none" if callback is None else f"int{callback.get('bits')}"
 
 
-def current(cfg: DictConfig) -> Candidate:
+def current(cfg: DictConfig) -> Configuration:
     """The configuration ``cfg`` itself selects (the values of the forced settings come from here)."""
     hybrid = strategy_of(cfg) == "hybrid"
-    return Candidate(strategy_of(cfg),
+    return Configuration(strategy_of(cfg),
                      cfg.strategy.get("tensor_parallel_size") if hybrid else None,
                      cfg.strategy.get("expert_parallel_size") if hybrid else None,
                      compression_of(cfg), cfg.strategy.get("bucket_cap_mb"))
@@ -161,7 +161,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(cfg: DictConfig, forced: list[str], experts: int = 0) -> list[Candidate]:
+def configurations(cfg: DictConfig, forced: list[str], experts: int = 0) -> list[Configuration]:
     """The configurations to choose from, plain DDP first when it is one.
 
     Enumerated from ``tune.strategies``, ``tune.compressions`` and ``tune.bucket_cap_mb``: hybrid takes each
@@ -177,7 +177,7 @@ def candidates(cfg: DictConfig, forced: list[str], experts: int = 0) -> list[Can
     compressions = [own.compression] if "compression" in forced else list(cfg.tune.compressions)
     buckets = [own.bucket_cap_mb] if "bucket_cap_mb" in forced else list(cfg.tune.get("bucket_cap_mb") or [None])
     tokens = micro_batch_tokens(cfg) if "hybrid" in strategies else None
-    found: list[Candidate] = []
+    found: list[Configuration] = []
     for strategy in strategies:
         if strategy == "hybrid":
             # tp=1 only for MoE models, where it still shards the experts (ep > 1); tp=1 with ep=1 is DDP's layout.
@@ -189,7 +189,7 @@ def candidates(cfg: DictConfig, forced: list[str], experts: int = 0) -> list[Can
         else:
             shapes = [(None, None)]
         for (tp, ep), compression, bucket in itertools.product(shapes, compressions, buckets):
-            candidate = Candidate(strategy, tp, ep, compression, bucket, tokens if strategy == "hybrid" else None)
+            candidate = Configuration(strategy, tp, ep, compression, bucket, tokens if strategy == "hybrid" else None)
             if candidate not in found:
                 found.append(candidate)
     found.sort(key=lambda c: not c.is_plain_ddp)  # the baseline first
