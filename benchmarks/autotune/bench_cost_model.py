@@ -1,4 +1,4 @@
-"""The cost model's predicted ranking against the measured ranking over a grid of candidates; the auto choice.
+"""The ``"auto"`` settings' ranking (each candidate's timed copy) against the measured grid; the auto choice.
 
 Loopback (2 processes on this machine)::
 
@@ -15,11 +15,11 @@ the MoE GPT: ``expert_parallel_size`` x compression fp32/int8; each as ``HybridP
 ``GradientCompression``) and Lightning's plain ``"ddp"`` train ``--steps`` steps, interleaved within each repetition
 (the order rotated by one each repetition); a step's time is the slowest rank's, the first 3 steps are dropped, the
 table reports medians over steps and then over repetitions. One run with the ``"auto"`` settings per repetition
-records the cost model's predictions (from its own measurements at setup, sharded copies included) and its choice,
-and its own step time. Reported: Spearman's rank correlation of predicted and measured step times over the grid
-(target >= 0.8), the same between the repetitions' measured rankings and between the medians of the first and the
-second half of the repetitions (how reliable the measured side is: no prediction can be expected to agree with it
-much better), the pairs of candidates whose order the repetitions agree on (a sign test within repetitions) and
+records the training step of each candidate's DDP-wrapped copy timed at setup (its prediction of training's step),
+its choice and its own step time. Reported: Spearman's rank correlation of predicted and measured step times over
+the grid (target >= 0.8), the same between the repetitions' measured rankings and between the medians of the first
+and the second half of the repetitions (how reliable the measured side is: no prediction can be expected to agree
+with it much better), the pairs of candidates whose order the repetitions agree on (a sign test within repetitions) and
 how many of them the prediction orders the same way (a near-tie that flips between repetitions counts in Spearman
 but no prediction can call it), the auto choice against the measured best and plain DDP, and the load average
 before and after. ``--report FILE`` prints a recorded ``--json`` run's report again (this version's statistics);
@@ -34,7 +34,6 @@ import gc
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -144,25 +143,16 @@ def worker(args: argparse.Namespace) -> None:
                     continue
                 tp, ep, bits = cell
                 callbacks = [GradientCompression(bits=bits, warmup_steps=0)] if bits else []
-                # The micro-batch's real token count: the placement then assumes the batch the cost model measured
+                # The micro-batch's real token count: the placement then assumes the batch the auto settings timed
                 # (TimedGPT has no example_input_array, so the default would be 2048).
                 strategy = HybridParallelStrategy(tensor_parallel_size=tp, expert_parallel_size=ep, min_shard_params=0,
                                                   micro_batch_tokens=batch * seq)
                 label = _label(tp, ep, bits)
                 row["measured"][label], row["steal"][label] = fit(config, batch, seq, strategy, callbacks)
-            decision = auto.autotune_decision
+            decision = auto.layout.decision
             row["chosen"] = decision.chosen.label
-            row["predicted"] = {p.candidate.label: p.seconds for p in decision.predictions}
-            row["parts"] = {p.candidate.label: dict(p.parts) for p in decision.predictions}
-            c = decision.compute
-            row["compute"] = dict(forward=c.forward_seconds, backward=c.backward_seconds,
-                                  optimizer=c.optimizer_seconds, routed_bytes=c.routed_bytes,
-                                  sharded={f"{k}={n}": v for (k, n), v in c.sharded.items()}, source=c.source)
-            row["exchange"] = {f"{n} {b}": v for (n, b), v in decision.exchange_seconds.items()}
-            row["copy_steps"] = {f"{k}={n} {'fp32' if b is None else f'int{b}'}": v
-                                 for (k, n, b), v in c.copy_steps.items()}
-            row["by_parts"] = {p.candidate.label: p.seconds if p.by_parts is None else p.by_parts
-                               for p in decision.predictions}
+            row["predicted"] = {e.candidate.label: e.seconds for e in decision.entries if e.seconds is not None}
+            row["source"] = decision.source
             row["tokens_per_step"] = batch * seq * world
             results.append(row)
             if dist.get_rank() == 0:  # after every row: a run cut short (its timeout, Ctrl-C) keeps what it measured
@@ -312,16 +302,6 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
                   f"0.1): {resolved} of {len(labels) * (len(labels) - 1) // 2}; the prediction orders "
                   f"**{resolved - len(misordered)} of {resolved}** the same way"
                   + (f" (not: {', '.join(misordered)})" if misordered else ""), ""]
-        setup = [re.search(r"each, ([0-9.]+) s\)", r["compute"]["source"]) for r in rows]
-        if any(setup):
-            sharded = ", ".join(f"{k} {v[0] * 1e3:+.0f} ms" for k, v in rows[0]["compute"]["sharded"].items())
-            lines += [f"Sharded copies timed at setup in {', '.join(m[1] + ' s' for m in setup if m)} (what sharding "
-                      f"adds to a micro-batch's forward + backward, first repetition: {sharded})", ""]
-        if rows[0].get("exchange"):
-            named = {k: k.split() for k in rows[0]["exchange"]}
-            exchange = ", ".join(f"{int(n) / 2**20:.1f} MiB {'fp32' if b == 'None' else 'int' + b} "
-                                 f"{rows[0]['exchange'][k] * 1e3:.0f} ms" for k, (n, b) in named.items())
-            lines += [f"Gradient exchange timed at setup (slowest rank, first repetition): {exchange}", ""]
         if all(k in r.get("steal", {}) for r in rows for k in labels):
             # A rough correction, not the target's figure: 4 ranks on 2 vCPUs are CPU-bound, so a step takes about
             # 1 / (1 - s) longer when the host takes a share s of the machine's CPU (autotune/steal.py).
@@ -333,24 +313,6 @@ def report(results: list[dict], argv: list[str], where: str, load: tuple[float, 
             lines += [f"With every measured step scaled by the CPU share the host left it (t x (1 - stolen)): "
                       f"Spearman {spearman([predicted[k] for k in labels], [adjusted[k] for k in labels]):.2f}; "
                       f"measured vs measured {', '.join(f'{x:.2f}' for x in adjusted_stability) or 'n/a'}", ""]
-        def rho_of(field: str, row: dict, labels: list[str] = labels) -> str:
-            return f"{spearman([row[field][k] for k in labels], [row['measured'][k] for k in labels]):.2f}"
-        if any(r.get("by_parts") for r in rows):
-            parts = {k: statistics.median(r["by_parts"][k] for r in rows) for k in labels}
-            lines += [f"Each layout predicted from its DDP-wrapped copies' training steps (first repetition: "
-                      f"{', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in rows[0]['copy_steps'].items())}). Spearman "
-                      f"had the parts' formula predicted them instead: "
-                      f"{spearman([parts[k] for k in labels], [measured[k] for k in labels]):.2f} (per repetition "
-                      f"{', '.join(rho_of('by_parts', r) for r in rows)}; with the copies: "
-                      f"{', '.join(rho_of('predicted', r) for r in rows)})", ""]
-        elif any(r.get("in_backward") for r in rows):  # runs recorded before the copies' steps were the prediction
-            alone = {k: statistics.median(r["alone"][k] for r in rows) for k in labels}
-            inside = ", ".join(f"{k} {v * 1e3:+.0f} ms" for k, v in rows[0]["in_backward"].items())
-            lines += [f"Compression under sharding timed in the copies' training steps at setup (over fp32, first "
-                      f"repetition): {inside}. Spearman had it come from the exchange timed alone instead: "
-                      f"{spearman([alone[k] for k in labels], [measured[k] for k in labels]):.2f} (per repetition "
-                      f"{', '.join(rho_of('alone', r) for r in rows)}; with it: "
-                      f"{', '.join(rho_of('predicted', r) for r in rows)})", ""]
         summary.append(f"{key} {rho:.2f} (measured half against half {split:.2f}; resolved pairs ordered "
                        f"{resolved - len(misordered)} of {resolved})")
     lines.append(f"Spearman per model: {', '.join(summary)}; pooled over the models (step times relative to each "

@@ -1,13 +1,17 @@
 """The ``"auto"`` settings of the library (docs/autotune.md): ``HybridParallelStrategy(tensor_parallel_size="auto")``,
-``expert_parallel_size="auto"`` and ``GradientCompression(bits="auto")`` time a copy of each candidate layout at
-setup and keep the fastest by a margin (``cost_model``, ``measure``, ``auto_parallel``). Imported on first use.
+``expert_parallel_size="auto"`` and ``GradientCompression(bits="auto")`` time a DDP-wrapped copy of each candidate
+layout that fits in memory and keep plain DDP unless another is faster by a margin (``decision``: candidates, memory
+filter, margin rule; ``measure``: the timed copies; ``auto_parallel``: the steps at setup). Imported on first use.
 """
 
 import importlib
 from typing import Any
 
-_LAZY = dict.fromkeys(("ComputeProfile", "Decision", "Machine", "ModelFacts", "NoCandidateFitsError", "Prediction",
-                       "decide", "predict"), "cost_model")
+_LAZY = {
+    **dict.fromkeys(("Candidate", "Decision", "ModelMemory", "NoCandidateFitsError", "candidates", "decide"),
+                    "decision"),
+    **dict.fromkeys(("decide_compression", "decide_parallel"), "auto_parallel"),
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,165 @@
+"""The ``"auto"`` settings decide from timed copies on 2 real gloo processes (one spawn, several assertions):
+
+- ``HybridParallelStrategy(tensor_parallel_size="auto")`` with ``GradientCompression(bits="auto")`` on the tiny GPT:
+  every candidate timed on a DDP-wrapped copy (tp=2 with real DTensor collectives), the table printed once, every
+  rank takes the same decision, the mesh and the hook follow it, the run summary shows it;
+- ``GradientCompression(bits="auto")`` under Lightning's ``"ddp"`` on a transformers Llama from a tiny config (a
+  model we did not write, measured through its own ``training_step``);
+- ``expert_parallel_size="auto"`` on a tiny MoE GPT: ep 1 or 2 by their copies, the experts sharded accordingly;
+- ``measure_copy_steps`` on tensor-parallel, expert-parallel and both-ways copies, compressed or not, leaves the
+  model and the random state alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_deepseek.autotune.auto_parallel import _shard
+from lightning_deepseek.autotune.decision import Candidate
+from lightning_deepseek.autotune.measure import MicroBatch, measure_copy_steps
+from lightning_deepseek.compression import GradientCompression
+from lightning_deepseek.parallel import HybridParallelStrategy
+from lightning_deepseek.parallel.dims import ParallelDims
+from lightning_deepseek.parallel.plan import decide_plan
+from tests.helpers import run_distributed
+from tests.parallel.common import LogRecords, TinyLM, loader, make_trainer, token_data
+
+MOE = dict(n_routed_experts=4, moe_top_k=2, n_shared_experts=1, moe_hidden=32, n_dense_layers=1, mlp_ratio=4)
+
+
+class TinyLlama(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers as t
+        self.model = t.LlamaForCausalLM(t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=96,
+                                                      num_hidden_layers=2, num_attention_heads=4,
+                                                      num_key_value_heads=2, max_position_embeddings=32))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _fit(world_size: int, strategy: Any, module: pl.LightningModule, callbacks: list) -> dict[str, Any]:
+    records = LogRecords()
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(records)
+    try:
+        pl.seed_everything(0, verbose=False)
+        trainer = make_trainer(world_size, strategy, max_steps=2, callbacks=callbacks)
+        trainer.fit(module, loader(token_data(8 * world_size), 4))
+    finally:
+        logger.removeHandler(records)
+    return {"tables": [m for m in records.messages if ": timed copies (lightning_deepseek.autotune)" in m]}
+
+
+def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
+    strategy = HybridParallelStrategy(tensor_parallel_size="auto", min_shard_params=0)
+    compression = GradientCompression(bits="auto", warmup_steps=0, min_bucket_numel=256)
+    hybrid = _fit(world_size, strategy, TinyLM(), [compression])
+    decision = strategy.layout.decision
+    hook_bits = compression.hook_state.config.bits if compression.hook_state is not None else None
+    ddp_compression = GradientCompression(bits="auto", min_bucket_numel=256)
+    llama = _fit(world_size, "ddp", TinyLlama(), [ddp_compression])
+    copy_steps = _copy_steps(world_size)
+    moe = HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size="auto", min_shard_params=0)
+    moe_run = _fit(world_size, moe, TinyLM(**MOE), [])
+    return {
+        "rank": dist.get_rank(),
+        "hybrid_tables": hybrid["tables"], "chosen": decision.chosen.label, "tp": strategy.parallel_dims.tp,
+        "hook_bits": hook_bits, "decided_tokens": decision.tokens,
+        "seconds": {e.candidate: e.seconds for e in decision.entries},
+        "summary": {**strategy.summary(), **compression.summary()},
+        "llama_tables": llama["tables"], "llama_chosen": ddp_compression.decision.chosen.label,
+        "llama_seconds": {e.candidate: e.seconds for e in ddp_compression.decision.entries},
+        "llama_summary": ddp_compression.summary(), "llama_hook": ddp_compression.hook_state is not None,
+        "copy_steps": copy_steps,
+        "moe_tables": moe_run["tables"], "moe_chosen": moe.layout.decision.chosen.label, "moe_ep": moe.parallel_dims.ep,
+        "moe_seconds": {e.candidate: e.seconds for e in moe.layout.decision.entries}, "moe_summary": moe.summary(),
+    }
+
+
+def _copy_steps(world_size: int) -> dict[str, Any]:
+    """``measure_copy_steps`` on tp=2, ep=2 and tp=2 x ep=2 copies of the tiny MoE GPT, fp32 and int8; the module
+    itself must stay untouched."""
+    pl.seed_everything(1, verbose=False)
+    module = TinyLM(**MOE)
+    before = [p.detach().clone() for p in module.parameters()]
+    plan = decide_plan(module, "auto", world_size, 2, False, 0)
+    order = list(range(world_size))
+    layouts = {Candidate(tp, ep, bits): functools.partial(_shard, dims=ParallelDims(world_size, tp=tp, ep=ep),
+                                                          plan=plan, order=order, device_type="cpu")
+               for tp, ep in ((2, 1), (1, 2), (2, 2)) for bits in (None, 8)}
+    data = token_data(4)[:2]
+    rng = torch.get_rng_state()
+    seconds = measure_copy_steps(module, MicroBatch(data, False, "two rows", 32), layouts, 25 << 20, repeats=1)
+    return {"seconds": seconds, "untouched": all(torch.equal(a, p) for a, p in zip(before, module.parameters())),
+            "grads": all(p.grad is None for p in module.parameters()),
+            "kept_rng": torch.equal(rng, torch.get_rng_state())}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_distributed(_scenarios, 2, timeout=240)
+
+
+def test_hybrid_auto_times_every_candidate_and_decides_tp_and_bits_alike_on_every_rank(ranks) -> None:
+    rank0, rank1 = ranks
+    assert rank0["chosen"] == rank1["chosen"] and rank0["tp"] == rank1["tp"]  # one decision, every rank
+    # every candidate timed on its DDP-wrapped copy (tp=2 leaves one dp rank: fp32 only), agreed over ranks
+    assert set(rank0["seconds"]) == {Candidate(1), Candidate(1, 1, 8), Candidate(1, 1, 4), Candidate(2)}
+    assert rank0["seconds"] == rank1["seconds"] and all(v > 0 for v in rank0["seconds"].values())
+    tp, bits = rank0["tp"], rank0["hook_bits"]
+    assert rank0["chosen"] == f"tp={tp} ep=1 {'fp32' if bits is None else f'int{bits}'}"
+    (table,) = rank0["hybrid_tables"]  # printed once, by rank 0
+    assert rank1["hybrid_tables"] == []
+    assert "tensor_parallel_size='auto', GradientCompression(bits='auto'): timed copies" in table
+    assert "4 DDP-wrapped copies timed, 3 rounds" in table and "micro-batch a training batch (4, 16)" in table
+    assert rank0["decided_tokens"] == 4 * 16  # the placement's token count too (no example_input_array here)
+    assert all(c.label in table for c in rank0["seconds"]) and f"choice: {rank0['chosen']}" in table
+    summary = rank0["summary"]
+    assert summary["autotune_choice"] == rank0["chosen"]
+    assert set(summary["autotune_predicted_ms"]) == {c.label for c in rank0["seconds"]}
+    assert summary["hybrid_mesh"].startswith(f"dp={2 // tp} x tp={tp}")
+
+
+def test_bits_auto_under_ddp_decides_on_a_transformers_model(ranks) -> None:
+    rank0, rank1 = ranks
+    assert rank0["llama_chosen"] == rank1["llama_chosen"]
+    assert set(rank0["llama_seconds"]) == {Candidate(1), Candidate(1, 1, 8), Candidate(1, 1, 4)}
+    assert rank0["llama_seconds"] == rank1["llama_seconds"] and all(v > 0 for v in rank0["llama_seconds"].values())
+    (table,) = rank0["llama_tables"]
+    assert "GradientCompression(bits='auto'): timed copies" in table and "3 DDP-wrapped copies timed" in table
+    assert rank0["llama_hook"] == (rank0["llama_chosen"] != "tp=1 ep=1 fp32")
+    assert rank0["llama_summary"]["autotune_choice"] == rank0["llama_chosen"]
+
+
+def test_expert_parallel_size_auto_decides_and_shards_accordingly(ranks) -> None:
+    rank0, rank1 = ranks
+    assert rank0["moe_chosen"] == rank1["moe_chosen"] and rank0["moe_ep"] == rank1["moe_ep"]
+    assert set(rank0["moe_seconds"]) == {Candidate(1), Candidate(1, 2)} and rank0["moe_seconds"] == rank1[
+        "moe_seconds"]
+    (table,) = rank0["moe_tables"]
+    assert "expert_parallel_size='auto': timed copies" in table
+    ep = rank0["moe_ep"]
+    assert rank0["moe_chosen"] == f"tp=1 ep={ep} fp32"
+    assert ("expert_parallel" in rank0["moe_summary"]) == (ep == 2)
+
+
+def test_tensor_expert_and_both_ways_copies_are_timed_in_training_steps(ranks) -> None:
+    for rank in ranks:  # fp32 and int8 on DDP-wrapped tp=2, ep=2 and tp=2 x ep=2 copies: positive, no side effects
+        assert set(rank["copy_steps"]["seconds"]) == {Candidate(tp, ep, b) for tp, ep in ((2, 1), (1, 2), (2, 2))
+                                                      for b in (None, 8)}
+        assert all(0 < v < 5 for v in rank["copy_steps"]["seconds"].values())
+        assert all(rank["copy_steps"][k] for k in ("untouched", "grads", "kept_rng"))
