@@ -1,7 +1,8 @@
 """``ExpertLoadBalancing``: DeepSeek-V3's auxiliary-loss-free load balancing, as a Lightning ``Callback``.
 
 Every MoE layer (found by :mod:`lightning_deepseek.moe.protocol`) has its routed tokens counted by a forward
-pre-hook on its experts module (the ``top_k_index`` argument), in training only. After each optimizer step the
+pre-hook on its experts module (its ``top_k_index`` argument, or the ``num_tokens_per_expert`` of the ``"grouped"``
+convention), in training only. After each optimizer step the
 counts of all layers and all ranks are summed by ONE all-reduce of an ``(L, E)`` tensor, then each layer's balancing
 bias moves by ``update_rate`` against its load: ``bias += update_rate * sign(mean_load - load)`` (overloaded experts
 become less likely to be chosen; the bias never enters the routing weights), or with ``rule="proportional"`` by
@@ -30,7 +31,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_deepseek.moe.protocol import BIAS_NAMES, ExpertLayer, find_expert_layers
+from lightning_deepseek.moe.protocol import BIAS_NAMES, SEARCHED, ExpertLayer, find_expert_layers
 
 
 class LoadCounter:
@@ -46,11 +47,15 @@ class LoadCounter:
             layer.experts.register_forward_pre_hook(self._hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
 
     def _hook(self, i: int) -> Any:
+        grouped = self.layers[i].convention == "grouped"
+
         def count(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if module.training and torch.is_grad_enabled():
-                index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+                # top_k: (hidden, top_k_index, weights); grouped: (rows, num_tokens_per_expert), counted already
+                index = args[1] if len(args) > 1 else kwargs["num_tokens_per_expert" if grouped else "top_k_index"]
                 self.counts = self.counts.to(index.device)
-                self.counts[i] += torch.bincount(index.flatten(), minlength=self.counts.size(1)).to(self.counts)
+                counts = index if grouped else torch.bincount(index.flatten(), minlength=self.counts.size(1))
+                self.counts[i] += counts.to(self.counts)
         return count
 
     def take(self) -> torch.Tensor:
@@ -115,14 +120,13 @@ class ExpertLoadBalancing(Callback):
             return
         layers = find_expert_layers(pl_module)
         if not layers:
-            rank_zero_warn("ExpertLoadBalancing: the model has no MoE layer (modules marked `is_moe_experts`, or "
-                           "transformers' base_model_ep_plan experts); the callback does nothing. Remove it, or "
-                           "register your experts with lightning_deepseek.moe.register_experts.")
+            rank_zero_warn(f"ExpertLoadBalancing: the model has no MoE layer ({SEARCHED}); the callback does "
+                           "nothing. Remove it, or register your experts with lightning_deepseek.moe.register_experts.")
             return
         unbiased = [layer.name for layer in layers if layer.bias is None]
         if unbiased and self.update_rate:
             rank_zero_warn(f"ExpertLoadBalancing: {len(unbiased)} MoE layers have no balancing bias (a tensor named "
-                           f"one of {BIAS_NAMES} beside the experts), e.g. {unbiased[0]}: their load is logged, "
+                           f"one of {BIAS_NAMES} near the experts), e.g. {unbiased[0]}: their load is logged, "
                            "not balanced.")
         self._counter = LoadCounter(layers)
         self._root = Path(trainer.default_root_dir)
@@ -147,7 +151,8 @@ class ExpertLoadBalancing(Callback):
         imbalance = update_biases(self._counter.layers, counts, self.update_rate, self.rule)
         worst, mean = imbalance.max().item(), imbalance.mean().item()
         self.history.append((trainer.global_step, worst, mean))
-        if trainer._logger_connector.should_update_logs:  # the steps the loggers write, as Lightning's monitors
+        # Private: Lightning's own monitors read it; there is no public "the loggers write this step" predicate.
+        if trainer._logger_connector.should_update_logs:
             pl_module.log_dict({"moe_load_imbalance_max": worst, "moe_load_imbalance_mean": mean},
                                on_step=True, on_epoch=False, sync_dist=False)
 

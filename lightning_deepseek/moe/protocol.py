@@ -1,41 +1,71 @@
-"""The MoE protocol: how lightning-deepseek finds a model's routed experts and its balancing bias.
+"""The MoE protocol: how lightning-deepseek finds a model's routed experts, their calling convention and bias.
 
-An *experts module* holds the routed experts of one MoE layer in the layout of transformers 5.x's fused experts:
+An *experts module* holds the routed experts of one MoE layer:
 
 - an int attribute ``num_experts``;
 - parameters whose leading dimension is ``num_experts`` (e.g. ``gate_up_proj (E, 2h, d)``, ``down_proj (E, d, h)``;
   any such parameter is sharded by expert parallelism, others stay replicated);
-- ``forward(hidden_states (T, d), top_k_index (T, k) int, top_k_weights (T, k)) -> (T, d)``, which sums, for every
-  token, its ``k`` experts' outputs times their weights. Routing happens before the call, in the caller.
+- a ``forward`` in one of two calling conventions (:data:`CONVENTIONS`), routing done by the caller:
+
+  ``"top_k"``: ``forward(hidden_states (T, d), top_k_index (T, k) int, top_k_weights (T, k)) -> (T, d)``, the sum
+  over each token's ``k`` experts of their outputs times their weights (transformers 5.x's fused experts, every
+  5.x release; :class:`~lightning_deepseek.models.moe.GroupedExperts`);
+
+  ``"grouped"``: ``forward(rows (R, d) sorted by expert, num_tokens_per_expert (E,) int) -> (R, d)``, one
+  unweighted output row per input row, the caller weighting and summing them (torchtitan's ``GroupedExperts``,
+  called after its own router and token sorting; Megatron-style grouped GEMM experts).
 
 Experts modules are found, in this order of precedence, by
-1. the marker ``is_moe_experts = True`` (a class attribute, as on :class:`~lightning_deepseek.models.moe
-   .GroupedExperts`, or set by :func:`register_experts` on a user's own module);
-2. what a transformers model declares: the patterns of its config's ``base_model_ep_plan`` whose style is
-   ``"ep_dispatch_experts"`` (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, ... in transformers >= 5), relative to
-   its base model.
+1. the marker ``is_moe_experts = True`` (a class attribute, as on our ``GroupedExperts``, or set by
+   :func:`register_experts` on a user's own module, which also records its convention);
+2. what a transformers model declares in its config's ``base_model_ep_plan`` and ``base_model_tp_plan`` (relative to
+   its base model), in the vocabulary of every 5.x release (:func:`declared_experts`);
+3. torchtitan's ``GroupedExperts`` (any torchtitan module of that name already imported; convention ``"grouped"``).
 
 The *balancing bias* of a layer (aux-loss-free balancing, added to the routing scores for the choice of experts
-only) is a tensor named ``expert_bias`` (our router) or ``e_score_correction_bias`` (transformers' DeepSeek-V3)
-anywhere under the experts module's parent. A layer without one is still counted and logged by
+only) is a tensor of ``num_experts`` values named ``expert_bias`` (our router), ``expert_bias_E`` (torchtitan's MoE)
+or ``e_score_correction_bias`` (transformers' DeepSeek-V3), under the nearest ancestor of the experts module that
+holds one and no other MoE layer. A layer without one is still counted and logged by
 :class:`~lightning_deepseek.moe.ExpertLoadBalancing`, but cannot be balanced.
 
 The *router* of a layer, needed only by node-limited routing (:mod:`lightning_deepseek.moe.node_limited`), is the
 module under the experts module's parent that has a method ``limit_groups(groups, max_groups)`` (our
 :class:`~lightning_deepseek.models.moe.Router`) or the attributes ``num_group`` and ``topk_group`` (transformers'
-DeepSeek-V3 group-limited router, which takes equal contiguous groups).
+DeepSeek-V3 group-limited router, which takes equal contiguous groups). torchtitan's router is not driven.
+
+Not supported: experts as a list of separate expert modules (no stacked parameters), transformers MoE families whose
+release declares no experts entry (Qwen2-MoE before 5.13: register its ``mlp.experts`` with
+:func:`register_experts`), token dropping.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-BIAS_NAMES = ("expert_bias", "e_score_correction_bias")
-EP_PLAN_STYLE = "ep_dispatch_experts"
+BIAS_NAMES = ("expert_bias", "expert_bias_E", "e_score_correction_bias")
+EP_PLAN_STYLE = "ep_dispatch_experts"  # the newest releases' style; every 5.x style: EXPERTS_STYLES, CONTAINER_STYLES
+CONVENTIONS = {
+    "top_k": "forward(hidden_states (T, d), top_k_index (T, k), top_k_weights (T, k)) -> (T, d), weighted sum per "
+             "token (transformers 5.x, lightning_deepseek.models.moe)",
+    "grouped": "forward(rows (R, d) sorted by expert, num_tokens_per_expert (E,)) -> (R, d), one row per row "
+               "(torchtitan's GroupedExperts)",
+}
+# The style of the experts module's own entry: base_model_ep_plan from 5.19 ("ep_dispatch_experts"), from 5.3 to
+# 5.22 ("moe_tp_experts"); base_model_tp_plan from 5.1 ("moe_tp_experts").
+EXPERTS_STYLES = ("ep_dispatch_experts", "moe_tp_experts")
+# transformers 5.0 gives the experts module a generic style and its stacked parameters their own entries.
+CONTAINER_STYLES = ("gather", "local")
+EXPERT_PARAM_STYLES = ("grouped_gemm", "local_colwise", "local_rowwise", "local_packed_rowwise")
+PLAN_ATTRIBUTES = ("base_model_ep_plan", "base_model_tp_plan")
+SEARCHED = (f"looked for modules marked `is_moe_experts` (lightning_deepseek.moe.register_experts), transformers' "
+            f"{' / '.join(PLAN_ATTRIBUTES)} entries of style {' / '.join(EXPERTS_STYLES + CONTAINER_STYLES)} and "
+            "torchtitan's GroupedExperts")
 
 
 @dataclass(frozen=True)
@@ -48,6 +78,7 @@ class ExpertLayer:
         num_experts: routed experts of the layer (all ranks together).
         bias: the balancing bias (a buffer or parameter of shape ``(num_experts,)``), or None.
         router: the router that can limit each token's experts to a few groups (see the module docstring), or None.
+        convention: the experts' calling convention, a key of :data:`CONVENTIONS`.
     """
 
     name: str
@@ -55,18 +86,49 @@ class ExpertLayer:
     num_experts: int
     bias: torch.Tensor | None
     router: nn.Module | None = None
+    convention: str = "top_k"
 
 
-def register_experts(module: nn.Module) -> nn.Module:
-    """Mark a user's experts module (see the module docstring for the contract) so that it is found."""
+def register_experts(module: nn.Module, convention: str | None = None) -> nn.Module:
+    """Mark a user's experts module (see the module docstring for the contract) so that it is found.
+
+    Args:
+        module: the experts module.
+        convention: ``"top_k"`` or ``"grouped"`` (:data:`CONVENTIONS`); None: read from ``forward``'s positional
+            parameters (three: ``"top_k"``, two: ``"grouped"``).
+    """
+    if convention is not None and convention not in CONVENTIONS:
+        raise ValueError(f"register_experts(convention={convention!r}) is not a calling convention; use one of "
+                         f"{tuple(CONVENTIONS)} ({_conventions_text()}).")
+    convention = convention or convention_of(module, type(module).__name__)
     _check_contract(module, type(module).__name__)
     module.is_moe_experts = True
+    module.moe_convention = convention
     return module
 
 
 def num_global_experts(experts: nn.Module) -> int:
     """Routed experts of the layer over all ranks (``num_experts`` counts the local ones under EP)."""
     return getattr(experts, "num_global_experts", experts.num_experts)
+
+
+def _conventions_text() -> str:
+    return "; ".join(f"{name!r}: {text}" for name, text in CONVENTIONS.items())
+
+
+def convention_of(module: nn.Module, name: str) -> str:
+    """The calling convention of an experts module: its recorded ``moe_convention``, else read from ``forward``."""
+    recorded = getattr(module, "moe_convention", None)
+    if recorded is not None:
+        return recorded
+    params = inspect.signature(module.forward).parameters.values()
+    kinds = [p.kind for p in params]
+    positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
+    if inspect.Parameter.VAR_POSITIONAL not in kinds and positional in (2, 3):
+        return "top_k" if positional == 3 else "grouped"
+    raise TypeError(f"MoE protocol: {name}.forward{inspect.signature(module.forward)} fits no calling convention "
+                    f"of experts modules ({_conventions_text()}). Give it one of these forwards, or name its "
+                    "convention: lightning_deepseek.moe.register_experts(module, convention=...).")
 
 
 def _check_contract(module: nn.Module, name: str) -> None:
@@ -80,43 +142,84 @@ def _check_contract(module: nn.Module, name: str) -> None:
                         "store the experts as stacked parameters (num_experts, ...).")
 
 
+def declared_experts(plan: dict[str, str]) -> dict[str, tuple[str, ...]]:
+    """The keys of a transformers plan (``base_model_ep_plan`` or ``base_model_tp_plan``) that may name experts
+    modules, each with the names that must be stacked parameters of the module for it to be one: none for the style
+    ``ep_dispatch_experts`` or ``moe_tp_experts``; for (5.0) ``gather``/``local``, its own entries of an expert
+    parameter style (``grouped_gemm``, ``local_colwise``, ...), which 5.0 also gives the linears of a dense block."""
+    found = {}
+    for key, style in plan.items():
+        children = {k[len(key) + 1:]: s for k, s in plan.items() if k.startswith(f"{key}.")}
+        params = tuple(name for name, s in children.items() if "." not in name and s in EXPERT_PARAM_STYLES)
+        if style in EXPERTS_STYLES:
+            found[key] = ()
+        elif style in CONTAINER_STYLES and params:
+            found[key] = params
+    return found
+
+
 def _declared_experts(root: nn.Module) -> dict[str, nn.Module]:
-    """Experts modules declared by transformers models under ``root`` through ``base_model_ep_plan``."""
+    """Experts modules declared by transformers models under ``root`` through their plans."""
     found: dict[str, nn.Module] = {}
     for prefix, module in root.named_modules():
-        plan = getattr(getattr(module, "config", None), "base_model_ep_plan", None)
-        if not isinstance(plan, dict) or not isinstance(module, nn.Module):
+        config = getattr(module, "config", None)
+        plans = [getattr(config, attr, None) for attr in PLAN_ATTRIBUTES]
+        patterns = {k: v for plan in plans if isinstance(plan, dict) for k, v in declared_experts(plan).items()}
+        if not patterns:
             continue
-        patterns = [p for p, style in plan.items() if style == EP_PLAN_STYLE]
         base_name = getattr(module, "base_model_prefix", "")
         base = getattr(module, base_name, None) if base_name else None
         base, base_prefix = (base, f"{base_name}.") if isinstance(base, nn.Module) else (module, "")
         for name, sub in base.named_modules():
-            if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            own = dict(sub.named_parameters(recurse=False))
+            if any(fnmatch.fnmatchcase(name, key) and all(p in own for p in params)
+                   for key, params in patterns.items()):
                 found[".".join(filter(None, (prefix, base_prefix + name)))] = sub
     return found
 
 
+def _torchtitan_classes() -> tuple[type, ...]:
+    """torchtitan's ``GroupedExperts`` classes among the imported modules (a model built from them imported them)."""
+    classes = {getattr(module, "GroupedExperts", None) for name, module in list(sys.modules.items())
+               if name.startswith("torchtitan.") and module is not None}
+    return tuple(cls for cls in classes if isinstance(cls, type) and issubclass(cls, nn.Module))
+
+
 def find_expert_layers(root: nn.Module) -> list[ExpertLayer]:
     """Every MoE layer under ``root`` (module-name order), by the protocol above."""
-    found = {name: m for name, m in root.named_modules() if getattr(m, "is_moe_experts", False)}
-    for name, module in _declared_experts(root).items():
-        found.setdefault(name, module)
     modules = dict(root.named_modules())
+    found: dict[str, tuple[nn.Module, str | None]] = {
+        name: (m, None) for name, m in modules.items() if getattr(m, "is_moe_experts", False)}
+    for name, module in _declared_experts(root).items():
+        found.setdefault(name, (module, "top_k"))
+    titan = _torchtitan_classes()
+    for name, module in modules.items():
+        if titan and isinstance(module, titan):
+            found.setdefault(name, (module, "grouped"))
     layers = []
     for name in (n for n in modules if n in found):
-        experts = found[name]
+        experts, convention = found[name]
         _check_contract(experts, name)
+        num = num_global_experts(experts)
         parent = modules[name.rpartition(".")[0]]
-        layers.append(ExpertLayer(name, experts, num_global_experts(experts), _find_bias(parent),
-                                  _find_router(parent)))
+        layers.append(ExpertLayer(name, experts, num, _find_bias(modules, name, num, found),
+                                  _find_router(parent), getattr(experts, "moe_convention", None) or convention
+                                  or convention_of(experts, name)))
     return layers
 
 
-def _find_bias(parent: nn.Module) -> torch.Tensor | None:
-    for name, tensor in [*parent.named_buffers(), *parent.named_parameters()]:
-        if name.rpartition(".")[2] in BIAS_NAMES:
-            return tensor
+def _find_bias(modules: dict[str, nn.Module], name: str, num_experts: int, layers: dict[str, object]
+               ) -> torch.Tensor | None:
+    """The bias under the nearest ancestor of ``name`` that holds one and no other layer's experts."""
+    parts = name.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        ancestor = ".".join(parts[:depth])
+        prefix = f"{ancestor}." if ancestor else ""
+        if any(other != name and other.startswith(prefix) for other in layers):
+            return None
+        for tensor_name, tensor in [*modules[ancestor].named_buffers(), *modules[ancestor].named_parameters()]:
+            if tensor_name.rpartition(".")[2] in BIAS_NAMES and tensor.numel() == num_experts:
+                return tensor
     return None
 
 

@@ -5,12 +5,23 @@ more reliable than any structural guess, so ``plan="auto"`` uses those entries f
 and structure detection (:mod:`lightning_deepseek.parallel.detection`) only for everything else.
 
 Only the feed-forward entries are taken: our scheme keeps attention data-parallel. Within one module, the declared
-``colwise`` linears (one, or two when gated, all ``d -> h``) and the one ``rowwise`` linear ``h -> d`` form a block;
-attention's entries (``q/k/v`` colwise and ``o`` rowwise: three up-projections of different widths, or ``h == d``)
-form none and are left out. Entries whose style is not ``colwise``/``rowwise`` (``packed_colwise`` fused expert
-weights, ``moe_tp_experts``, ``embedding_rowwise``, ``colwise_gather_output`` heads) or that name a parameter
-rather than a linear module are not feed-forward layers in our scheme and are skipped (routed experts belong to
-expert parallelism). A ``*`` in a key matches one module name (a layer index), as in transformers.
+up-projections (one, or two when gated, all ``d -> h``) and the one down-projection ``h -> d`` form a block;
+attention's entries (``q/k/v`` and ``o``: three up-projections of different widths, or ``h == d``) form none and are
+left out. A ``*`` in a key matches one module name (a layer index), as in transformers.
+
+The styles read, across transformers 5.x (every release's style registry and model configs were read):
+
+- up-projection, output sharded: ``colwise`` (every release), ``local_colwise`` (5.0);
+- down-projection, input sharded: ``rowwise`` (every release), ``local_rowwise`` (5.0).
+
+Everything else is skipped, as not a feed-forward layer of our scheme: gathered or replicated outputs and inputs
+(``colwise_rep``, ``rowwise_rep`` in 5.0; ``colwise_gather_output``, ``rowwise_split_input`` from 5.1), fused
+weights (``packed_colwise``, ``packed_rowwise``, ``local_packed_rowwise``), attention heads (``unit_colwise``,
+``unit_rowwise``, ``mla_kv_a_proj``), embeddings (``embedding_rowwise``/``_colwise``), routed experts and their
+routers (``moe_tp_experts``, ``grouped_gemm``, ``ep_router``, ``gather``, ``local``: expert parallelism's, read by
+:mod:`lightning_deepseek.moe.protocol`), and the rest (``replicated_with_grad_allreduce``, ``all_reduce``,
+``sequence_parallel``, ``replicate``, ``local_params``, ``moe_identity_expert``, ``megamoe_*``). So are entries
+that name a parameter rather than a linear module.
 """
 
 from __future__ import annotations
@@ -22,7 +33,13 @@ import torch.nn as nn
 
 from lightning_deepseek.parallel.detection import FeedForwardBlock, linear_shape
 
-_STYLES = ("colwise", "rowwise")
+UP_STYLES = ("colwise", "local_colwise")
+DOWN_STYLES = ("rowwise", "local_rowwise")
+
+
+def feed_forward_role(style: str) -> str | None:
+    """``"up"`` or ``"down"`` for a declared style that shards a feed-forward projection our way, else None."""
+    return "up" if style in UP_STYLES else "down" if style in DOWN_STYLES else None
 
 
 def declared_tp_plan(module: nn.Module) -> dict[str, str] | None:
@@ -57,19 +74,19 @@ def _pattern(key: str) -> re.Pattern[str]:
 
 def declared_blocks(owner: nn.Module, plan: dict[str, str], prefix: str) -> list[FeedForwardBlock]:
     """The feed-forward blocks of ``plan`` (declared by ``owner``), named with ``prefix`` (see the module docstring)."""
-    patterns = [(_pattern(key), style) for key, style in plan.items() if style in _STYLES]
+    patterns = [(_pattern(key), feed_forward_role(style)) for key, style in plan.items() if feed_forward_role(style)]
     by_parent: dict[str, dict[str, list[tuple[str, nn.Module, tuple[int, int]]]]] = defaultdict(
-        lambda: {"colwise": [], "rowwise": []})
+        lambda: {"up": [], "down": []})
     for name, sub in owner.named_modules():
         shape = linear_shape(sub)
-        style = next((style for pattern, style in patterns if pattern.fullmatch(name)), None)
-        if shape is None or style is None:
+        role = next((role for pattern, role in patterns if pattern.fullmatch(name)), None)
+        if shape is None or role is None:
             continue
         parent = name.rpartition(".")[0]
-        by_parent[parent][style].append((f"{prefix}{name}", sub, shape))
+        by_parent[parent][role].append((f"{prefix}{name}", sub, shape))
     blocks = []
     for layers in by_parent.values():
-        ups, downs = layers["colwise"], layers["rowwise"]
+        ups, downs = layers["up"], layers["down"]
         if not (1 <= len(ups) <= 2 and len(downs) == 1) or len({shape for _, _, shape in ups}) != 1:
             continue  # attention (q, k, v / o) or a partial entry: stays data-parallel
         dim, hidden = ups[0][2]

@@ -6,7 +6,7 @@ expert-parallel group and together hold all experts, ``E / ep`` each (as ``DTens
 like the tensor-parallel shards); the ranks with the same ``ep`` coordinate (the ``edp`` dimension) hold replicas
 of the same slice. Everything else in the model (attention, router, shared experts, norms) stays data-parallel.
 
-Forward of one experts module (any module of the MoE protocol, :mod:`lightning_deepseek.moe.protocol`; ours and
+Forward of one experts module of the ``"top_k"`` convention (:mod:`lightning_deepseek.moe.protocol`; ours and
 transformers' fused experts alike), on each rank with its own tokens, already routed:
 1. the ``T x k`` (token, expert) pairs are sorted by expert; the per-expert counts are exchanged with one
    ``all_to_all_single`` over ``ep`` (split sizes first), so every rank knows what it will receive;
@@ -18,6 +18,12 @@ transformers' fused experts alike), on each rank with its own tokens, already ro
 
 Dropless routing makes this exact: every pair is computed once, by the same expert weights, whatever the split;
 only the order of the final ``k``-term sum may differ (tested to 1e-5 against one process over 20 steps).
+An experts module of the ``"grouped"`` convention (torchtitan's ``GroupedExperts``: rows already sorted by expert and
+the count per expert) takes the same path with each row as a token of one expert and weight 1, and its own forward
+sees the received rows sorted by local expert with their counts; its outputs return unweighted, in its rows' order,
+for its caller to combine. Exact in the same way (tested to 1e-4 in FP32); an experts forward computing in BF16
+(torchtitan's casts to BF16 itself) gives per-row results that can differ by BF16 rounding between a row's place in
+a large and a small group (docs/moe.md states the measured bound).
 
 Gradient-scale rule (the same as for tensor-parallel shards): after backward, a rank's expert gradient is the sum,
 over the micro-batches of its ``ep`` group, of their losses' gradients (the all-to-all's backward brings each
@@ -106,7 +112,8 @@ def is_expert_param(param: torch.Tensor) -> bool:
 
 class ExpertParallel:
     """Mixin placed in front of an experts module's class by :func:`apply_expert_parallel` (as FSDP2's
-    ``fully_shard`` does): dispatch, local compute through the class's own forward, combine."""
+    ``fully_shard`` does): dispatch, local compute through the class's own forward, combine. This one serves the
+    ``"top_k"`` convention (:mod:`lightning_deepseek.moe.protocol`)."""
 
     num_global_experts: int
     _ep_group: dist.ProcessGroup
@@ -114,13 +121,16 @@ class ExpertParallel:
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 *args: Any, **kwargs: Any) -> torch.Tensor:
-        num_local = self.num_experts
-
         def compute(rows: torch.Tensor, local_index: torch.Tensor) -> torch.Tensor:
             ones = torch.ones(local_index.numel(), 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
             with _local_parameters(self):
                 return super(ExpertParallel, self).forward(rows, local_index[:, None], ones, *args, **kwargs)
 
+        return self._dispatch(hidden_states, top_k_index, top_k_weights, compute)
+
+    def _dispatch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        num_local = self.num_experts
         if self._island_dispatch is not None:
             return self._island_dispatch.forward(hidden_states, top_k_index, top_k_weights, num_local, compute)
         num_tokens, top_k = top_k_index.shape
@@ -130,6 +140,31 @@ class ExpertParallel:
         out = exchange_pairs(hidden_states[order // top_k], counts, num_local, self._ep_group, compute)
         out = out[torch.argsort(order)].view(num_tokens, top_k, -1)
         return (out * top_k_weights[..., None].to(out.dtype)).sum(dim=1).to(hidden_states.dtype)
+
+
+class GroupedExpertParallel(ExpertParallel):
+    """The mixin for the ``"grouped"`` convention: ``forward(rows sorted by expert, num_tokens_per_expert)``.
+
+    Each row is a (token, expert) pair already, so it is dispatched as a token with one expert of weight 1 (exact:
+    the combine multiplies by 1 and sums one term); the local experts see their received rows sorted by local
+    expert with their counts, and the outputs come back in the order of ``rows``.
+    """
+
+    def forward(self, rows: torch.Tensor, num_tokens_per_expert: torch.Tensor, *args: Any, **kwargs: Any
+                ) -> torch.Tensor:
+        num_local = self.num_experts
+
+        def compute(received: torch.Tensor, local_index: torch.Tensor) -> torch.Tensor:
+            order = torch.argsort(local_index, stable=True)
+            counts = torch.bincount(local_index, minlength=num_local).to(num_tokens_per_expert.dtype)
+            with _local_parameters(self):
+                out = super(ExpertParallel, self).forward(received[order], counts, *args, **kwargs)
+            return out[torch.argsort(order)]
+
+        experts = torch.arange(num_tokens_per_expert.numel(), device=rows.device)
+        index = torch.repeat_interleave(experts, num_tokens_per_expert.to(rows.device, torch.long))[:, None]
+        ones = torch.ones(index.shape, dtype=rows.dtype, device=rows.device)
+        return self._dispatch(rows, index, ones, compute)
 
 
 def exchange_pairs(rows: torch.Tensor, counts: torch.Tensor, num_local: int, group: dist.ProcessGroup,
@@ -171,13 +206,15 @@ def _local_parameters(module: nn.Module) -> Iterator[None]:
         module._parameters.update(saved)
 
 
-_EP_CLASSES: dict[type, type] = {}
+_EP_CLASSES: dict[tuple[type, str], type] = {}
+_MIXINS = {"top_k": ExpertParallel, "grouped": GroupedExpertParallel}
 
 
-def _expert_parallel_class(cls: type) -> type:
-    if cls not in _EP_CLASSES:
-        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
-    return _EP_CLASSES[cls]
+def _expert_parallel_class(cls: type, convention: str) -> type:
+    if (cls, convention) not in _EP_CLASSES:
+        mixin = _MIXINS[convention]
+        _EP_CLASSES[cls, convention] = type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
+    return _EP_CLASSES[cls, convention]
 
 
 def shard_experts(layer: ExpertLayer, mesh: DeviceMesh) -> None:
@@ -191,7 +228,8 @@ def shard_experts(layer: ExpertLayer, mesh: DeviceMesh) -> None:
     experts.num_global_experts = layer.num_experts
     experts.num_experts = layer.num_experts // ep_mesh.size()
     experts._ep_group = ep_mesh.get_group()
-    experts.__class__ = _expert_parallel_class(type(experts))
+    experts.moe_convention = layer.convention  # found again after the class swap (its forward is ours then)
+    experts.__class__ = _expert_parallel_class(type(experts), layer.convention)
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, layers: list[ExpertLayer] | None = None
