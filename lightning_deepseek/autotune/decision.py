@@ -87,7 +87,8 @@ class Entry:
 
     def row(self) -> str:
         step = "not timed" if self.seconds is None else f"{self.seconds * 1e3:.1f} ms"
-        memory = f"{self.memory_bytes / _GIB:.2f} GiB" + ("" if self.fits else " (does not fit)")
+        memory = (f"{self.memory_bytes / _GIB:.2f} GiB" if self.memory_bytes >= _GIB / 10 else
+                  f"{self.memory_bytes / 2**20:.1f} MiB") + ("" if self.fits else " (does not fit)")
         return f"{self.candidate.label:<16} {step:>12}  {memory}"
 
 
