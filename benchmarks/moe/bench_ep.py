@@ -64,6 +64,7 @@ def run(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     import lightning_deepseek.parallel.expert_dispatch as expert_dispatch
     from lightning_deepseek.models import GPT, GPTConfig
     from lightning_deepseek.moe.node_limited import limit_routing
+    from lightning_deepseek.parallel.dims import ParallelDims
     from lightning_deepseek.parallel.topology import parse_topology
 
     torch.set_num_threads(1)
@@ -95,7 +96,7 @@ def run(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
             model = GPT(GPTConfig(**MODEL))
             mesh = None
             if mode != "ddp":
-                mesh = expert.build_expert_mesh("cpu", expert.ExpertParallelDims(world, 2 if mode == "ep2" else 4))
+                mesh = ParallelDims(world, ep=2 if mode == "ep2" else 4).build_mesh("cpu")["edp", "ep"]
                 layers = expert.apply_expert_parallel(model, mesh)
                 if _limit(mode):
                     limit_routing(layers, topology, mesh.mesh.tolist(), 1)

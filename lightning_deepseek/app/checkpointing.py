@@ -138,7 +138,7 @@ class RunCheckpoint(Callback):
         if threading.current_thread() is not threading.main_thread():
             return
         signals = [signal.SIGTERM, signal.SIGINT]
-        environment = trainer._accelerator_connector.cluster_environment
+        environment = getattr(trainer.strategy, "cluster_environment", None)  # parallel strategies have one
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             self._requeue_signal = int(environment.requeue_signal or signal.SIGUSR1)
             signals.append(self._requeue_signal)
@@ -212,6 +212,7 @@ class RunCheckpoint(Callback):
             return
         if signum == self._requeue_signal:  # SLURM: Lightning's requeue (hpc checkpoint, scontrol requeue)
             self._pending = 0
+            # Private: Lightning's SLURM requeue (HPC checkpoint, scontrol requeue) has no public entry point.
             trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)
             return
         if trainer.global_step != self._last_saved_step:
@@ -230,7 +231,7 @@ class RunCheckpoint(Callback):
 def _validation_follows(trainer: pl.Trainer) -> bool:
     """Whether Lightning validates right after this training batch (its own decision, Lightning 2.x)."""
     epoch_loop = trainer.fit_loop.epoch_loop
-    try:
+    try:  # private: Lightning decides this in its epoch loop and exposes no public predicate
         return bool(epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)) and not epoch_loop._skip_next_val
     except AttributeError:  # another Lightning version: save at the batch end (a resume may skip one validation)
         return False

@@ -121,6 +121,15 @@ class GradientCompression(Callback):
         self.decision: Decision | None = None  # bits="auto": the cost model's table and choice
         self._decided_by_strategy = False
 
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # A strategy that decides its layout (HybridParallelStrategy) weighs the compression with it: tell it what
+        # this callback asks for; it hands back the decided bits in `strategy.layout` (lightning_deepseek.parallel
+        # .layout). Lightning runs callbacks' setup before the strategy's.
+        request = getattr(trainer.strategy, "request_compression", None)
+        if request is not None:
+            request(self.config)
+
     @property
     @override
     def state_key(self) -> str:
@@ -158,9 +167,10 @@ class GradientCompression(Callback):
         from lightning_deepseek.autotune.auto_parallel import decide_compression  # autotune imports our kernels
 
         strategy = trainer.strategy
-        if getattr(strategy, "autotune_decides_bits", False):
-            self.decision, self._decided_by_strategy = strategy.autotune_decision, True
-            return self.decision.chosen.bits
+        layout = getattr(strategy, "layout", None)
+        if layout is not None and layout.bits is not None:
+            self.decision, self._decided_by_strategy = layout.decision, True
+            return None if layout.bits == 32 else layout.bits
         module = getattr(strategy, "ddp_module", None) or strategy.model
         dp_size = dist.get_world_size(module.process_group) if isinstance(module, DistributedDataParallel) else 1
         if dp_size <= 1:
@@ -181,7 +191,7 @@ class GradientCompression(Callback):
         # Metrics only on the steps Lightning's loggers write (as Lightning's own monitors do): a log_dict of four
         # scalars costs ~1.4 ms of Python a step (benchmarks/compression/bench_logging.py). The relative error (two
         # norms per bucket, a host sync) on the same steps.
-        self._log_step = trainer._logger_connector.should_update_logs
+        self._log_step = trainer._logger_connector.should_update_logs  # private: no public "logging step" predicate
         self.hook_state.track_error = self._log_step
 
     @override

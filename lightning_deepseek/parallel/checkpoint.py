@@ -126,3 +126,25 @@ def load_full(model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[st
         set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
         if i < len(sharded) and sharded[i] is not None:
             sharded[i].drop_unowned_state(optimizer)  # the file holds every state: keep the owned ones
+
+
+def check_file_path(path: Path) -> None:
+    """Raise unless a one-file checkpoint can be written at ``path``."""
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder; save_distributed_checkpoint=False writes one file.")
+
+
+def load(model: nn.Module, optimizers: list[Optimizer], path: Path, module: Any, weights_only: bool | None,
+         sharded: Sequence[ShardedOptimizerStates | None], checkpoint_io: Any) -> dict[str, Any]:
+    """Load a one-file checkpoint (through ``checkpoint_io``) or a DCP folder into the (sharded) model and
+    optimizers; return the checkpoint's other entries for Lightning."""
+    strict = module.strict_loading
+    if path.is_file():
+        loaded = checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        load_full(model, optimizers, loaded, strict, module, sharded)
+        return loaded
+    if is_distributed_checkpoint(path):
+        return load_distributed(model, optimizers, path, strict, weights_only, sharded)
+    raise ValueError(f"ckpt_path={str(path)!r} is neither a checkpoint file nor a complete "
+                     "torch.distributed.checkpoint folder (with meta.pt, written last). Pass a checkpoint written "
+                     "by Lightning.")

@@ -1,30 +1,50 @@
-"""``ParallelDims``: the parallel sizes of a run, decided once and validated once (after torchtitan's
-``distributed/parallel_dims.py``).
+"""``ParallelDims``: the parallel sizes of a run, decided once and validated once, and ``WorldMesh``: every device
+mesh of the run, built once over one rank order (after torchtitan's ``distributed/parallel_dims.py``).
 
-The strategy builds one when the world size is known (``setup_environment``) and reads it everywhere else: the
-data-parallel size, whether tensor or expert parallelism is on, and the ``(dp, tp)`` device mesh, built once from
-the rank grid that placement chose (the same mesh again for the same grid in the same processes:
-:mod:`~lightning_deepseek.parallel.groups`). Tests build it without a process group.
+The strategy builds the sizes when the world size is known and the meshes once placement has chosen the rank order
+(:mod:`~lightning_deepseek.parallel.placement`); every other module fetches a named view (``mesh["tp"]``,
+``mesh["edp", "ep"]``) and none builds a mesh of its own. The views:
+
+- ``("dp", "tp")``: the dense layout. Row ``i`` of the order, reshaped ``dp x tp``, is a tensor-parallel group;
+  attention and everything not sharded is replicated over the whole world.
+- ``("edp", "ep")``: the routed experts. ``ep`` consecutive ranks of the same order hold all experts between them;
+  ranks with the same ``ep`` coordinate (``edp``) hold replicas of the same slice.
+
+A new dimension (parameter sharding, pipeline stages) is one more named size here and one more view. Meshes are
+made through :func:`~lightning_deepseek.parallel.groups.reused`, so a later fit in the same processes gets the
+same process groups back. Tests build ``ParallelDims`` without a process group.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_deepseek.parallel.groups import reused
 
+if TYPE_CHECKING:
+    from lightning_deepseek.moe.protocol import ExpertLayer
+
+DENSE_DIMS = ("dp", "tp")
+EXPERT_DIMS = ("edp", "ep")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """World, tensor-parallel and expert-parallel sizes; the data-parallel size is derived.
+    """World, tensor-parallel and expert-parallel sizes; the data-parallel sizes are derived.
 
     Args:
         world_size: number of processes.
         tp: size of the ``tp`` mesh dimension (the feed-forward shards); divides ``world_size``.
-        ep: size of the expert-parallel group (routed experts sharded over it); divides ``world_size``. 1: off.
+        ep: size of the ``ep`` mesh dimension (routed experts sharded over it); divides ``world_size``. 1: off.
     """
 
     world_size: int
@@ -38,14 +58,18 @@ class ParallelDims:
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"{name}={size!r} must be a positive integer.")
             if self.world_size % size:
-                divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
                 raise ValueError(f"{name}={size} does not divide the world size {self.world_size}. "
-                                 f"Choose one of {divisors}.")
+                                 f"Choose one of {_divisors(self.world_size)}.")
 
     @property
     def dp(self) -> int:
         """Size of the ``dp`` mesh dimension: the number of tensor-parallel groups."""
         return self.world_size // self.tp
+
+    @property
+    def edp(self) -> int:
+        """Size of the ``edp`` mesh dimension: the ranks holding the same expert slice."""
+        return self.world_size // self.ep
 
     @property
     def tp_enabled(self) -> bool:
@@ -55,10 +79,47 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
-    def build_mesh(self, device_type: str, grid: list[list[int]]) -> DeviceMesh:
-        """The 2-D ``(dp, tp)`` mesh over ``grid`` (ranks by mesh coordinate, from placement)."""
-        shape = (len(grid), len(grid[0]) if grid else 0)
-        if shape != (self.dp, self.tp):
-            raise ValueError(f"rank grid of shape {shape} does not match dp={self.dp} x tp={self.tp}.")
-        key = ("dp_tp_mesh", device_type, tuple(tuple(row) for row in grid))
-        return reused(key, lambda: DeviceMesh(device_type, torch.tensor(grid), mesh_dim_names=("dp", "tp")))
+    def check_experts(self, layers: Iterable[ExpertLayer]) -> None:
+        """Raise when ``ep`` does not divide a layer's expert count."""
+        for layer in layers:
+            if layer.num_experts % self.ep:
+                choices = [d for d in _divisors(layer.num_experts) if self.world_size % d == 0]
+                raise ValueError(f"expert_parallel_size={self.ep} does not divide the {layer.num_experts} experts "
+                                 f"of {layer.name}. Choose one of {choices}, or a model whose expert count it "
+                                 "divides.")
+
+    def build_mesh(self, device_type: str, order: Sequence[int] | None = None) -> WorldMesh:
+        """Every mesh of the run over ``order`` (all ranks, placement's order; default ``0..world_size-1``).
+        Collective: every rank calls it with the same order."""
+        ranks = torch.tensor(list(range(self.world_size)) if order is None else list(order))
+        if sorted(ranks.tolist()) != list(range(self.world_size)):
+            raise ValueError(f"rank order {ranks.tolist()} is not a permutation of the {self.world_size} ranks.")
+        dense = reused(("mesh", DENSE_DIMS, self.tp, device_type, tuple(ranks.tolist())),
+                       lambda: DeviceMesh(device_type, ranks.view(self.dp, self.tp), mesh_dim_names=DENSE_DIMS))
+        return WorldMesh(self, device_type, tuple(ranks.tolist()), dense)
+
+
+@dataclass(frozen=True)
+class WorldMesh:
+    """The run's device meshes over one rank order, fetched by name: ``mesh["tp"]``, ``mesh["dp", "tp"]``,
+    ``mesh["ep"]``, ``mesh["edp", "ep"]`` (the expert views are made on first use: collective, every rank asks)."""
+
+    dims: ParallelDims
+    device_type: str
+    order: tuple[int, ...]
+    dense: DeviceMesh
+
+    @property
+    def expert(self) -> DeviceMesh:
+        """The ``(edp, ep)`` mesh over the same order."""
+        ranks = torch.tensor(self.order).view(self.dims.edp, self.dims.ep)
+        return reused(("mesh", EXPERT_DIMS, self.dims.ep, self.device_type, self.order),
+                      lambda: DeviceMesh(self.device_type, ranks, mesh_dim_names=EXPERT_DIMS))
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        wanted = (names,) if isinstance(names, str) else tuple(names)
+        for dims in (DENSE_DIMS, EXPERT_DIMS):
+            if set(wanted) <= set(dims):
+                mesh = self.dense if dims == DENSE_DIMS else self.expert
+                return mesh if wanted == dims else mesh[wanted if len(wanted) > 1 else wanted[0]]
+        raise KeyError(f"no mesh dimension {names!r}: the meshes have {DENSE_DIMS + EXPERT_DIMS}.")

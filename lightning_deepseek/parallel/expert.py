@@ -1,10 +1,11 @@
 """Expert parallelism: routed experts sharded over an expert-parallel group, tokens sent to them by all-to-all.
 
-The world is laid out as a 2-D ``DeviceMesh`` ``(edp, ep)``: ranks ``[i * ep, (i + 1) * ep)`` form one
-expert-parallel group and together hold all experts, ``E / ep`` each (as ``DTensor`` shards ``Shard(0)`` on the
-``ep`` mesh dimension, so that DCP checkpoints, full-state gathering and the mesh-aware gradient norm handle them
-like the tensor-parallel shards); the ranks with the same ``ep`` coordinate (the ``edp`` dimension) hold replicas
-of the same slice. Everything else in the model (attention, router, shared experts, norms) stays data-parallel.
+The world is laid out as the 2-D ``(edp, ep)`` view of the run's mesh (:mod:`~lightning_deepseek.parallel.dims`):
+``ep`` consecutive ranks of placement's order form one expert-parallel group and together hold all experts,
+``E / ep`` each (as ``DTensor`` shards ``Shard(0)`` on the ``ep`` mesh dimension, so that DCP checkpoints,
+full-state gathering and the mesh-aware gradient norm handle them like the tensor-parallel shards); the ranks with
+the same ``ep`` coordinate (the ``edp`` dimension) hold replicas of the same slice. Everything else in the model
+(attention, router, shared experts, norms) stays data-parallel.
 
 Forward of one experts module of the ``"top_k"`` convention (:mod:`lightning_deepseek.moe.protocol`; ours and
 transformers' fused experts alike), on each rank with its own tokens, already routed:
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,47 +62,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from lightning_deepseek.moe.protocol import ExpertLayer, find_expert_layers
 from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.gradients import reduce_shard_gradients
-from lightning_deepseek.parallel.groups import reused
 
 EP_DIM, REPLICA_DIM = "ep", "edp"
-
-
-@dataclass(frozen=True)
-class ExpertParallelDims:
-    """Expert-parallel sizes, validated once.
-
-    Args:
-        world_size: all ranks.
-        ep_size: ranks of one expert-parallel group (``expert_parallel_size``); must divide ``world_size``.
-    """
-
-    world_size: int
-    ep_size: int
-
-    def __post_init__(self) -> None:
-        ParallelDims(self.world_size, ep=self.ep_size)  # the one place that validates the parallel sizes
-
-    @property
-    def replicas(self) -> int:
-        """Ranks holding the same expert slice (the ``edp`` size)."""
-        return self.world_size // self.ep_size
-
-    def check_experts(self, layers: Iterable[ExpertLayer]) -> None:
-        """Raise when a layer's expert count is not divisible by ``ep_size``."""
-        for layer in layers:
-            if layer.num_experts % self.ep_size:
-                divisors = [d for d in range(1, layer.num_experts + 1)
-                            if layer.num_experts % d == 0 and self.world_size % d == 0]
-                raise ValueError(f"expert_parallel_size={self.ep_size} does not divide the {layer.num_experts} "
-                                 f"experts of {layer.name}. Choose one of {divisors}, or a model whose expert "
-                                 "count it divides.")
-
-
-def build_expert_mesh(device_type: str, dims: ExpertParallelDims) -> DeviceMesh:
-    """The ``(edp, ep)`` mesh over the world: contiguous ranks form an ``ep`` group (collective: all ranks)."""
-    grid = torch.arange(dims.world_size).view(dims.replicas, dims.ep_size)
-    return reused(("expert_mesh", device_type, dims.replicas, dims.ep_size),
-                  lambda: DeviceMesh(device_type, grid, mesh_dim_names=(REPLICA_DIM, EP_DIM)))
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
@@ -240,14 +201,14 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, layers: list[Exper
 
     Args:
         model: the model; its experts modules are changed in place.
-        mesh: the ``(edp, ep)`` mesh of :func:`build_expert_mesh`.
+        mesh: the ``(edp, ep)`` view of the run's mesh (``ParallelDims.build_mesh(...)["edp", "ep"]``).
         layers: the layers to shard; default: all found in ``model``.
 
     Returns:
         The sharded layers (empty when the model has none).
     """
     layers = find_expert_layers(model) if layers is None else layers
-    ExpertParallelDims(mesh.size(), mesh[EP_DIM].size()).check_experts(layers)
+    ParallelDims(mesh.size(), ep=mesh[EP_DIM].size()).check_experts(layers)
     for layer in layers:
         if not isinstance(layer.experts, ExpertParallel):
             shard_experts(layer, mesh)

@@ -55,7 +55,7 @@ from lightning_deepseek.parallel.expert import ExpertParallel, exchange_pairs
 from lightning_deepseek.parallel.groups import reused
 from lightning_deepseek.parallel.topology import Topology
 
-SETTING = "expert_dispatch"
+SETTING = "expert_routing.dispatch"
 DISPATCHES = ("auto", "flat", "per_island")
 Dispatch = Literal["auto", "flat", "per_island"]
 

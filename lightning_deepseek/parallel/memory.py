@@ -19,12 +19,15 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_deepseek.parallel import zero
-from lightning_deepseek.parallel.expert import REPLICA_DIM, is_expert_param
+from lightning_deepseek.parallel.dims import WorldMesh
+from lightning_deepseek.parallel.expert import is_expert_param
+from lightning_deepseek.parallel.layout import Layout
 from lightning_deepseek.parallel.zero import Partition, ShardedOptimizerStates, estimated_state_bytes
 
 
@@ -87,21 +90,21 @@ def format_memory_table(memory: dict[str, MemoryPerRank], zero: bool) -> str:
     return "\n".join(rows)
 
 
-def _replica_group(mesh: DeviceMesh, dim: str) -> zero.ReplicaGroup:
-    group = mesh.get_group(dim)
+def _replica_group(mesh: DeviceMesh) -> zero.ReplicaGroup:
+    group = mesh.get_group()
     return zero.ReplicaGroup(tuple(dist.get_process_group_ranks(group)), group)
 
 
-def setup_optimizer_states(optimizers: list[Optimizer], rank: int, world_size: int, mesh: DeviceMesh | None,
-                           expert_mesh: DeviceMesh | None, shard: bool) -> list[ShardedOptimizerStates]:
+def setup_optimizer_states(optimizers: list[Optimizer], rank: int, world_size: int, mesh: WorldMesh | None,
+                           shard: bool) -> list[ShardedOptimizerStates]:
     """Print the memory per rank and, with ``shard``, shard the optimizer states (ZeRO-1) over the replica groups.
 
     Args:
         optimizers: the strategy's optimizers (Lightning's wrappers or torch's).
         rank: this rank.
         world_size: all ranks.
-        mesh: the ``(dp, tp)`` mesh (None: every parameter replicated over the world).
-        expert_mesh: the ``(edp, ep)`` mesh of expert parallelism, if the experts are sharded.
+        mesh: the run's meshes (None: every parameter replicated over the world); tensor-parallel shards are
+            replicated over ``dp``, expert slices over ``edp``.
         shard: ``shard_optimizer_states``.
 
     Returns:
@@ -114,8 +117,8 @@ def setup_optimizer_states(optimizers: list[Optimizer], rank: int, world_size: i
                            "optimizer states.")
         return []
     world = zero.ReplicaGroup(tuple(range(world_size)), None)
-    dp = _replica_group(mesh, "dp") if mesh is not None else world
-    edp = _replica_group(expert_mesh, REPLICA_DIM) if expert_mesh is not None else world
+    dp = _replica_group(mesh["dp"]) if mesh is not None else world
+    edp = _replica_group(mesh["edp"]) if mesh is not None and mesh.dims.ep_enabled else world
 
     def replica_group_of(param: torch.Tensor) -> zero.ReplicaGroup:
         if is_expert_param(param):
@@ -132,3 +135,21 @@ def setup_optimizer_states(optimizers: list[Optimizer], rank: int, world_size: i
         zero.check_shardable(inner, i)
         handles.append(ShardedOptimizerStates(inner, owned, rank))
     return handles
+
+
+def summary_rows(module: nn.Module, layout: Layout, num_sharded_layers: int, optimizers: list[Optimizer],
+                 sharded: list[ShardedOptimizerStates], rank: int) -> dict[str, object]:
+    """The layout and parameter and optimizer-state bytes per rank against DDP's, as rows of a run summary."""
+    params = list(module.parameters())
+    full = sum(p.numel() * p.element_size() for p in params)
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
+    rows: dict[str, object] = {"hybrid_mesh": f"dp={layout.dims.dp} x tp={layout.dims.tp} ({layout.placement})",
+                               "hybrid_sharded_layers": num_sharded_layers,
+                               "hybrid_param_bytes_vs_ddp": round(local / max(full, 1), 3),
+                               **(layout.decision.summary() if layout.decision is not None else {})}
+    if optimizers:
+        rows["hybrid_optimizer_state_bytes"] = sum(zero.state_bytes(o) for o in optimizers)
+    if sharded:
+        state = sum(z.partition.state_fraction(rank) * local for z in sharded) / len(sharded)
+        rows["hybrid_optimizer_state_bytes_vs_ddp"] = round(state / max(full, 1), 3)
+    return rows

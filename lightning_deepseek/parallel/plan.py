@@ -22,10 +22,11 @@ import fnmatch
 from dataclasses import dataclass
 
 import torch.nn as nn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_deepseek.parallel.declared import declared_blocks, declaring_modules
 from lightning_deepseek.parallel.detection import FeedForwardBlock, find_feed_forward_blocks, linear_shape
+from lightning_deepseek.parallel.dims import ParallelDims
 
 STYLES = ("colwise", "rowwise")
 
@@ -231,3 +232,11 @@ def _local_bytes(linear: nn.Module, style: str, tp_size: int) -> int:
         sharded = not (style == "rowwise" and name == "bias")
         total += param.numel() * param.element_size() // (tp_size if sharded else 1)
     return total
+
+
+def log_plan(module: nn.Module, plan: Plan, dims: ParallelDims) -> None:
+    """Print the plan table at setup (rank 0); warn where an empty plan says to."""
+    if not plan and plan.warn:
+        rank_zero_warn(f"HybridParallelStrategy: {plan.reason}")
+    table = format_plan_table(module, plan, dims.tp) if plan else f"empty plan: {plan.reason}"
+    rank_zero_info(f"HybridParallelStrategy plan (tp={dims.tp}, dp={dims.dp}):\n{table}")

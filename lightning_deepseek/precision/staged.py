@@ -359,8 +359,9 @@ class StagedPrecision(Precision):
                        f"{self.stage_index} ({self.schedule.stages[self.stage_index].label()}) runs in {target}.")
 
     def _log(self, model: pl.LightningModule) -> None:
+        # Private: Lightning's own monitors read it; there is no public "the loggers write this step" predicate.
         if not model.trainer._logger_connector.should_update_logs:
-            return  # the steps the loggers write, as Lightning's monitors (benchmarks/compression/bench_logging.py)
+            return
         metrics = {
             "precision/stage": float(self.stage_index),
             "precision/loss_scale": self.scaler.scale,

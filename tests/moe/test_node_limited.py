@@ -8,10 +8,10 @@ import importlib.util
 import pytest
 import torch
 
-from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.models.moe import MoE, Router
 from lightning_deepseek.moe import find_expert_layers
 from lightning_deepseek.moe.node_limited import expert_islands, limit_routing
+from lightning_deepseek.parallel import ExpertRouting
 from lightning_deepseek.parallel.topology import parse_topology
 
 TWO_NODES = parse_topology("0,1;2,3")
@@ -70,7 +70,7 @@ def test_limit_routing_sets_the_groups_of_every_layer() -> None:
 def test_max_islands_below_one_names_the_fix() -> None:
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match=rf"max_islands_per_token={bad!r} must be a positive integer"):
-            HybridParallelStrategy(expert_parallel_size=2, max_islands_per_token=bad)
+            ExpertRouting(max_islands_per_token=bad)
 
 
 def test_one_island_warns_that_the_limit_does_nothing() -> None:

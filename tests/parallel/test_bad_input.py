@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_deepseek import HybridParallelStrategy
-from lightning_deepseek.parallel import UnknownArgumentError
+from lightning_deepseek.parallel import Cluster, UnknownArgumentError
 from tests.parallel.common import TinyLM, loader, make_trainer, token_data
 
 
@@ -22,12 +22,20 @@ from tests.parallel.common import TinyLM, loader, make_trainer, token_data
     (dict(tensor_parallel_size=0), "tensor_parallel_size=0 must be a positive integer"),
     (dict(placement="rack_local"), "placement='rack_local' is not a placement policy"),
     (dict(plan=["fc1"]), "plan=\\['fc1'\\] must be 'auto' or a dict"),
-    (dict(topology="0-1"), "topology='0-1' is not a topology"),
-    (dict(link_costs={"intra": {"bandwidth_gbit": 100}}), "link_costs\\['inter'\\]"),
+    (dict(cluster={"topology": "0,1"}), "must be a lightning_deepseek.parallel.Cluster"),
 ])
 def test_bad_arguments_at_construction(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises((ValueError, TypeError, KeyError), match=message):
         HybridParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(topology="0-1"), "cluster.topology='0-1' is not a topology"),
+    (dict(link_costs={"intra": {"bandwidth_gbit": 100}}), "cluster.link_costs\\['inter'\\]"),
+])
+def test_bad_cluster_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Cluster(**kwargs)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -74,7 +82,7 @@ def setup_errors(world_size: int) -> dict[str, str]:
         "tp_not_dividing": (dict(tensor_parallel_size=3), {}),
         "ff_not_divisible": (dict(tensor_parallel_size=2, min_shard_params=0), dict(n_embd=33, n_head=3, mlp_ratio=3)),
         "pattern_matches_nothing": (dict(tensor_parallel_size=2, plan={"*.ffn.w1": "colwise"}), {}),
-        "topology_mismatch": (dict(tensor_parallel_size=2, topology="0,1,2"), {}),
+        "topology_mismatch": (dict(tensor_parallel_size=2, cluster=Cluster(topology="0,1,2")), {}),
     }
     messages = {}
     for name, (strategy_kwargs, model_kwargs) in cases.items():

@@ -1,17 +1,21 @@
-"""``ParallelDims``: validated once at construction, derived sizes as properties; built without a process group."""
+"""``ParallelDims``: validated once at construction, derived sizes as properties, built without a process group;
+``WorldMesh``: every mesh over one rank order, fetched by name (real processes)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from lightning_deepseek.parallel import ParallelDims
+from tests.helpers import run_distributed
 
 
 def test_derived_sizes() -> None:
     dims = ParallelDims(world_size=8, tp=2)
-    assert (dims.dp, dims.tp, dims.ep, dims.tp_enabled, dims.ep_enabled) == (4, 2, 1, True, False)
+    assert (dims.dp, dims.tp, dims.ep, dims.edp, dims.tp_enabled, dims.ep_enabled) == (4, 2, 1, 8, True, False)
     assert ParallelDims(world_size=4, tp=1, ep=4).ep_enabled
 
 
@@ -31,6 +35,32 @@ def test_bad_sizes_name_the_setting_and_the_fix(kwargs: dict, message: str) -> N
         ParallelDims(**kwargs)
 
 
-def test_mesh_grid_must_match_the_sizes() -> None:
-    with pytest.raises(ValueError, match=r"rank grid of shape \(1, 2\) does not match dp=2 x tp=1"):
-        ParallelDims(world_size=2, tp=1).build_mesh("cpu", [[0, 1]])
+def test_mesh_order_must_hold_every_rank_once() -> None:
+    with pytest.raises(ValueError, match=r"rank order \[0, 0, 1, 2\] is not a permutation of the 4 ranks"):
+        ParallelDims(world_size=4, tp=2).build_mesh("cpu", [0, 0, 1, 2])
+
+
+def _views(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = ParallelDims(world_size, tp=2, ep=2).build_mesh("cpu", [0, 2, 1, 3])  # placement's order
+
+    def ranks(names: Any) -> list[int]:
+        return sorted(dist.get_process_group_ranks(mesh[names].get_group()))
+    return {"tp": ranks("tp"), "dp": ranks("dp"), "ep": ranks("ep"), "edp": ranks("edp"),
+            "dense": mesh["dp", "tp"].mesh.tolist(), "expert": mesh["edp", "ep"].mesh.tolist(),
+            "same": mesh["edp", "ep"] is mesh.expert and mesh["dp", "tp"] is mesh.dense}
+
+
+def test_every_view_is_cut_from_the_same_rank_order_on_real_processes() -> None:
+    results = run_distributed(_views, 4)
+    assert results[0]["dense"] == [[0, 2], [1, 3]] and results[0]["expert"] == [[0, 2], [1, 3]]
+    tp_groups = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}
+    for rank, views in enumerate(results):
+        assert views["tp"] == tp_groups[rank] and views["ep"] == tp_groups[rank] and views["same"]
+        assert views["dp"] == views["edp"] == ([0, 1] if rank in (0, 1) else [2, 3])
+
+
+def test_an_unknown_view_names_the_dimensions() -> None:
+    from lightning_deepseek.parallel.dims import WorldMesh
+
+    with pytest.raises(KeyError, match="no mesh dimension 'pp'"):
+        WorldMesh(ParallelDims(1), "cpu", (0,), dense=None)["pp"]  # type: ignore[arg-type]

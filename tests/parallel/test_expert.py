@@ -25,10 +25,9 @@ from lightning_deepseek.models import GPT, GPTConfig
 from lightning_deepseek.moe.balancing import LoadCounter, update_biases
 from lightning_deepseek.moe.node_limited import limit_routing
 from lightning_deepseek.moe.protocol import find_expert_layers
+from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.expert import (
-    ExpertParallelDims,
     apply_expert_parallel,
-    build_expert_mesh,
     is_expert_param,
     reduce_expert_gradients,
 )
@@ -86,7 +85,7 @@ def expert_parallel_run(rank: int, world_size: int, ep_size: int, topology: Topo
     With ``topology``: the per-island dispatch over its islands, and node-limited routing to ``max_islands``."""
     data = token_data(steps * world_size * MICRO)
     model = _model()
-    mesh = build_expert_mesh("cpu", ExpertParallelDims(world_size, ep_size))
+    mesh = ParallelDims(world_size, ep=ep_size).build_mesh("cpu")["edp", "ep"]
     layers = apply_expert_parallel(model, mesh)
     if topology is not None:
         grid = mesh.mesh.tolist()
@@ -170,13 +169,13 @@ def test_expert_count_not_divisible_names_the_fix() -> None:
     layers = find_expert_layers(_model())
     with pytest.raises(ValueError, match=r"expert_parallel_size=3 does not divide the 8 experts of "
                                          r"blocks.0.mlp.experts. Choose one of \[1, 2\]"):
-        ExpertParallelDims(6, 3).check_experts(layers)
+        ParallelDims(6, ep=3).check_experts(layers)
 
 
 def test_ep_size_not_dividing_the_world_names_the_fix() -> None:
     with pytest.raises(ValueError, match=r"expert_parallel_size=4 does not divide the world size 6. "
                                          r"Choose one of \[1, 2, 3, 6\]"):
-        ExpertParallelDims(6, 4)
+        ParallelDims(6, ep=4)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])

@@ -16,10 +16,9 @@ import torch.distributed as dist
 
 from lightning_deepseek.models import GPT, GPTConfig
 from lightning_deepseek.models import moe as moe_module
+from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.expert import (
-    ExpertParallelDims,
     apply_expert_parallel,
-    build_expert_mesh,
     reduce_expert_gradients,
 )
 from lightning_deepseek.parallel.optimizers import disable_foreach_on_mixed_groups
@@ -42,7 +41,7 @@ def test_nccl_all_to_all_dispatch_matches_the_unsharded_model(tmp_path: Path) ->
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = _model()
-        mesh = build_expert_mesh("cuda", ExpertParallelDims(1, 1))
+        mesh = ParallelDims(1).build_mesh("cuda")["edp", "ep"]
         assert len(apply_expert_parallel(model, mesh)) == 2
         loss = lm_loss(model, batch)
         loss.backward()

@@ -22,8 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_deepseek import HybridParallelStrategy
-from lightning_deepseek.parallel import expert_dispatch
+from lightning_deepseek.parallel import ExpertRouting, expert_dispatch
 from lightning_deepseek.parallel.expert_dispatch import cross_island_rows, island_layout, resolve_dispatch
 from lightning_deepseek.parallel.topology import parse_topology
 from tests.parallel.test_expert import expert_parallel_run
@@ -46,15 +45,16 @@ def test_auto_is_per_island_only_under_node_limited_routing_where_an_ep_group_sp
 def test_per_island_where_it_cannot_be_names_the_fix() -> None:
     for topology, grid in ((TWO_NODES, [[0, 1], [2, 3]]), (parse_topology("0;1,2,3"), [[0, 1, 2, 3]]),
                            (None, [[0, 1]])):
-        with pytest.raises(ValueError, match=r"expert_dispatch='per_island' needs expert-parallel groups that span "
-                                             r"islands of equal size.*or use expert_dispatch='auto' or 'flat'"):
+        with pytest.raises(ValueError, match=r"expert_routing.dispatch='per_island' needs expert-parallel groups "
+                                             r"that span islands of equal size.*or use "
+                                             r"expert_routing.dispatch='auto' or 'flat'"):
             resolve_dispatch("per_island", topology, grid)
 
 
 def test_unknown_dispatch_names_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"expert_dispatch='tree' is not a dispatch: use 'auto'.*'flat'.*"
+    with pytest.raises(ValueError, match=r"expert_routing.dispatch='tree' is not a dispatch: use 'auto'.*'flat'.*"
                                          r"'per_island'"):
-        HybridParallelStrategy(expert_parallel_size=4, expert_dispatch="tree")
+        ExpertRouting(dispatch="tree")
 
 
 def test_interleaved_islands_give_the_island_and_peer_groups() -> None:

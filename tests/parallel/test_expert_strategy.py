@@ -25,9 +25,9 @@ and one 4-process spawn, each running several scenarios (process start dominates
   as saved and its 10 steps match the one-process continuation on the batches the resumed run trained on (Lightning
   picks them: resumed on an epoch's last batch, 2.6 trains one batch of the next epoch, then goes on to the one
   after);
-- node-limited routing: ``max_islands_per_token=1`` on the declared topology ``"0,1;2,3"`` at ep=4 (which makes
-  ``expert_dispatch="auto"`` dispatch per island): no token's experts span two islands, and losses and weights match
-  one process routing with the same expert groups;
+- node-limited routing: ``ExpertRouting(max_islands_per_token=1)`` on the declared topology ``"0,1;2,3"`` at ep=4
+  (which makes ``dispatch="auto"`` dispatch per island): no token's experts span two islands, and losses and weights
+  match one process routing with the same expert groups;
 - the per-island dispatch in the plain loop, unrestricted and node-limited (``test_expert_dispatch.py``).
 """
 
@@ -49,6 +49,7 @@ from torch.utils.data import TensorDataset
 from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.moe import ExpertLoadBalancing, find_expert_layers
 from lightning_deepseek.moe.balancing import LoadCounter, update_biases
+from lightning_deepseek.parallel import Cluster, ExpertRouting
 from lightning_deepseek.parallel.checkpoint import load_distributed
 from tests.helpers import run_distributed
 from tests.parallel.common import (
@@ -248,7 +249,8 @@ def four_rank_scenarios(rank: int, world_size: int, folder: str, ckpt: str) -> d
     resumed["batches"] = [tuple(np.concatenate(part) for part in zip(*step)) for step in zip(*per_rank)]
     islands = _RecordIslands()
     limited = fit(world_size, LIMITED_STEPS, tp=1, folder=folder, ep=4, micro=1, callbacks=(islands,),
-                  topology=TOPOLOGY, max_islands_per_token=1)
+                  cluster=Cluster(topology=TOPOLOGY),
+                  expert_routing=ExpertRouting(max_islands_per_token=1))
     return {"plain": plain, "resumed": resumed, "limited": limited, "most_islands": islands.most,
             "per_island": island_scenarios(rank, world_size)}
 

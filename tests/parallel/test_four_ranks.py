@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_deepseek import HybridParallelStrategy
+from lightning_deepseek.parallel import Cluster
 from tests.helpers import run_distributed
 from tests.parallel.common import TinyLM, full_state, loader, make_trainer, reference_run, token_data
 from tests.parallel.test_two_ranks import MICRO, STEPS, check_parity, fit_parity
@@ -65,7 +66,8 @@ def _four_rank_scenarios(rank: int, world_size: int) -> dict[str, Any]:
     return {
         "dp2xtp2": fit_parity(world_size, tp=2, steps=STEPS),
         "accumulate_clip": _accumulate_and_clip(world_size, steps=5, clip=0.5),
-        "permuted": fit_parity(world_size, tp=2, steps=5, placement="dp_intra_node", topology="0,1;2,3"),
+        "permuted": fit_parity(world_size, tp=2, steps=5, placement="dp_intra_node",
+                               cluster=Cluster(topology="0,1;2,3")),
     }
 
 

@@ -19,10 +19,10 @@ def _twice(rank: int, world_size: int) -> dict[str, Any]:
 
     live = dist.distributed_c10d._world.pg_map
     before = len(live)
-    first = ParallelDims(world_size, tp=2).build_mesh("cpu", [[0, 1]])
+    first = ParallelDims(world_size, tp=2).build_mesh("cpu", [0, 1]).dense
     after_one = len(live)
-    second = ParallelDims(world_size, tp=2).build_mesh("cpu", [[0, 1]])
-    other = ParallelDims(world_size, tp=1).build_mesh("cpu", [[0], [1]])
+    second = ParallelDims(world_size, tp=2).build_mesh("cpu", [0, 1]).dense
+    other = ParallelDims(world_size, tp=1).build_mesh("cpu", [0, 1]).dense
     exchange = [_exchange_group(dist.group.WORLD) for _ in range(3)]
     return {"same_mesh": first is second, "other_mesh": other is not first, "groups": [before, after_one, len(live)],
             "same_exchange": all(g is exchange[0] for g in exchange)}

@@ -1,0 +1,117 @@
+"""``Layout``: the layout a strategy decided at setup, handed to the components that depend on it; and the steps
+that decide it (the sizes, by timed copies where ``"auto"``; the tensor-parallel plan).
+
+``HybridParallelStrategy`` decides its sizes (and, when a ``GradientCompression`` callback asked it to with
+``bits="auto"``, the compression bits in the same comparison) once at setup and exposes the result as
+``strategy.layout``; ``GradientCompression`` reads the bits from it. The callback announces what it wants with
+``strategy.request_compression(config)`` in its ``setup`` hook, which Lightning runs before the strategy's setup.
+Nothing searches ``trainer.callbacks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import lightning.pytorch as pl
+from torch import nn
+
+from lightning_deepseek.moe.protocol import find_expert_layers
+from lightning_deepseek.parallel.dims import ParallelDims
+from lightning_deepseek.parallel.expert_plan import resolve_ep_size
+from lightning_deepseek.parallel.placement import LinkCost
+from lightning_deepseek.parallel.plan import Plan, decide_plan
+from lightning_deepseek.parallel.topology import Topology
+
+if TYPE_CHECKING:
+    from lightning_deepseek.autotune.cost_model import Decision
+
+Size = int | Literal["auto", "per_node"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the strategy decided, once, at setup.
+
+    Args:
+        dims: the parallel sizes.
+        placement: the rank-order policy placement chose (``"tp_intra_node"`` or ``"dp_intra_node"``).
+        bits: the gradient-compression bits decided with the sizes (8 or 4), ``32`` for an uncompressed exchange,
+            or None where the strategy did not decide them (no callback asked, or fixed bits).
+        decision: the cost model's comparison when an ``"auto"`` setting was decided by it, else None.
+    """
+
+    dims: ParallelDims
+    placement: str
+    bits: int | None = None
+    decision: Decision | None = None
+
+
+@dataclass(frozen=True)
+class LayoutSettings:
+    """The strategy's arguments that decide the layout (validated by the strategy at construction).
+
+    Args:
+        tp, ep: ``tensor_parallel_size``, ``expert_parallel_size`` (a size, ``"auto"`` or ``"per_node"``).
+        plan, min_shard_params, placement, micro_batch_tokens: as the strategy's arguments.
+        links: the cluster's link figures, or None (probed).
+        bits: what a ``GradientCompression`` callback asked for (``"auto"``, 8, 4), or None without one.
+        bucket_bytes, bucket_view: DDP's bucket size and ``gradient_as_bucket_view`` (the timed copies use them).
+    """
+
+    tp: Size
+    ep: Size
+    plan: str | dict[str, str]
+    min_shard_params: int
+    placement: str
+    micro_batch_tokens: int | None
+    links: dict[str, LinkCost] | None
+    bits: int | str | None
+    bucket_bytes: int
+    bucket_view: bool
+
+
+def decide_sizes(module: nn.Module, trainer: pl.Trainer, settings: LayoutSettings, dims: ParallelDims,
+                 topology: Topology) -> Decision:
+    """The ``"auto"`` sizes (and ``GradientCompression(bits="auto")``) from timed copies of each candidate layout
+    (collective; :mod:`lightning_deepseek.autotune`). ``dims`` holds the sizes fixed by the arguments."""
+    # Imported here: autotune times copies sharded by this package's plans and hooks.
+    from lightning_deepseek.autotune.auto_parallel import AUTO_BITS, decide_parallel, divisors
+
+    local_size = trainer.strategy.num_processes
+    named = [f"{name}='auto'" for name, arg in (("tensor_parallel_size", settings.tp),
+                                                 ("expert_parallel_size", settings.ep)) if arg == "auto"]
+    named += ["GradientCompression(bits='auto')"] if settings.bits == "auto" else []
+    return decide_parallel(
+        module, trainer, topology=topology, local_size=local_size, links=settings.links,
+        plan_for=lambda tp: decide_plan(module, settings.plan, dims.world_size, tp, False, settings.min_shard_params),
+        tp_sizes=divisors(dims.world_size, local_size) if settings.tp == "auto" else [dims.tp],
+        ep_sizes=None if settings.ep == "auto" else [dims.ep],
+        bits=AUTO_BITS if settings.bits == "auto" else [settings.bits], tokens=settings.micro_batch_tokens,
+        placement=settings.placement, bucket_bytes=settings.bucket_bytes, setting=", ".join(named),
+        bucket_view=settings.bucket_view)
+
+
+def resolve_dims(module: nn.Module, settings: LayoutSettings, dims: ParallelDims, local_size: int,
+                 decision: Decision | None) -> ParallelDims:
+    """The sizes from the arguments (``dims``), the decision and the model (``"per_node"`` expert sizes)."""
+    tp = decision.chosen.tp if decision is not None else dims.tp
+    if decision is not None and settings.ep == "auto":
+        ep = decision.chosen.ep
+    elif settings.ep in ("auto", "per_node"):  # "per_node", or "auto" where nothing was timed (an evaluation)
+        ep = resolve_ep_size("per_node", dims.world_size, local_size, find_expert_layers(module))
+    else:
+        ep = settings.ep
+    return ParallelDims(dims.world_size, tp=tp, ep=ep)
+
+
+def decide_layout_plan(module: nn.Module, settings: LayoutSettings, dims: ParallelDims,
+                       decision: Decision | None) -> Plan:
+    """The tensor-parallel plan at the decided ``tp`` (empty, saying why, where nothing is sharded)."""
+    if settings.tp == "auto" and dims.tp == 1 and dims.world_size > 1:
+        why = (f"timing the candidate layouts chose tp=1 ({decision.reason})" if decision is not None
+               else "it is decided when fitting; this run only evaluates")
+        return Plan(reason=f"tensor_parallel_size='auto': {why}, so nothing is sharded and this runs as plain DDP; "
+                    "set tensor_parallel_size to shard anyway.")
+    return decide_plan(module, settings.plan, dims.world_size, dims.tp, settings.tp == "per_node",
+                       settings.min_shard_params)
