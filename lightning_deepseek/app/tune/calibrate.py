@@ -1,51 +1,33 @@
-"""``lds-train tune=quick|grid``: measure candidate configurations inside the training processes, train with the
-fastest.
+"""``lds-train tune=auto|quick|grid``: measure candidate configurations inside the training processes, train with
+the fastest.
 
-Each candidate (:mod:`~lightning_deepseek.app.tune.configurations`: strategy, tp/ep sizes, compression, DDP bucket
-size) is one trial of an Optuna study with a throughput objective, run by the project's own trial loop
-(:func:`lightning_deepseek.hpo.loop.run_trials`): a short ``Trainer.fit`` of a freshly seeded model on the run's
-own data, ``tune.warmup_steps`` untimed steps then ``tune.steps`` timed ones. Plain DDP without compression is
-always the first trial, so that every row compares with it side by side in the same processes. With
-``tune.prune`` Optuna's ``MedianPruner`` stops a candidate once it is slower than the median of those measured so
-far (each timed step is reported as an intermediate value).
+Each configuration (:mod:`~lightning_deepseek.app.tune.configurations`: strategy, tp/ep sizes, compression, DDP
+bucket size) is one trial of an Optuna study with a throughput objective, run by the project's trial loop
+(:func:`lightning_deepseek.hpo.loop.run_trials`): a short ``Trainer.fit`` of a freshly seeded model on the run's own
+data, ``tune.warmup_steps`` untimed steps then ``tune.steps`` timed ones, a step's time the slowest rank's. The
+rounds, in order (:func:`calibrate`):
 
-Staged (``tune.staged``, on in ``auto`` and ``quick``): the first stage measures one candidate per layout
-(strategy, tp, ep: the uncompressed one with the first bucket size); the second stage measures the other
-compressions and bucket sizes only of the layouts whose first candidate was measured to the end, so a layout
-already slower than the median is not tried compressed ("skipped" in the table). The assumption: compression
-saves a share of the data-parallel exchange, and a layout that exchanges fewer bytes (more sharding) gains no more
-from it than plain DDP, so a layout that loses uncompressed loses compressed too. A further round re-measures only
-when at least two candidates that could be chosen are left in it (one cannot change the choice). Together with
-the pruner, this keeps the calibration within 5% of the demo's training (benchmarks/demo/REPORT.md).
+1. plain DDP without compression first (every ratio's base), then every configuration, or with ``tune.staged`` one
+   per layout (strategy, tp, ep); with ``tune.prune`` Optuna's ``MedianPruner`` stops a configuration once it is
+   slower than the median of those measured so far;
+2. staged: the other compressions and bucket sizes of the layouts measured to the end ("skipped" rows for the
+   others: compression saves a share of the data-parallel exchange, and a layout that exchanges less gains no more
+   from it, so a layout that loses uncompressed is taken to lose compressed too);
+3. ``tune.rounds - 1`` further rounds of plain DDP and the ``tune.recheck_best`` fastest others, alternately in
+   reverse, only where they can change the choice; each configuration keeps its best round;
+4. a long run (``tune.budget``, a share of the planned training time) settles the two fastest others against plain
+   DDP in paired rounds until :func:`~lightning_deepseek.app.tune.choice.settle` decides or the share is spent
+   (:func:`_settle`); a short run has no time left in its share and skips this.
 
-A long run (``tune.budget``, a share of the planned training's time: ``tune.planned_steps`` or ``trainer.max_steps``
-steps at plain DDP's measured step time) settles the leading others against plain DDP with the time left in that
-share after the rounds above: they are measured back to back, round after round, until paired rounds order each
-against plain DDP beyond the noise (taken at ``tune.paired_margin`` standard errors beyond ``min_gain`` from the
-fifth round on, dropped at ``tune.noise_margin`` short of it from the third) or the share is spent (:func:`_settle`;
-the verdict is :func:`~lightning_deepseek.app.tune.choice.settle`). Two timed steps a round cannot order a candidate
-within ~10% of plain DDP where a fit's speed swings more than that between fits (the 10 Gbit MoE: hybrid tp=2 1.10x
-of plain DDP by the median of 5 repetitions of an exhaustive grid, 0.90-1.14x by repetition; the short calibration
-kept plain DDP 5 of 5, benchmarks/autotune/REPORT.md); a run of thousands of steps can afford the rounds that
-can. The leading others are the two fastest by what the rounds above measured of them, pruned ones included (a step
-or two of each: in session 19's calibrations hybrid tp=2, the grid's best, was first or second of the pruned). A
-short run (the demo's 500 steps) has no time left in its share and calibrates as before.
-
-What the calibration costs is counted from the moment every process is up (the first fit's process group):
-starting the processes is paid once by any run, calibrated or not, and is shown apart (``launch_seconds``).
-
-Why inside the running processes: a new process per candidate would cost ~10 s of imports each. The first fit
-starts the processes (Lightning's launcher), later fits find ``LOCAL_RANK`` set and the process group initialised
-and reuse both. Every rank runs the same trials in the same order; a step's time is the slowest rank's (an
-all-reduce of one number per step), so every rank sees the same values, prunes the same trials and makes the
-same choice, with no message passing beyond that.
-
-The training that follows is untouched: the run's config with the chosen candidate applied
-(:meth:`Configuration.apply`) goes through ``prepare_training`` as a direct run would, re-seeded, so its losses equal
-those of ``lds-train <the choice's overrides> tune=none`` (tests/app/tune/test_calibrate.py checks this).
-The choice (plain DDP unless another is faster by more than the margin and the measured noise) is
-:func:`~lightning_deepseek.app.tune.choice.choose`. The table (``tune.txt``, ``tune.json`` in the run folder) and
-the summary rows come from :class:`~lightning_deepseek.app.tune.table.Calibration`.
+The choice is :func:`~lightning_deepseek.app.tune.choice.choose` (plain DDP unless another is faster by
+``tune.min_gain`` and the measured noise) or the paired rounds' verdict; the table (``tune.txt``, ``tune.json``) and
+the summary rows come from :class:`~lightning_deepseek.app.tune.table.Calibration`. The training that follows is the
+run's config with the choice applied (:meth:`Configuration.apply`), through ``prepare_training`` as a direct run,
+re-seeded: its losses equal those of ``lds-train <the choice's overrides> tune=none``
+(tests/app/tune/test_calibrate.py). Cost: one fit per configuration and round, in the same processes (the first fit
+starts them, later fits reuse the process group: a process per configuration would pay its imports each time);
+counted from the moment every process is up (``launch_seconds`` apart). Not supported: configurations that need
+another world size, and choosing by anything but throughput.
 """
 
 from __future__ import annotations
@@ -234,11 +216,10 @@ class _Calibrator:
         left, or (``best`` set) plain DDP is the choice so far (a second look at the others would only matter for a
         gain within noise).
 
-        Why backward: the machine's speed drifts while the calibration runs (on a loaded machine the steps of the
-        first minute after start-up ran up to 2x slower than later ones, benchmarks/autotune/REPORT.md). Plain DDP is
-        measured first; measured again last, its two rounds bracket every other candidate's, so with each
-        candidate keeping its best round a drift in either direction cannot make another candidate look faster
-        than plain DDP (rounds A B C, then C B A)."""
+        Why backward: the machine's speed drifts while the calibration runs (the first minute after start-up is often
+        slower on a loaded machine). Plain DDP is measured first; measured again last, its two rounds bracket every
+        other candidate's, so with each candidate keeping its best round a drift in either direction cannot make
+        another candidate look faster than plain DDP (rounds A B C, then C B A)."""
         done = [r for c in self.order if (r := self.results.get(c.name)) and r.state in ("measured", "reference")]
         others = sorted((r for r in done if not r.candidate.is_plain_ddp), key=lambda r: -(r.tokens_per_s or 0.0))
         keep = {r.candidate for r in others[:best]} | {PLAIN_DDP}

@@ -1,25 +1,19 @@
-"""The calibration's decision from its measured rows: the fastest candidate, unless plain DDP is within the margin.
+"""The calibration's decision from its measured rows: the fastest configuration, unless plain DDP is within the margin.
 
 Plain DDP stays unless the fastest other beats it by ``tune.min_gain`` and by ``tune.noise_margin`` standard errors
-of their difference, estimated from the spread of the two candidates' own timed steps (:func:`noise`). Why: a few
-timed steps of two configurations within ~10% of each other cannot rank them by a 3% criterion; on the idle
-loopback, int8 measured 1.033x of plain DDP in 2 rounds of 2 steps while the exhaustive grid put it at 0.91x
-(benchmarks/autotune/REPORT.md). Measured against the recorded calibrations in tests/app/tune/test_calibrate_choice.py.
-
-Every rank decides alike: the step times are the slowest rank's (``calibrate._StepTimer``).
+of their difference, estimated from the spread of the two configurations' own timed steps (:func:`noise`): a few
+timed steps of two configurations a few percent apart cannot rank them by a 3% criterion. Every rank decides alike:
+the step times are the slowest rank's (``calibrate._StepTimer``).
 
 Paired rounds (:func:`settle`, a long run's ``tune.budget``): plain DDP and the leading others measured back to
 back, again and again. Each round gives one ratio of plain DDP's mean step time over each other's, and the verdict
-comes from the spread of those ratios between rounds, not from the steps within a round: on this project's machine
-a fit's speed moves over seconds (fits of 40 steps spread 4.7-7.4% where their steps' own spread predicted
-1.5-1.7%, benchmarks/autotune/REPORT.md), so only repeated fits measure that noise, and only more of them
-shrink it. The verdict is looked at after every round, so taking a candidate needs a wider margin
-(``tune.paired_margin``, 2 standard errors) than the short choice's one look (``tune.noise_margin``, 1): with 1, both
-verdicts for a candidate in session 23's first runs (1.085x and 1.099x of plain DDP at 1.1 and 1.4 standard errors)
-were contradicted by the exhaustive grids right after (0.99x, 0.83x). Dropping one needs only ``noise_margin``
-short of ``min_gain``: with 2 both ways, a candidate 1% ahead of plain DDP stayed undecided for 89 rounds and spent
-the run's whole share (4.2%, 212 s) to keep plain DDP, which a gain that small could not repay; with 1 it was dropped
-after 3 (benchmarks/autotune/REPORT.md).
+comes from the spread of those ratios between rounds, not from the steps within a round: a fit's speed moves
+between fits more than its own steps' spread shows, so only repeated fits measure that noise. The verdict is looked
+at after every round, so taking a configuration needs a wider margin (``tune.paired_margin``, 2 standard errors)
+than the short choice's one look (``tune.noise_margin``, 1); dropping one needs only ``noise_margin`` short of
+``min_gain``, so that a configuration within noise of plain DDP does not spend the run's whole share to keep plain
+DDP. Checked against recorded calibrations in tests/app/tune/test_calibrate_choice.py; the runs behind the margins
+are in benchmarks/autotune/REPORT.md.
 """
 
 from __future__ import annotations
@@ -94,9 +88,7 @@ def choose(rows: list[Row], eligible: list[Configuration], min_gain: float, nois
 
 
 MIN_PAIRED_ROUNDS = 3  # the fewest paired rounds a verdict is drawn from (two give no usable spread)
-MIN_TAKE_ROUNDS = 5  # the fewest a candidate is taken from: three rounds' spread is itself a guess
-# (benchmarks/autotune/REPORT.md: taken at 1.065x after 3 rounds agreeing within a standard error of 1.0%,
-# 0.99x in the grid)
+MIN_TAKE_ROUNDS = 5  # the fewest a configuration is taken from: three rounds' spread is itself a guess
 
 
 def paired_gain(ratios: Sequence[float]) -> tuple[float, float]:

@@ -1,12 +1,10 @@
 """CPU time the hypervisor takes from a virtual machine (``steal`` in Linux's ``/proc/stat``) during a measurement.
 
 On a VM of a shared host, the host at times runs the vCPUs only part of the wall-clock time, and every step then
-takes longer, most of all in configurations that block and wake often (small collectives). On this project's VM
-(2026-12-02) hybrid tp=2 fits of the demo model whose steps took 340-380 ms had ~35% of the machine's CPU stolen,
-those at 220-250 ms ~5-10% (benchmarks/autotune/REPORT.md). The calibration reports the stolen share (its
-timings are then less reliable), and the benchmarks record it beside their timings, so that a slow measurement can
-be told apart from a slow configuration. Not a library's job: psutil has ``cpu_times().steal`` but is not a
-dependency; the counter is one line of ``/proc/stat``.
+takes longer, most of all in configurations that block and wake often (small collectives). The calibration reports
+the stolen share (its timings are then less reliable), and the benchmarks record it beside their timings, so that a
+slow measurement can be told apart from a slow configuration. Not a library's job: psutil has
+``cpu_times().steal`` but is not a dependency; the counter is one line of ``/proc/stat``.
 """
 
 from __future__ import annotations

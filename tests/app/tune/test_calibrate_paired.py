@@ -14,30 +14,30 @@ from lightning_deepseek.app.tune.calibrate import Settled, _Calibrator, _settle,
 from lightning_deepseek.app.tune.choice import paired_gain, settle
 from lightning_deepseek.app.tune.table import Calibration, Row
 
-# Session 19, the 10 Gbit testbed, moe-tiny: hybrid tp2/ep1 against plain DDP in each of 5 repetitions of a grid of
+# Recorded on the 10 Gbit testbed, moe-tiny: hybrid tp2/ep1 against plain DDP in each of 5 repetitions of a grid of
 # 4 rounds x 8 steps (benchmarks/autotune/REPORT.md): 1.10x by the median, but no order the repetitions agree on.
-SESSION_19 = [1.14, 1.10, 1.08, 0.96, 0.90]
+TESTBED_MOE = [1.14, 1.10, 1.08, 0.96, 0.90]
 
 
 def test_the_verdict_comes_from_the_rounds_spread() -> None:
     assert settle([1.10, 1.12, 1.09, 1.11, 1.10], min_gain=0.03, take=1.0) is True
-    # Session 23, loopback: ddp/int8 taken after three rounds agreeing closely (1.065x, standard error 1.0%) where the
+    # Recorded on loopback: ddp/int8 taken after three rounds agreeing closely (1.065x, standard error 1.0%) where the
     # grid right after measured it 0.99x of plain DDP: taking now needs five rounds; dropping still three.
     assert settle([1.0812, 1.0694, 1.0454], min_gain=0.03, take=2.0, drop=1.0) is None
     assert settle([1.10, 1.12, 1.09, 1.11], min_gain=0.03, take=1.0) is None
     assert settle([0.98, 1.00, 1.01], min_gain=0.03, take=1.0) is False
     assert settle([1.10, 1.12], min_gain=0.03, take=0.0) is None  # too few rounds to see the noise
-    gain, error = paired_gain(SESSION_19)
+    gain, error = paired_gain(TESTBED_MOE)
     assert gain == pytest.approx(0.032, abs=0.001) and error == pytest.approx(0.044, abs=0.001)
-    assert settle(SESSION_19, min_gain=0.03, take=1.0) is None
-    assert settle(SESSION_19, min_gain=0.03, take=0.0) is True  # min_gain alone: the mean decides
-    # Session 23, loopback, the demo model: ddp/int4 against plain DDP, taken at 1 standard error after 8 rounds; the
+    assert settle(TESTBED_MOE, min_gain=0.03, take=1.0) is None
+    assert settle(TESTBED_MOE, min_gain=0.03, take=0.0) is True  # min_gain alone: the mean decides
+    # Recorded on loopback, the demo model: ddp/int4 against plain DDP, taken at 1 standard error after 8 rounds; the
     # grid right after put it at 0.99x of plain DDP. The default paired margin (2, for a verdict looked at every round)
     # would have gone on measuring.
     rounds = [0.9628, 1.0178, 1.3015, 1.079, 1.0489, 0.9382, 1.0533, 1.3508]
     assert settle(rounds, min_gain=0.03, take=1.0) is True
     assert settle(rounds, min_gain=0.03, take=2.0) is None
-    # Session 23, loopback again with 2 both ways: ddp/int4's first three rounds, after which it stayed undecided for 89
+    # Recorded on loopback with 2 both ways: ddp/int4's first three rounds, after which it stayed undecided for 89
     # rounds (1.011x of plain DDP at the end) and spent the whole 4% share. Dropped at 1 standard error short of
     # min_gain (the default, tune.noise_margin), it ends there; taking it still needs 2 beyond.
     first = [0.9057, 0.711, 1.0172]
@@ -99,7 +99,7 @@ def test_the_leader_ahead_beyond_the_noise_is_taken_and_a_slower_one_dropped() -
 
 def test_a_near_tie_runs_until_the_share_is_spent_and_keeps_plain_ddp() -> None:
     calibrator = _calibrator("tune.planned_steps=10000")
-    noisy = [0.1 / r for r in (1.14, 0.90, 1.10, 0.96, 1.08)] * 4  # session 19's ratios, alternating
+    noisy = [0.1 / r for r in (1.14, 0.90, 1.10, 0.96, 1.08)] * 4  # the testbed MoE's ratios, alternating
     fits, settled = _walk(calibrator, hybrid=noisy, int8=[0.11, 0.112, 0.109])
     # 10 s spent; three rounds of 3 fits (int8 then drops out), then rounds of 2 fits until the next would pass 40 s.
     assert [len(f) for f in fits] == [3, 3, 3] + [2] * 10 and 10 + 9 + 20 <= 40
