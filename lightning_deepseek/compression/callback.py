@@ -9,10 +9,11 @@ Costs: see :mod:`lightning_deepseek.compression.hook` (~0.25x / 0.13x the bytes 
 parameter, quantization compute that overlaps with backward). Telemetry costs two norms per bucket on logging
 steps only.
 
-``bits="auto"``: at fit start the cost model (:mod:`lightning_deepseek.autotune.cost_model`) predicts the step
-time with fp32, int8 and int4 from the measured compute of the model, the probed links and the quantize kernels'
-measured cost, and the hook is installed with the predicted fastest (none where fp32 wins). Under
-``HybridParallelStrategy(tensor_parallel_size="auto")`` the strategy decides it in the same table as ``tp``.
+``bits="auto"``: at fit start the training step of a DDP-wrapped copy of the model is timed with fp32, int8 and
+int4 exchanges (:mod:`lightning_deepseek.autotune`), and the hook is installed with the fastest by the margin (none
+where fp32 wins). Under ``HybridParallelStrategy`` with an ``"auto"`` size, the callback asks the strategy
+(``strategy.request_compression``) to decide the bits with the sizes, in the same comparison, and reads them from
+``strategy.layout`` (:mod:`lightning_deepseek.parallel.layout`).
 
 Does not support: DeepSpeed, FSDP and ``ModelParallelStrategy`` (they reduce-scatter sharded gradients
 themselves, with no DDP comm hook): a clear error. One device: a warning, nothing to compress.
@@ -49,7 +50,7 @@ from lightning_deepseek.parallel.groups import reused
 from lightning_deepseek.parallel.topology import discover_topology
 
 if TYPE_CHECKING:
-    from lightning_deepseek.autotune.cost_model import Decision
+    from lightning_deepseek.autotune.decision import Decision
 
 
 class CompressionStrategyError(ValueError):

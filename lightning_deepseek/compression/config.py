@@ -18,9 +18,9 @@ class CompressionConfig:
 
     Args:
         bits: 8 (int8, ~0.25x the bytes of fp32) or 4 (int4 packed two per byte, ~0.13x). ``"auto"`` (the
-            ``GradientCompression`` callback only): fp32, 8 or 4, decided at fit start by the cost model
-            (:mod:`lightning_deepseek.autotune.cost_model`): compress only where the predicted wire time saved
-            exceeds the measured quantize cost. Needs 2 or more data-parallel ranks (one is an error).
+            ``GradientCompression`` callback only): fp32, 8 or 4, decided at fit start by timing a copy of the
+            model's training step with each (:mod:`lightning_deepseek.autotune`): compressed only where it is faster
+            by the margin. Needs 2 or more data-parallel ranks (one is an error).
         block_size: values sharing one bfloat16 scale; even, 16..4096 (64-256 usual).
         error_feedback: add each step's quantization residual to the next step's gradient (keeps training
             unbiased).

@@ -1,13 +1,10 @@
 """Fused quantizer kernels for GPUs: the quantizer's formulation compiled by ``torch.compile`` (inductor, Triton).
 
 Why: on a GPU the eager path of ``quantize.py`` launches about ten kernels per pass over the bucket, each a full
-trip through device memory: the int8 round trip with the residual ran at 0.09x of a memory copy on an H200
-(``benchmarks/compression/kernels.py``, session 26), the project's >= 25% target missed. Inductor fuses each
-direction into one kernel (a per-block reduction and the pointwise work after it); the plain int8 round trip
-(static shapes, no residual) compiled ran at 0.53x of a copy there. This module's first version (block size
-symbolic, codes and residual staged through temporaries) reached 0.14x with the residual; the version here keeps
-the block size a compile-time constant and writes the codes straight into the message (the residual is staged only
-when it overwrites its input), which inductor's CPU output shows; its GPU speed is not measured yet.
+trip through device memory. Inductor fuses each direction into one kernel (a per-block reduction and the pointwise
+work after it). The block size is a compile-time constant and the codes are written straight into the message (the
+residual is staged only when it overwrites its input). Its speed against a memory copy is measured by
+``benchmarks/compression/kernels.py`` on a GPU (benchmarks/compression/REPORT.md).
 Why not a hand-written Triton kernel: inductor writes the kernel from the ten lines of torch below, for every bit
 width and residual mode, and keeps up with torch and Triton versions; torch's CUDA wheels ship Triton.
 On CPU the native kernels (``native.py``) run instead: inductor's C++ per-block reduction is slower there.

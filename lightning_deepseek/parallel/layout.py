@@ -24,7 +24,7 @@ from lightning_deepseek.parallel.plan import Plan, decide_plan
 from lightning_deepseek.parallel.topology import Topology
 
 if TYPE_CHECKING:
-    from lightning_deepseek.autotune.cost_model import Decision
+    from lightning_deepseek.autotune.decision import Decision
 
 Size = int | Literal["auto", "per_node"]
 

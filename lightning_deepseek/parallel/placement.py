@@ -19,7 +19,7 @@ took 2.0x one pair's time, 78 ms against 38 ms for 4.5 MiB, benchmarks/hybrid/RE
 Compute is the same for every candidate and left out. :func:`estimate_comm_seconds` gives the terms apart (tensor
 parallel, shard gradients, replicated gradients), :func:`comm_volume` the volume of a plan, and
 :func:`all_reduce_seconds` / :func:`all_to_all_seconds` the ring formulas: the cost model of the ``"auto"``
-settings (:mod:`lightning_deepseek.autotune.cost_model`) builds on them.
+settings (:mod:`lightning_deepseek.autotune`) builds on them.
 Link figures come from ``link_costs`` or from a short point-to-point probe at start-up (a small and a 4 MiB message,
 between two ranks of one island and two ranks of different islands). The probe sends what the default group's
 backend carries: tensors on the current GPU when CUDA tensors go through NCCL (Lightning's default on GPUs, a group

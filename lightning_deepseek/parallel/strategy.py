@@ -28,7 +28,6 @@ routed experts; ranks of a ``tp`` group feeding micro-batches of different shape
 
 from __future__ import annotations
 
-import logging
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -68,16 +67,13 @@ from lightning_deepseek.parallel.topology import Topology, discover_topology
 from lightning_deepseek.parallel.zero import ShardedOptimizerStates
 
 if TYPE_CHECKING:
-    from lightning_deepseek.autotune.cost_model import Decision
+    from lightning_deepseek.autotune.decision import Decision
     from lightning_deepseek.compression.config import CompressionConfig
-
-log = logging.getLogger(__name__)
 _AUTO = ("auto", "per_node")
 
 
 class HybridParallelStrategy(DDPStrategy):
-    """Attention (and everything else) data-parallel, large feed-forward layers tensor-parallel, routed experts
-    expert-parallel.
+    """Attention (and the rest) data-parallel, large feed-forward layers tensor-parallel, routed experts over ``ep``.
 
     Args:
         tensor_parallel_size: size of the ``tp`` mesh dimension; must divide the world size. ``"auto"``: decided
@@ -91,16 +87,14 @@ class HybridParallelStrategy(DDPStrategy):
         plan: ``"auto"`` (detect feed-forward blocks, :mod:`lightning_deepseek.parallel.plan`) or a mapping of
             module-name patterns (``fnmatch``, relative to the LightningModule) to ``"colwise"``/``"rowwise"``.
         min_shard_params: ``plan="auto"`` shards a block only from this many parameters on.
-        placement: ``"auto"``, ``"tp_intra_node"`` or ``"dp_intra_node"`` (:mod:`lightning_deepseek.parallel
-            .placement`): the rank order of every mesh dimension.
+        placement: ``"auto"``, ``"tp_intra_node"`` or ``"dp_intra_node"``: the rank order of every mesh
+            dimension (:mod:`lightning_deepseek.parallel.placement`).
         shard_optimizer_states: ZeRO-1: each replica of a parameter keeps the optimizer state of only the
             parameters it owns (:mod:`lightning_deepseek.parallel.zero`).
         save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
             optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
-        cluster: the machines' islands and link figures (:class:`~lightning_deepseek.parallel.cluster.Cluster`);
-            None: discovered and probed at start-up.
-        expert_routing: node-limited routing and the dispatch of MoE layers
-            (:class:`~lightning_deepseek.parallel.expert_routing.ExpertRouting`).
+        cluster: the machines' islands and link figures (``Cluster``); None: discovered and probed at start-up.
+        expert_routing: node-limited routing and the dispatch of MoE layers (``ExpertRouting``).
         micro_batch_tokens: tokens per rank and micro-batch for placement's traffic estimate; default: the
             micro-batch the ``"auto"`` sizes were timed on, else ``example_input_array``, else 2048.
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
