@@ -1,9 +1,8 @@
 """``RunSummary``: the end-of-run report of ``lds-train`` (tokens/s, losses, wall time, a loss plot).
 
-Any component (callback, strategy, precision plugin) can add to the report by defining
-``summary() -> dict[str, object]`` (rows of the table) and, optionally, ``events() -> list[tuple[int, str]]``
-(optimizer steps to mark on the plot, such as a precision stage change). Rank 0 writes ``summary.json``,
-``summary.txt`` and ``loss.png`` to the run folder and prints the table.
+Any component (callback, strategy, precision plugin) adds to the report through the library's reporting protocol
+(:mod:`lightning_deepseek.reporting`: ``summary()`` rows, ``events()`` steps to mark on the plot). Rank 0 writes
+``summary.json``, ``summary.txt`` and ``loss.png`` to the run folder and prints the table.
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
+
+from lightning_deepseek.reporting import Reporting, ReportingEvents
 
 
 def _components(trainer: pl.Trainer) -> list[Any]:
@@ -99,9 +100,9 @@ class RunSummary(Callback):
         extras: dict[str, Any] = {}
         events: list[tuple[int, str]] = []
         for component in _components(trainer):
-            if hasattr(component, "summary"):
+            if isinstance(component, Reporting):
                 extras.update(component.summary())
-            if hasattr(component, "events"):
+            if isinstance(component, ReportingEvents):
                 events.extend(component.events())
         # Every rank calls summary() above (it may run collectives); only rank 0 writes.
         if trainer.global_rank != 0:

@@ -255,7 +255,7 @@ class GradientCompression(Callback):
         return "torch"
 
     def summary(self) -> dict[str, object]:
-        """A few figures for ``lds-train``'s run summary."""
+        """A few figures for a run summary (:mod:`lightning_deepseek.reporting`)."""
         state = self.hook_state
         auto = {} if self.decision is None or self._decided_by_strategy else self.decision.summary()
         if state is None:

@@ -159,7 +159,7 @@ class OptunaPruning(Callback):
                                      f"({self.monitor}={self.last_value})")
 
     def summary(self) -> dict[str, Any]:
-        """Rows for ``RunSummary``: trial number and whether (and where) it was pruned."""
+        """Run summary rows (:mod:`lightning_deepseek.reporting`): the trial and where it was pruned."""
         return {"hpo_trial": self.trial_number, "hpo_pruned_at_step": self.pruned_step}
 
     @override

@@ -162,7 +162,7 @@ class ExpertLoadBalancing(Callback):
             plot_load(self.history, self._root / "expert_load.png")
 
     def summary(self) -> dict[str, object]:
-        """The imbalance averaged over the last 100 steps (or all, if fewer), for ``lds-train``'s run summary."""
+        """The imbalance averaged over the last 100 steps (or all, if fewer), as a run summary row."""
         if not self.history:
             return {}
         last = self.history[-100:]

@@ -73,7 +73,7 @@ class ExpertParallelPlan:
         return "\n".join(lines)
 
     def summary(self) -> dict[str, object]:
-        """Entries for ``lds-train``'s run summary."""
+        """Rows of a run summary (:mod:`lightning_deepseek.reporting`)."""
         if self.mesh is None:
             return {}
         return {"expert_parallel": f"ep={self.dims.ep} x edp={self.dims.edp}, "

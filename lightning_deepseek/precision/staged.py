@@ -372,7 +372,7 @@ class StagedPrecision(Precision):
     # ---------------------------------------------------------------- reporting and checkpoints
 
     def summary(self) -> dict[str, object]:
-        """Rows for ``lds-train``'s run summary."""
+        """Rows of a run summary (:mod:`lightning_deepseek.reporting`)."""
         return {
             "precision_schedule": self.schedule.describe(),
             "precision_final": self.precision,
