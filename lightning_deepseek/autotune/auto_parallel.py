@@ -135,14 +135,15 @@ def _decide(module: pl.LightningModule, batch: MicroBatch, options: Sequence[Can
             shard: Callable[[Candidate], Shard], *, local_size: int, bucket_bytes: int, bucket_view: bool,
             micro_batches: int, repeats: int, setting: str, tokens: int) -> Decision:
     """Filter by memory, time a copy of each fitting candidate, choose by the margin rule, print (collective)."""
-    budget = HEADROOM * device_memory_bytes(next(module.parameters()).device, local_size)
+    # the smallest rank's memory: hosts may differ, and every rank must time the same copies (collectives follow)
+    budget = -agree([-HEADROOM * device_memory_bytes(next(module.parameters()).device, local_size)])[0]
     fit = fitting(options, memory, budget, setting)
     seconds: dict[Candidate, float] = {}
     needed = sum(memory.bytes_per_rank(c) for c in fit)
     room = budget - memory.bytes_per_rank(Candidate())  # the model itself, replicated
     if repeats < 1:
         source = "nothing timed: repeats=0"
-    elif agree([float(needed > room)])[0]:  # hosts may differ in memory: all ranks time copies, or none
+    elif needed > room:
         source = (f"nothing timed: no room for {len(fit)} copies of the model ({needed / _GIB:.2f} GiB beside the "
                   f"model, {room / _GIB:.2f} GiB left)")
     else:
