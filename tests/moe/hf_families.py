@@ -7,6 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lightning_deepseek.moe import find_expert_layers, register_experts
+
 COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
               max_position_embeddings=64, tie_word_embeddings=False)
 
@@ -29,9 +31,13 @@ def qwen3_moe() -> nn.Module:
 def qwen2_moe() -> nn.Module:
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=16,
-                                              shared_expert_intermediate_size=32, num_experts=4,
-                                              num_experts_per_tok=2, decoder_sparse_step=1))
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=16,
+                                               shared_expert_intermediate_size=32, num_experts=4,
+                                               num_experts_per_tok=2, decoder_sparse_step=1))
+    if not find_expert_layers(model):  # releases before 5.13 declare no experts for it: the documented registration
+        for layer in model.model.layers:
+            register_experts(layer.mlp.experts)
+    return model
 
 
 def deepseek_v3() -> nn.Module:
