@@ -163,3 +163,39 @@ def test_tensor_expert_and_both_ways_copies_are_timed_in_training_steps(ranks) -
                                                       for b in (None, 8)}
         assert all(0 < v < 5 for v in rank["copy_steps"]["seconds"].values())
         assert all(rank["copy_steps"][k] for k in ("untouched", "grads", "kept_rng"))
+
+
+def test_with_nothing_timed_the_simplest_layout_that_fits_is_chosen_and_the_reason_says_why(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from lightning_deepseek.autotune import auto_parallel
+    from lightning_deepseek.parallel.topology import Topology
+
+    class Example(TinyLM):
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.model(tokens)
+
+    module = Example()
+    module.example_input_array = token_data(4).tensors[0]
+
+    def decide(repeats: int) -> Any:  # no process group: nothing timed means no collective
+        return auto_parallel.decide_parallel(
+            module, SimpleNamespace(accumulate_grad_batches=1), topology=Topology(((0, 1),)), local_size=2,
+            links=None, plan_for=lambda tp: decide_plan(module, "auto", 2, tp, False, 0), tp_sizes=[1, 2],
+            ep_sizes=None, bits=auto_parallel.AUTO_BITS, tokens=None, placement="auto", bucket_bytes=25 << 20,
+            setting="x", repeats=repeats)
+
+    decision = decide(repeats=0)
+    assert decision.chosen == Candidate()
+    assert decision.reason == "the simplest layout that fits (nothing timed: repeats=0)"
+    # every candidate fits, but not four copies beside the model
+    plain = decision.entry(Candidate()).memory_bytes
+    monkeypatch.setattr(auto_parallel, "device_memory_bytes", lambda device, local: int(2.5 * plain / 0.9))
+    squeezed = decide(repeats=3)
+    assert squeezed.chosen == Candidate() and all(e.fits and e.seconds is None for e in squeezed.entries)
+    assert squeezed.reason.startswith("the simplest layout that fits (nothing timed: no room for 4 copies of the "
+                                      "model")
+    assert {e.candidate for e in decision.entries} == {Candidate(1), Candidate(1, 1, 8), Candidate(1, 1, 4),
+                                                        Candidate(2)}
+    assert all(e.seconds is None and e.fits for e in decision.entries)
+    assert decision.tokens == module.example_input_array.numel()
