@@ -393,6 +393,21 @@ def _pruner(tune: DictConfig) -> optuna.pruners.BasePruner:
     return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0)
 
 
+def _trials(calibrator: _Calibrator, pruner: optuna.pruners.BasePruner) -> Callable[[list[str]], None]:
+    """The function that measures the named configurations, in that order, as the next trials of one Optuna study
+    (:meth:`_Calibrator.run` each; the pruner sees every trial of the calibration)."""
+    sampler = _InOrder([])
+    study = optuna.create_study(direction="maximize", pruner=pruner, study_name="lds-tune", sampler=sampler)
+    space = {"candidate": CategoricalDistribution([c.name for c in calibrator.order])}
+
+    def measure(names: list[str]) -> None:
+        if names:
+            sampler.names += names
+            run_trials(study, space, calibrator.run, n_trials=len(sampler.names), max_failure_rate=1.0,
+                       log_prefix="tune")
+    return measure
+
+
 def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
     """Measure the candidates of ``cfg.tune`` in this run's processes and choose; see the module docstring.
 
@@ -407,28 +422,17 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
     eligible = configurations(cfg, forced, experts)
     order = eligible if eligible[0].is_plain_ddp else [PLAIN_DDP, *eligible]
     calibrator = _Calibrator(cfg, plan, folder, order, eligible)
-    pruner = _pruner(cfg.tune)
-    with _quiet_trainers(), _frozen_heap():
-        sampler = _InOrder([])
-        study = optuna.create_study(direction="maximize", pruner=pruner, study_name="lds-tune", sampler=sampler)
-        space = {"candidate": CategoricalDistribution([c.name for c in order])}
-
-        def measure(names: list[str]) -> None:
-            if names:
-                sampler.names += names
-                run_trials(study, space, calibrator.run, n_trials=len(sampler.names), max_failure_rate=1.0,
-                           log_prefix="tune")
-
-        quiet = contextlib.redirect_stderr(io.StringIO()) if not folder.is_launcher else contextlib.nullcontext()
-        with quiet:
-            staged = bool(cfg.tune.get("staged", False))
-            measure(calibrator.first_stage(staged))
-            if staged:
-                measure(calibrator.second_stage())
-            for later in range(1, int(cfg.tune.rounds)):  # interleaved: every candidate left once per round
-                measure(calibrator.next_round(cfg.tune.get("recheck_best"), float(cfg.tune.min_gain),
-                                              backward=later % 2 == 1))
-            settled = _settle(calibrator, measure, cfg)
+    staged = bool(cfg.tune.get("staged", False))
+    quiet = contextlib.redirect_stderr(io.StringIO()) if not folder.is_launcher else contextlib.nullcontext()
+    with _quiet_trainers(), _frozen_heap(), quiet:
+        measure = _trials(calibrator, _pruner(cfg.tune))
+        measure(calibrator.first_stage(staged))
+        if staged:
+            measure(calibrator.second_stage())
+        for later in range(1, int(cfg.tune.rounds)):  # interleaved: every candidate left once per round
+            measure(calibrator.next_round(cfg.tune.get("recheck_best"), float(cfg.tune.min_gain),
+                                          backward=later % 2 == 1))
+        settled = _settle(calibrator, measure, cfg)
     rows = [calibrator.results.get(c.name, Row(c, "failed", note="did not run")) for c in order]
     choice = settled.choice if settled is not None else choose(
         rows, eligible, float(cfg.tune.min_gain), float(cfg.tune.noise_margin), int(cfg.tune.steps))
