@@ -17,7 +17,7 @@ rounds, in order (:func:`calibrate`):
    reverse, only where they can change the choice; each configuration keeps its best round;
 4. a long run (``tune.budget``, a share of the planned training time) settles the two fastest others against plain
    DDP in paired rounds until :func:`~lightning_deepseek.app.tune.choice.settle` decides or the share is spent
-   (:func:`_settle`); a short run has no time left in its share and skips this.
+   (:mod:`~lightning_deepseek.app.tune.paired`); a short run has no time left in its share and skips this.
 
 The choice is :func:`~lightning_deepseek.app.tune.choice.choose` (plain DDP unless another is faster by
 ``tune.min_gain`` and the measured noise) or the paired rounds' verdict; the table (``tune.txt``, ``tune.json``) and
@@ -56,7 +56,7 @@ from optuna.distributions import CategoricalDistribution
 from typing_extensions import override
 
 from lightning_deepseek.app.tune.checks import nothing_to_choose, task_overrides
-from lightning_deepseek.app.tune.choice import MIN_TAKE_ROUNDS, Choice, choose, paired_choice, settle
+from lightning_deepseek.app.tune.choice import choose
 from lightning_deepseek.app.tune.configurations import (
     PLAIN_DDP,
     Configuration,
@@ -64,6 +64,7 @@ from lightning_deepseek.app.tune.configurations import (
     describe_forced,
     forced_settings,
 )
+from lightning_deepseek.app.tune.paired import paired_rounds
 from lightning_deepseek.app.tune.steal import cpu_times, stolen_share
 from lightning_deepseek.app.tune.sweep_choice import publish, reused, shared_choice, sweep_table
 from lightning_deepseek.app.tune.table import Calibration, Row, TuneReport
@@ -142,7 +143,7 @@ class _InOrder(optuna.samplers.BaseSampler):
 
 
 @dataclass
-class _Calibrator:
+class Calibrator:
     cfg: DictConfig
     plan: Any
     folder: Any
@@ -150,7 +151,7 @@ class _Calibrator:
     eligible: list[Configuration]
     results: dict[str, Row] = field(default_factory=dict)
     up_at: float | None = None  # perf_counter when every process had joined (the first fit's setup)
-    pruning: bool = True  # off for the paired rounds (_settle): both candidates measured to the end
+    pruning: bool = True  # off for the paired rounds (paired.py): both candidates measured to the end
     fits: int = 0
     fit_means: dict[str, float] = field(default_factory=dict)  # each candidate's last fit: mean timed step seconds
 
@@ -276,70 +277,6 @@ class _Calibrator:
         trainer.fit(model, datamodule=data)
 
 
-def planned_batches(cfg: DictConfig) -> int | None:
-    """The batches the run plans to train (``tune.planned_steps`` or ``trainer.max_steps``, times the gradient
-    accumulation); ``None`` when neither says (an epoch- or time-bounded run)."""
-    steps = cfg.tune.get("planned_steps") or cfg.trainer.get("max_steps")
-    if not isinstance(steps, int) or steps < 1:
-        return None
-    return steps * int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
-
-
-PAIRED_CONTENDERS = 2  # the fastest others put against plain DDP in paired rounds (a step or two ranks them)
-
-
-@dataclass(frozen=True)
-class Settled:
-    """The paired rounds' outcome: the choice, and each other's ratios (plain DDP's mean step time over its, a
-    round each)."""
-
-    choice: Choice
-    ratios: dict[str, tuple[float, ...]]
-
-
-def _settle(calibrator: _Calibrator, measure: Callable[[list[str]], None], cfg: DictConfig,
-            clock: Callable[[], float] = time.perf_counter) -> Settled | None:
-    """Paired rounds of the leading others and plain DDP within ``tune.budget`` of the planned training (module
-    docstring); ``None`` when there is nothing to settle (plain DDP not eligible, no other measured) or the share
-    left cannot pay for :data:`~lightning_deepseek.app.tune.choice.MIN_TAKE_ROUNDS` rounds (fewer could only
-    drop others and keep plain DDP)."""
-    tune = cfg.tune
-    min_gain, take, drop = float(tune.min_gain), float(tune.get("paired_margin", 2.0)), float(tune.noise_margin)
-    budget, planned = float(tune.get("budget", 0.0) or 0.0), planned_batches(cfg)
-    plain, leaders = calibrator.results.get(PLAIN_DDP.name), calibrator.leaders(PAIRED_CONTENDERS)
-    if (not budget or planned is None or plain is None or plain.state != "measured" or not plain.step_seconds
-            or not leaders or calibrator.up_at is None or not calibrator.fits):
-        return None
-    allowed = budget * planned * statistics.median(plain.step_seconds)
-    # a fit's average so far, until a round is timed
-    round_seconds = (1 + len(leaders)) * (clock() - calibrator.up_at) / calibrator.fits
-    if clock() - calibrator.up_at + MIN_TAKE_ROUNDS * round_seconds > allowed:
-        return None
-    ratios: dict[Configuration, list[float]] = {row.candidate: [] for row in leaders}
-    open_, rounds = list(ratios), 0  # the others not yet decided
-    calibrator.pruning = False
-    try:
-        while open_:
-            began = clock()
-            names = [c.name for c in open_] + [PLAIN_DDP.name]
-            for name in names:
-                calibrator.fit_means.pop(name, None)
-            measure(names if rounds % 2 == 0 else names[::-1])  # plain DDP last, then first, ...
-            rounds += 1
-            if any(name not in calibrator.fit_means for name in names):  # one failed: the rounds before stand
-                return None
-            for candidate in open_:
-                ratios[candidate].append(calibrator.fit_means[PLAIN_DDP.name] / calibrator.fit_means[candidate.name])
-            open_ = [c for c in open_ if settle(ratios[c], min_gain, take, drop) is None]
-            round_seconds = (clock() - began) * (1 + len(open_)) / len(names)
-            if clock() - calibrator.up_at + round_seconds > allowed:
-                break
-    finally:
-        calibrator.pruning = True
-    choice = paired_choice(PLAIN_DDP, ratios, min_gain, take, drop)
-    return Settled(choice, {c.name: tuple(round(r, 4) for r in v) for c, v in ratios.items()})
-
-
 def _layout(candidate: Configuration) -> tuple[Any, ...]:
     """What the staged search measures first: the rank layout, apart from compression and bucket size."""
     return candidate.strategy, candidate.tensor_parallel_size, candidate.expert_parallel_size
@@ -374,10 +311,10 @@ def _quiet_trainers() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _frozen_heap() -> Iterator[None]:
-    """The objects alive before the first fit (the imports, the config: ~460k in the demo's processes) are left out
-    of the garbage collector's scans until the calibration ends (``gc.freeze``), so the collection before each fit
-    scans only what the fits made: 0.26-0.3 s a fit less on the demo. Nothing is kept alive by this: frozen
-    objects return to the collector's oldest generation at the end (``gc.unfreeze``)."""
+    """The objects alive before the first fit (the imports, the config: hundreds of thousands) are left out of the
+    garbage collector's scans until the calibration ends (``gc.freeze``), so the collection before each fit scans
+    only what the fits made. Nothing is kept alive by this: frozen objects return to the collector's oldest
+    generation at the end (``gc.unfreeze``)."""
     gc.freeze()
     try:
         yield
@@ -393,9 +330,9 @@ def _pruner(tune: DictConfig) -> optuna.pruners.BasePruner:
     return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0)
 
 
-def _trials(calibrator: _Calibrator, pruner: optuna.pruners.BasePruner) -> Callable[[list[str]], None]:
+def _trials(calibrator: Calibrator, pruner: optuna.pruners.BasePruner) -> Callable[[list[str]], None]:
     """The function that measures the named configurations, in that order, as the next trials of one Optuna study
-    (:meth:`_Calibrator.run` each; the pruner sees every trial of the calibration)."""
+    (:meth:`Calibrator.run` each; the pruner sees every trial of the calibration)."""
     sampler = _InOrder([])
     study = optuna.create_study(direction="maximize", pruner=pruner, study_name="lds-tune", sampler=sampler)
     space = {"candidate": CategoricalDistribution([c.name for c in calibrator.order])}
@@ -421,7 +358,7 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
     experts = int(getattr(plan.model_config, "n_routed_experts", 0) or 0)
     eligible = configurations(cfg, forced, experts)
     order = eligible if eligible[0].is_plain_ddp else [PLAIN_DDP, *eligible]
-    calibrator = _Calibrator(cfg, plan, folder, order, eligible)
+    calibrator = Calibrator(cfg, plan, folder, order, eligible)
     staged = bool(cfg.tune.get("staged", False))
     quiet = contextlib.redirect_stderr(io.StringIO()) if not folder.is_launcher else contextlib.nullcontext()
     with _quiet_trainers(), _frozen_heap(), quiet:
@@ -432,7 +369,7 @@ def calibrate(cfg: DictConfig, plan: Any, folder: Any) -> Calibration:
         for later in range(1, int(cfg.tune.rounds)):  # interleaved: every candidate left once per round
             measure(calibrator.next_round(cfg.tune.get("recheck_best"), float(cfg.tune.min_gain),
                                           backward=later % 2 == 1))
-        settled = _settle(calibrator, measure, cfg)
+        settled = paired_rounds(calibrator, measure, cfg)
     rows = [calibrator.results.get(c.name, Row(c, "failed", note="did not run")) for c in order]
     choice = settled.choice if settled is not None else choose(
         rows, eligible, float(cfg.tune.min_gain), float(cfg.tune.noise_margin), int(cfg.tune.steps))

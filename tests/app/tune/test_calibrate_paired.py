@@ -2,7 +2,7 @@
 measured back to back until each other's ratio to plain DDP is beyond the noise of the rounds themselves, or the
 run's share of time is spent.
 
-The rounds are walked as :func:`~lightning_deepseek.app.tune.calibrate._settle` runs them, with each fit's mean step
+The rounds are walked as :func:`~lightning_deepseek.app.tune.paired.paired_rounds` runs them, with each fit's mean step
 time given and a clock advancing one second a fit."""
 
 import pytest
@@ -10,8 +10,9 @@ from hydra import compose, initialize_config_dir
 
 from lightning_deepseek.app.run import CONFIG_DIR
 from lightning_deepseek.app.tune import configurations
-from lightning_deepseek.app.tune.calibrate import Settled, _Calibrator, _settle, planned_batches
+from lightning_deepseek.app.tune.calibrate import Calibrator
 from lightning_deepseek.app.tune.choice import paired_gain, settle
+from lightning_deepseek.app.tune.paired import Settled, paired_rounds, planned_batches
 from lightning_deepseek.app.tune.table import Calibration, Row
 
 # Recorded on the 10 Gbit testbed, moe-tiny: hybrid tp2/ep1 against plain DDP in each of 5 repetitions of a grid of
@@ -45,11 +46,11 @@ def test_the_verdict_comes_from_the_rounds_spread() -> None:
     assert settle(first, min_gain=0.03, take=2.0, drop=1.0) is False
 
 
-def _calibrator(*overrides: str) -> _Calibrator:
+def _calibrator(*overrides: str) -> Calibrator:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=["model=tiny", "trainer.devices=2", "tune=quick", *overrides])
     order = configurations(cfg, forced=[])
-    calibrator = _Calibrator(cfg, None, None, order, order)
+    calibrator = Calibrator(cfg, None, None, order, order)
     ddp, int8, int4, hybrid = (next(c for c in order if c.name == n)
                                for n in ("ddp/none", "ddp/int8", "ddp/int4", "hybrid/tp2/none"))
     calibrator.results = {"ddp/none": Row(ddp, "measured", 1000.0, step_seconds=(0.1, 0.1, 0.1, 0.1)),
@@ -60,8 +61,8 @@ def _calibrator(*overrides: str) -> _Calibrator:
     return calibrator
 
 
-def _walk(calibrator: _Calibrator, **seconds: list[float]) -> tuple[list[list[str]], Settled | None]:
-    """Run ``_settle`` with plain DDP's fits at 0.1 s a step and ``hybrid``'s and ``int8``'s at the given ones."""
+def _walk(calibrator: Calibrator, **seconds: list[float]) -> tuple[list[list[str]], Settled | None]:
+    """Run ``paired_rounds`` with plain DDP's fits at 0.1 s a step and ``hybrid``'s and ``int8``'s at the given ones."""
     clock, fits = [10.0], []
     times = {"hybrid/tp2/none": iter(seconds.get("hybrid", [])), "ddp/int8": iter(seconds.get("int8", []))}
 
@@ -72,7 +73,7 @@ def _walk(calibrator: _Calibrator, **seconds: list[float]) -> tuple[list[list[st
             clock[0] += 1.0
             calibrator.fit_means[name] = 0.1 if name == "ddp/none" else next(times[name])
 
-    settled = _settle(calibrator, measure, calibrator.cfg, clock=lambda: clock[0])
+    settled = paired_rounds(calibrator, measure, calibrator.cfg, clock=lambda: clock[0])
     assert calibrator.pruning
     return fits, settled
 

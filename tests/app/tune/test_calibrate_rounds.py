@@ -12,21 +12,21 @@ from omegaconf import OmegaConf
 
 from lightning_deepseek.app.run import CONFIG_DIR
 from lightning_deepseek.app.tune import choose, configurations
-from lightning_deepseek.app.tune.calibrate import _Calibrator, _frozen_heap, _pruner
+from lightning_deepseek.app.tune.calibrate import Calibrator, _frozen_heap, _pruner
 from lightning_deepseek.app.tune.table import Row
 
 
-def _calibrator() -> _Calibrator:
+def _calibrator() -> Calibrator:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=["model=tiny", "trainer.devices=2", "tune=quick"])
     order = configurations(cfg, forced=[])
-    return _Calibrator(cfg, None, None, order, order)
+    return Calibrator(cfg, None, None, order, order)
 
 
 def _calibrate_on_drifting_machine(drift: float, backward: bool, gain: dict[str, float] | None = None) -> list[str]:
     """Walk ``tune=quick``'s schedule (staged, then a second round of plain DDP and the fastest other) with every
     fit measuring ``(1 + gain) * 1000 * (1 + drift * fit_index)`` tokens/s, each candidate keeping its best round as
-    ``_Calibrator.run`` does; returns the order of the fits, the choice last."""
+    ``Calibrator.run`` does; returns the order of the fits, the choice last."""
     calibrator, fits = _calibrator(), []
 
     def measure(names: list[str]) -> None:

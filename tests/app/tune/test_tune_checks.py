@@ -90,10 +90,10 @@ def test_choice_is_the_fastest_measured_unless_plain_ddp_is_within_min_gain() ->
 
 
 def test_staged_search_compresses_only_the_layouts_measured_to_the_end() -> None:
-    from lightning_deepseek.app.tune.calibrate import _Calibrator
+    from lightning_deepseek.app.tune.calibrate import Calibrator
 
     order = configurations(_cfg("tune=quick", "trainer.devices=4", "allow_oversubscribe=true"), forced=[])
-    calibrator = _Calibrator(None, None, None, order, order)
+    calibrator = Calibrator(None, None, None, order, order)
     assert calibrator.first_stage(staged=False) == [c.name for c in order]
     assert calibrator.first_stage(staged=True) == ["ddp/none", "hybrid/tp2/none", "hybrid/tp4/none"]
     for row in (_row("ddp/none", 1000.0), _row("hybrid/tp2/none", 700.0, "pruned"), _row("hybrid/tp4/none", None,
@@ -113,7 +113,7 @@ def test_staged_search_compresses_only_the_layouts_measured_to_the_end() -> None
     assert calibrator.next_round(best=1, min_gain=0.0) == ["ddp/none", "ddp/int4"]  # the choice would change
     # Compression forced: plain DDP is the reference only; the first stage still holds each layout's first.
     forced = configurations(_cfg("tune=quick", "compression=int8", "tune.bucket_cap_mb=[null,1]"), ["compression"])
-    staged = _Calibrator(None, None, None, [PLAIN_DDP, *forced], forced)
+    staged = Calibrator(None, None, None, [PLAIN_DDP, *forced], forced)
     assert staged.first_stage(staged=True) == ["ddp/none", "ddp/int8", "hybrid/tp2/int8"]
     table = Calibration("quick", [_row("ddp/none", 1000.0), Row(order[1], "skipped", note="x")], PLAIN_DDP, 2.0)
     assert table.summary()["tune_candidates"] == "1 measured, 1 skipped of 2"
