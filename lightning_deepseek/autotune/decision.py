@@ -10,8 +10,9 @@ clearly.
 
 Memory per rank: parameters and gradients, ``state_factor`` optimizer states per parameter byte (Adam: 2), the
 fp32 error-feedback residual of the exchanged gradients when compressed, and the activations autograd saves for
-backward; a candidate fits under ``headroom`` of the device memory. No process group is needed here: the
-measurements come from :mod:`.measure` through :mod:`.auto_parallel`.
+backward, against the budget the caller gives (:data:`.auto_parallel.HEADROOM` of the device memory). Not counted:
+communication buffers, the allocator's fragmentation, temporaries outside autograd. No process group is needed
+here: the measurements come from :mod:`.measure` through :mod:`.auto_parallel`.
 """
 
 from __future__ import annotations
