@@ -1,10 +1,11 @@
 """``lds-train tune=auto|quick|grid``: calibration of the application's configurations (docs/autotune.md).
 
 The candidate configurations of ``lds-train`` (``configurations``) are measured in the training processes
-(``calibrate``), chosen by the margin rule (``choice``) and reported (``table``). The configurations and the checks
-import neither torch nor Optuna (``lds-train`` checks ``tune`` before loading them); everything else is imported
-on first use. Not to be confused with the library's ``autotune.Candidate`` (a ``(tp, ep, bits)`` layout timed on
-copies of a model): a ``Configuration`` is a whole ``lds-train`` configuration, timed by short fits.
+(``calibrate``; a long run's paired rounds: ``paired``), chosen by the margin rule (``choice``) and reported
+(``table``). The configurations and the checks import neither torch nor Optuna (``lds-train`` checks ``tune``
+before loading them); everything else is imported on first use. Not to be confused with the library's
+``autotune.Candidate`` (a ``(tp, ep, bits)`` layout timed on copies of a model): a ``Configuration`` is a whole
+``lds-train`` configuration, timed by short fits.
 """
 
 import importlib
