@@ -36,7 +36,7 @@ from lightning_deepseek.compression.config import CompressionConfig
 from lightning_deepseek.compression.hook import register_compression_hook
 from lightning_deepseek.parallel.placement import probe_device
 
-BLOCK_SIZE = {8: 128, 4: 64}  # the compression presets' block sizes (conf/compression/int8.yaml, int4.yaml)
+BLOCK_SIZE = {8: 128, 4: 64}  # the lds-train presets' block sizes (app/conf/compression/int8.yaml, int4.yaml)
 
 
 def _synchronize(device: torch.device) -> None:
