@@ -10,6 +10,7 @@ Usage (from the repository root): ``.venv/bin/python benchmarks/hybrid/hf_parity
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from tests.parallel.test_hf_families import FAMILIES, STEPS, hf_family_scenarios
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     result = run_distributed(hf_family_scenarios, 2, timeout=600)[0]
     ddp, hybrid = result["ddp"], result["hybrid"]
     print(f"| family | sharded layers (tp=2) | plan source | max relative loss difference ({STEPS} steps) "
