@@ -10,6 +10,7 @@ reused across fits.)
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import resource
@@ -53,8 +54,11 @@ def fit(kind: str) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("kinds", help="comma-separated fits, in order: tp1, tp2, tp1int8, tp2int8, auto")
+    kinds = parser.parse_args().kinds
     torch.set_num_threads(1)
-    for i, kind in enumerate(sys.argv[1].split(",")):
+    for i, kind in enumerate(kinds.split(",")):
         before = cpu_times()
         step = fit(kind)
         stolen = cpu_times().steal - before.steal

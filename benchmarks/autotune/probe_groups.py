@@ -7,6 +7,7 @@ Run: ``.venv/bin/python benchmarks/autotune/probe_groups.py``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 
@@ -47,4 +48,5 @@ def main(rank: int) -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     mp.spawn(main, nprocs=2)
