@@ -30,7 +30,7 @@ mean step time, so the report also ranks the grid by the mean of every timed ste
 the repetitions) and puts each choice against that best: the best round favours a configuration whose speed swings
 more (benchmarks/autotune/REPORT.md). ``--report FILE`` prints that view of a recorded ``--grid-out`` file.
 The grid's table (every configuration's median tokens/s) goes to ``--grid-out`` (default
-``benchmarks/autotune/grid_<where>_<model>.json``) for a cost model's ranking check (Spearman).
+``benchmarks/autotune/grid_<where>_<model>.json``) for a ranking check (Spearman).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where does a fit's speed vary on this machine: with the fit, or with the time? (issue #16: two fits of the same
 configuration, back to back in the same processes, can differ by 5-10% for the whole fit, benchmarks/hybrid/REPORT.md,
-and the measured rankings the cost model is judged against disagree with themselves.)
+and the measured rankings the "auto" settings are judged against disagree with themselves.)
 
 The same configuration (A/A) trains ``--fits`` times in the same processes, ``--steps`` steps each (the first 3
 dropped, the slowest rank's step). Each fit is split into its first and second half. If a fit's speed is a property

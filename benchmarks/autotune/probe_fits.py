@@ -1,7 +1,7 @@
 """One process group of 4 CPU ranks on loopback fitting the wide-FFN model again and again (issue #16: later fits
 in one process ran slower): each fit's median step (slowest rank), the process's RSS after it and its peak, threads,
 gc objects, process groups, and the CPU jiffies the host stole meanwhile. Kinds: ``tp1``, ``tp2``, ``tp1int8``,
-``tp2int8``, ``auto`` (the cost model's ``"auto"`` settings for tp and bits).
+``tp2int8``, ``auto`` (the ``"auto"`` settings for tp and bits: timed copies).
 
 Run: ``LDS_TOPOLOGY="0,1;2,3" .venv/bin/python benchmarks/autotune/probe_fits.py tp2int8,tp2int8,auto,tp2int8``
 (A fit keeps no memory or process groups beyond the first two ``auto`` fits: the meshes and communicators are
