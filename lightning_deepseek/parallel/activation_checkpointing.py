@@ -57,7 +57,7 @@ from torch.utils.checkpoint import (
 from lightning_deepseek.parallel.plan import plan_blocks
 
 MODES = ("none", "full", "selective")
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # HF's names across releases
 
 __all__ = ["MODES", "apply_activation_checkpointing", "find_transformer_blocks", "is_recomputing"]
 
@@ -108,7 +108,7 @@ def _selective_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(policy)
 
 
-class CheckpointedBlock(nn.Module):
+class CheckpointedForward(nn.Module):
     """Mixin put before a block's own class: its ``forward`` runs under non-reentrant ``checkpoint``."""
 
     activation_checkpointing: str = "full"
@@ -117,9 +117,8 @@ class CheckpointedBlock(nn.Module):
         original = super().forward
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
-        for name in _CACHE_KWARGS:
-            if kwargs.get(name) is not None:
-                kwargs[name] = None
+        if not getattr(self, "_can_checkpoint_with_cache", False):  # HF's mark of a layer that only reads its cache
+            kwargs.update({name: None for name in _CACHE_KWARGS if kwargs.get(name) is not None})
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
         calls = 0
@@ -141,9 +140,9 @@ _checkpointed_classes: dict[type, type] = {}
 
 def _checkpoint_block(block: nn.Module, mode: str) -> None:
     cls = type(block)
-    if not issubclass(cls, CheckpointedBlock):
+    if not issubclass(cls, CheckpointedForward):
         if cls not in _checkpointed_classes:
-            _checkpointed_classes[cls] = type(f"Checkpointed{cls.__name__}", (CheckpointedBlock, cls), {})
+            _checkpointed_classes[cls] = type(f"Checkpointed{cls.__name__}", (CheckpointedForward, cls), {})
         block.__class__ = _checkpointed_classes[cls]
     block.activation_checkpointing = mode
 
