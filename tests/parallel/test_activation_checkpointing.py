@@ -138,6 +138,16 @@ def test_names_state_dict_and_classes_are_kept() -> None:
     assert list(copy.deepcopy(model).state_dict()) == keys
 
 
+def test_a_meta_model_is_checkpointed_before_it_is_materialised() -> None:
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**_GPT))
+    assert apply_activation_checkpointing(model, "full") == ["blocks.0", "blocks.1", "blocks.2"]
+    model.to_empty(device="cpu")
+    model.apply(GPT._init_weights)
+    _gpt_loss(model, _tokens()).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_none_changes_nothing() -> None:
     model = UserModel()
     assert apply_activation_checkpointing(model, "none") == []
