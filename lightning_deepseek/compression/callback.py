@@ -68,6 +68,12 @@ def find_ddp_module(strategy: Strategy) -> DistributedDataParallel | None:
         raise CompressionStrategyError(
             f"GradientCompression does not support strategy={name}: it reduce-scatters sharded gradients itself "
             "and has no DDP communication hook. Use strategy='ddp' or 'hybrid', or remove GradientCompression.")
+    layout = getattr(strategy, "layout", None)
+    if layout is not None and layout.dims.fsdp_enabled:
+        raise CompressionStrategyError(
+            f"GradientCompression compresses DDP's gradient all-reduce, and with data_parallel_shard_size="
+            f"{layout.dims.dp_shard} FSDP reduce-scatters the gradients itself (compressing that is not supported "
+            "yet). Remove GradientCompression, or set data_parallel_shard_size=1.")
     module = getattr(strategy, "ddp_module", None) or strategy.model
     is_ddp = isinstance(module, DistributedDataParallel)
     # Lightning wraps even one device in DDP (strategy='ddp', devices=1), and a pure tensor-parallel run has one

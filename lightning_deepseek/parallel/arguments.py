@@ -56,7 +56,8 @@ def check_ddp_kwargs(owner: type, kwargs: dict[str, Any]) -> None:
 
 
 def check_arguments(*, tensor_parallel_size: Any, expert_parallel_size: Any, plan: Any, min_shard_params: Any,
-                    placement: Any, cluster: Any, expert_routing: Any) -> None:
+                    placement: Any, cluster: Any, expert_routing: Any, data_parallel_shard_size: Any,
+                    shard_optimizer_states: Any) -> None:
     """Raise ``ValueError``/``TypeError`` naming the first bad argument of ``HybridParallelStrategy`` and its fix."""
     from lightning_deepseek.parallel.cluster import Cluster
     from lightning_deepseek.parallel.expert_routing import ExpertRouting
@@ -66,6 +67,14 @@ def check_arguments(*, tensor_parallel_size: Any, expert_parallel_size: Any, pla
         if size not in ("auto", "per_node") and not (isinstance(size, int) and not isinstance(size, bool) and size > 0):
             raise ValueError(f"{name}={size!r} must be a positive integer, 'auto' (decided by timing copies of the "
                              "model) or 'per_node' (by the processes per node).")
+    shard = data_parallel_shard_size
+    if shard != "auto" and not (isinstance(shard, int) and not isinstance(shard, bool) and shard > 0):
+        raise ValueError(f"data_parallel_shard_size={shard!r} must be a positive integer (1: parameters replicated) "
+                         "or 'auto' (shard inside a node, replicate across nodes).")
+    if shard != 1 and shard_optimizer_states:
+        raise ValueError(f"shard_optimizer_states=True with data_parallel_shard_size={shard!r}: parameter sharding "
+                         "already shards the optimizer states. Set shard_optimizer_states=False (or "
+                         "data_parallel_shard_size=1 for ZeRO-1 alone).")
     if placement not in POLICIES:
         raise ValueError(f"placement={placement!r} is not a placement policy: use one of {POLICIES}.")
     if plan != "auto" and not isinstance(plan, dict):

@@ -2,9 +2,10 @@
 
 ``torch.nn.utils.clip_grad_norm_`` fails when a parameter list mixes ``DTensor`` and ``Tensor`` (or DTensors of
 different meshes). Here each rank adds up the norms of its local pieces: a plain (replicated) gradient counts
-whole, a DTensor gradient counts its local shard, and the shard sums are reduced over the process group of the
-mesh dimensions they are sharded on; one all-reduce per such group (one in total for a ``(dp, tp)`` mesh, over
-``tp``). Clipping by value is element-wise and needs no communication.
+whole, a DTensor gradient counts its local shard, and the shard sums are reduced over the process groups of the
+mesh dimensions they are sharded on, in turn (a shard over ``dp`` and ``tp``, as FSDP over tensor parallelism makes
+it, over both); one all-reduce per such group and kind of shard. Clipping by value is element-wise and needs no
+communication.
 
 Every rank must call these functions with the same parameters (they are collective when DTensors are present).
 """
@@ -20,15 +21,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 
-def _shard_group(grad: DTensor) -> dist.ProcessGroup | None:
-    """The process group over which ``grad``'s local pieces must be summed (None when it is replicated)."""
-    mesh = grad.device_mesh
-    dims = [i for i, placement in enumerate(grad.placements) if placement.is_shard()]
-    if not dims:
-        return None
-    if len(dims) > 1:
-        raise NotImplementedError("clip_grad_norm_ supports DTensors sharded over one mesh dimension.")
-    return mesh.get_group(dims[0])
+def _shard_groups(grad: DTensor) -> tuple[dist.ProcessGroup, ...]:
+    """The process groups over which ``grad``'s local pieces must be summed, one per sharded mesh dimension (none
+    when it is replicated)."""
+    # Not `is_shard()`: FSDP over tensor parallelism places `_StridedShard`, which is not a `Shard` in every torch.
+    return tuple(grad.device_mesh.get_group(i) for i, placement in enumerate(grad.placements)
+                 if not (placement.is_replicate() or placement.is_partial()))
 
 
 def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -44,20 +42,21 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
     device = grads[0].device
     is_inf = norm_type == float("inf")
     replicated = torch.zeros((), device=device, dtype=torch.float32)
-    by_group: dict[dist.ProcessGroup, torch.Tensor] = {}
+    by_groups: dict[tuple[dist.ProcessGroup, ...], torch.Tensor] = {}
     for grad in grads:
-        group = _shard_group(grad) if isinstance(grad, DTensor) else None
+        groups = _shard_groups(grad) if isinstance(grad, DTensor) else ()
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         piece = torch.linalg.vector_norm(local.float(), norm_type)
         piece = piece if is_inf else piece.pow(norm_type)
-        if group is None:
+        if not groups:
             replicated = torch.maximum(replicated, piece) if is_inf else replicated + piece
         else:
-            current = by_group.get(group, torch.zeros((), device=device, dtype=torch.float32))
-            by_group[group] = torch.maximum(current, piece) if is_inf else current + piece
+            current = by_groups.get(groups, torch.zeros((), device=device, dtype=torch.float32))
+            by_groups[groups] = torch.maximum(current, piece) if is_inf else current + piece
     total = replicated
-    for group, value in by_group.items():
-        dist.all_reduce(value, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+    for groups, value in by_groups.items():
+        for group in groups:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
         total = torch.maximum(total, value) if is_inf else total + value
     return total if is_inf else total.pow(1.0 / norm_type)
 

@@ -9,6 +9,9 @@ The strategy builds the sizes when the world size is known and the meshes once p
   attention and everything not sharded is replicated over the whole world.
 - ``("edp", "ep")``: the routed experts. ``ep`` consecutive ranks of the same order hold all experts between them;
   ranks with the same ``ep`` coordinate (``edp``) hold replicas of the same slice.
+- ``("dp_replicate", "dp_shard")``: parameter sharding (FSDP2). ``dp_shard`` consecutive ranks of the order shard
+  each replicated parameter between them (inside a node where placement keeps consecutive ranks together); the
+  ``dp_replicate`` groups hold replicas of the same shards (HSDP).
 
 A new dimension (parameter sharding, pipeline stages) is one more named size here and one more view. Meshes are
 made through :func:`~lightning_deepseek.parallel.groups.reused`, so a later fit in the same processes gets the
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
 
 DENSE_DIMS = ("dp", "tp")
 EXPERT_DIMS = ("edp", "ep")
+SHARD_DIMS = ("dp_replicate", "dp_shard")
 
 
 def _divisors(n: int) -> list[int]:
@@ -39,22 +43,26 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """World, tensor-parallel and expert-parallel sizes; the data-parallel sizes are derived.
+    """World, tensor-parallel, expert-parallel and parameter-sharding sizes; the data-parallel sizes are derived.
 
     Args:
         world_size: number of processes.
         tp: size of the ``tp`` mesh dimension (the feed-forward shards); divides ``world_size``.
         ep: size of the ``ep`` mesh dimension (routed experts sharded over it); divides ``world_size``. 1: off.
+        dp_shard: ranks sharding each replicated parameter, its gradient and optimizer state (FSDP2); divides
+            ``world_size``. 1: off.
     """
 
     world_size: int
     tp: int = 1
     ep: int = 1
+    dp_shard: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size={self.world_size!r} must be a positive integer.")
-        for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep)):
+        for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep),
+                           ("data_parallel_shard_size", self.dp_shard)):
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"{name}={size!r} must be a positive integer.")
             if self.world_size % size:
@@ -70,6 +78,15 @@ class ParallelDims:
     def edp(self) -> int:
         """Size of the ``edp`` mesh dimension: the ranks holding the same expert slice."""
         return self.world_size // self.ep
+
+    @property
+    def dp_replicate(self) -> int:
+        """Size of the ``dp_replicate`` mesh dimension: the replicas of each parameter shard."""
+        return self.world_size // self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -102,12 +119,20 @@ class ParallelDims:
 @dataclass(frozen=True)
 class WorldMesh:
     """The run's device meshes over one rank order, fetched by name: ``mesh["tp"]``, ``mesh["dp", "tp"]``,
-    ``mesh["ep"]``, ``mesh["edp", "ep"]`` (the expert views are made on first use: collective, every rank asks)."""
+    ``mesh["ep"]``, ``mesh["edp", "ep"]``, ``mesh["dp_shard"]``, ``mesh["dp_replicate", "dp_shard"]`` (the expert
+    and sharding views are made on first use: collective, every rank asks)."""
 
     dims: ParallelDims
     device_type: str
     order: tuple[int, ...]
     dense: DeviceMesh
+
+    @property
+    def sharding(self) -> DeviceMesh:
+        """The ``(dp_replicate, dp_shard)`` mesh over the same order."""
+        ranks = torch.tensor(self.order).view(self.dims.dp_replicate, self.dims.dp_shard)
+        return reused(("mesh", SHARD_DIMS, self.dims.dp_shard, self.device_type, self.order),
+                      lambda: DeviceMesh(self.device_type, ranks, mesh_dim_names=SHARD_DIMS))
 
     @property
     def expert(self) -> DeviceMesh:
@@ -118,8 +143,9 @@ class WorldMesh:
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         wanted = (names,) if isinstance(names, str) else tuple(names)
-        for dims in (DENSE_DIMS, EXPERT_DIMS):
+        for dims, make in ((DENSE_DIMS, lambda: self.dense), (EXPERT_DIMS, lambda: self.expert),
+                           (SHARD_DIMS, lambda: self.sharding)):
             if set(wanted) <= set(dims):
-                mesh = self.dense if dims == DENSE_DIMS else self.expert
+                mesh = make()
                 return mesh if wanted == dims else mesh[wanted if len(wanted) > 1 else wanted[0]]
-        raise KeyError(f"no mesh dimension {names!r}: the meshes have {DENSE_DIMS + EXPERT_DIMS}.")
+        raise KeyError(f"no mesh dimension {names!r}: the meshes have {DENSE_DIMS + EXPERT_DIMS + SHARD_DIMS}.")

@@ -53,6 +53,7 @@ class LayoutSettings:
 
     Args:
         tp, ep: ``tensor_parallel_size``, ``expert_parallel_size`` (a size, ``"auto"`` or ``"per_node"``).
+        dp_shard: ``data_parallel_shard_size`` (a size, or ``"auto"``: the processes per node).
         plan, min_shard_params, placement, micro_batch_tokens: as the strategy's arguments.
         links: the cluster's link figures, or None (probed).
         bits: what a ``GradientCompression`` callback asked for (``"auto"``, 8, 4), or None without one.
@@ -61,6 +62,7 @@ class LayoutSettings:
 
     tp: Size
     ep: Size
+    dp_shard: int | Literal["auto"]
     plan: str | dict[str, str]
     min_shard_params: int
     placement: str
@@ -69,6 +71,19 @@ class LayoutSettings:
     bits: int | str | None
     bucket_bytes: int
     bucket_view: bool
+
+
+def provisional_dims(settings: LayoutSettings, world_size: int, local_size: int) -> ParallelDims:
+    """The sizes known before the model is (``"auto"`` sizes at 1, ``"per_node"`` tensor parallelism resolved):
+    validated when the world size is known, final after :func:`resolve_dims`."""
+    tp = {"auto": 1, "per_node": local_size}.get(settings.tp, settings.tp)
+    ep = 1 if settings.ep in ("auto", "per_node") else settings.ep
+    return ParallelDims(world_size, tp=tp, ep=ep, dp_shard=_dp_shard(settings, world_size, local_size))
+
+
+def _dp_shard(settings: LayoutSettings, world_size: int, local_size: int) -> int:
+    """``"auto"``: shard inside a node (its processes), replicate across nodes."""
+    return (local_size if world_size % local_size == 0 else 1) if settings.dp_shard == "auto" else settings.dp_shard
 
 
 def decide_sizes(module: nn.Module, trainer: pl.Trainer, settings: LayoutSettings, dims: ParallelDims,
@@ -102,14 +117,15 @@ def resolve_dims(module: nn.Module, settings: LayoutSettings, dims: ParallelDims
         ep = resolve_ep_size("per_node", dims.world_size, local_size, find_expert_layers(module))
     else:
         ep = settings.ep
-    return ParallelDims(dims.world_size, tp=tp, ep=ep)
+    return ParallelDims(dims.world_size, tp=tp, ep=ep, dp_shard=dims.dp_shard)
 
 
 def decide_layout_plan(module: nn.Module, settings: LayoutSettings, dims: ParallelDims,
-                       decision: Decision | None) -> Plan:
+                       decision: Decision | None, meta: bool = False) -> Plan:
     """The tensor-parallel plan at the decided ``tp`` (empty, saying why, where nothing is sharded)."""
     if settings.tp == "auto" and dims.tp == 1 and dims.world_size > 1:
         why = (f"timing the candidate layouts chose tp=1 ({decision.reason})" if decision is not None
+               else "a model on the meta device cannot be timed" if meta
                else "it is decided when fitting; this run only evaluates")
         return Plan(reason=f"tensor_parallel_size='auto': {why}, so nothing is sharded and this runs as plain DDP; "
                     "set tensor_parallel_size to shard anyway.")

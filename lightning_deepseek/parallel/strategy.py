@@ -28,11 +28,15 @@ routed experts; ranks of a ``tp`` group feeding micro-batches of different shape
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -57,7 +61,15 @@ from lightning_deepseek.parallel.dims import ParallelDims, WorldMesh
 from lightning_deepseek.parallel.expert import reduce_expert_gradients
 from lightning_deepseek.parallel.expert_plan import ExpertParallelPlan, setup_expert_parallel
 from lightning_deepseek.parallel.expert_routing import ExpertRouting
-from lightning_deepseek.parallel.layout import Layout, LayoutSettings, decide_layout_plan, decide_sizes, resolve_dims
+from lightning_deepseek.parallel.fsdp import apply_fsdp, has_meta_tensors, materialize
+from lightning_deepseek.parallel.layout import (
+    Layout,
+    LayoutSettings,
+    decide_layout_plan,
+    decide_sizes,
+    provisional_dims,
+    resolve_dims,
+)
 from lightning_deepseek.parallel.memory import setup_optimizer_states, summary_rows
 from lightning_deepseek.parallel.optimizers import disable_foreach_on_mixed_groups, settle_mixed_param_groups
 from lightning_deepseek.parallel.placement import CommVolume, comm_volume, place, tokens_per_micro_batch
@@ -69,7 +81,6 @@ from lightning_deepseek.parallel.zero import ShardedOptimizerStates
 if TYPE_CHECKING:
     from lightning_deepseek.autotune.decision import Decision
     from lightning_deepseek.compression.config import CompressionConfig
-_AUTO = ("auto", "per_node")
 
 
 class HybridParallelStrategy(DDPStrategy):
@@ -89,6 +100,11 @@ class HybridParallelStrategy(DDPStrategy):
         min_shard_params: ``plan="auto"`` shards a block only from this many parameters on.
         placement: ``"auto"``, ``"tp_intra_node"`` or ``"dp_intra_node"``: the rank order of every mesh
             dimension (:mod:`lightning_deepseek.parallel.placement`).
+        data_parallel_shard_size: ranks sharding each replicated parameter, its gradient and optimizer state
+            (ZeRO-3 by FSDP2, :mod:`lightning_deepseek.parallel.fsdp`); the other data-parallel ranks replicate the
+            shards (HSDP). 1: off. ``"auto"``: the processes per node.
+        reshard_after_forward: with parameter sharding, free each block's gathered parameters after its forward
+            (False: keep them until backward, ZeRO-2-like).
         shard_optimizer_states: ZeRO-1: each replica of a parameter keeps the optimizer state of only the
             parameters it owns (:mod:`lightning_deepseek.parallel.zero`).
         save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
@@ -111,6 +127,8 @@ class HybridParallelStrategy(DDPStrategy):
         plan: Literal["auto"] | dict[str, str] = "auto",
         min_shard_params: int = 1 << 16,
         placement: Literal["auto", "tp_intra_node", "dp_intra_node"] = "auto",
+        data_parallel_shard_size: int | Literal["auto"] = 1,
+        reshard_after_forward: bool = True,
         shard_optimizer_states: bool = False,
         save_distributed_checkpoint: bool = True,
         cluster: Cluster | None = None,
@@ -126,18 +144,18 @@ class HybridParallelStrategy(DDPStrategy):
                          **ddp_kwargs)
         check_arguments(tensor_parallel_size=tensor_parallel_size, expert_parallel_size=expert_parallel_size,
                         plan=plan, min_shard_params=min_shard_params, placement=placement, cluster=cluster,
-                        expert_routing=expert_routing)
-        self._tp_arg = tensor_parallel_size
-        self._ep_arg = expert_parallel_size
-        self._plan_arg = dict(plan) if isinstance(plan, dict) else plan
-        self._min_shard_params = min_shard_params
-        self._placement_arg = placement
-        self._shard_optimizer_states = shard_optimizer_states
-        self._save_distributed_checkpoint = save_distributed_checkpoint
+                        expert_routing=expert_routing, data_parallel_shard_size=data_parallel_shard_size,
+                        shard_optimizer_states=shard_optimizer_states)
         self.cluster = cluster or Cluster()
         self.expert_routing = expert_routing or ExpertRouting()
-        self._micro_batch_tokens = micro_batch_tokens
-        self._compression: CompressionConfig | None = None  # what a GradientCompression callback asked for
+        self._settings = LayoutSettings(
+            tensor_parallel_size, expert_parallel_size, data_parallel_shard_size,
+            dict(plan) if isinstance(plan, dict) else plan, min_shard_params, placement, micro_batch_tokens,
+            self.cluster.links, None, int((self._ddp_kwargs.get("bucket_cap_mb") or 25) * 2**20),
+            bool(self._ddp_kwargs.get("gradient_as_bucket_view", False)))
+        self._reshard_after_forward = reshard_after_forward
+        self._shard_optimizer_states = shard_optimizer_states
+        self._save_distributed_checkpoint = save_distributed_checkpoint
         self._dims: ParallelDims | None = None
         self._mesh: WorldMesh | None = None
         self._topology: Topology | None = None
@@ -199,7 +217,15 @@ class HybridParallelStrategy(DDPStrategy):
     def request_compression(self, config: CompressionConfig) -> None:
         """Called by ``GradientCompression.setup``: weigh these bits with the layout (``bits="auto"``: decided in
         the same comparison); the decided bits are in ``layout.bits``."""
-        self._compression = config
+        self._settings = dataclasses.replace(self._settings, bits=config.bits)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # As Lightning's ModelParallelStrategy: trainer.init_module(empty_init=True) builds on the meta device;
+        # setup() shards the model, then allocates and initialises each rank's shards (fsdp.materialize).
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
 
     def summary(self) -> dict[str, object]:
         """Mesh, placement and memory per rank against DDP, as rows of a run summary."""
@@ -231,9 +257,7 @@ class HybridParallelStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        fixed = {"auto": 1, "per_node": self.num_processes}
-        ep = 1 if self._ep_arg in _AUTO else self._ep_arg  # resolved with the model, at setup
-        self._dims = ParallelDims(self.world_size, tp=fixed.get(self._tp_arg, self._tp_arg), ep=ep)
+        self._dims = provisional_dims(self._settings, self.world_size, self.num_processes)
         self._topology = discover_topology(self.root_device, self.local_rank, self.cluster.topology)
 
     @override
@@ -241,12 +265,16 @@ class HybridParallelStrategy(DDPStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        module = self.lightning_module
+        module, meta = self.lightning_module, has_meta_tensors(self.lightning_module)
+        if not meta:
+            self.model_to_device()
         if not any(isinstance(p, DTensor) for p in module.parameters()):
-            self._parallelize(module, trainer)
-        # Decided once: at the plain layout nothing is sharded and each step is DDPStrategy's own.
-        self._has_shards = any(isinstance(p, DTensor) for p in module.parameters())
+            self._parallelize(module, trainer, meta)
+        materialize(module, self.root_device)  # a meta model: each rank allocates and initialises its shards
+        self.model_to_device()
+        # Decided once: unsharded, each step is DDPStrategy's own; FSDP reduces its parameters' gradients itself.
+        self._has_shards = not self.parallel_dims.fsdp_enabled and any(isinstance(p, DTensor)
+                                                                       for p in module.parameters())
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
@@ -262,22 +290,20 @@ class HybridParallelStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
-        """Decide the sizes, plan, place, build the meshes and shard ``module``: the flat list of steps. The layout
-        is decided once; a later setup of an unsharded model (fit, then test) reuses it."""
-        _sync_module_states(module)  # tp groups shard from their first rank: make every rank hold rank 0's weights
+    def _parallelize(self, module: pl.LightningModule, trainer: pl.Trainer, meta: bool) -> None:
+        """Decide the sizes, plan, place, build the meshes and shard ``module`` (tensor, expert, then parameter
+        sharding): the flat list of steps. The layout is decided once; a later setup of an unsharded model (fit,
+        then test) reuses it."""
+        if not meta:  # tp groups shard from their first rank: make every rank hold rank 0's weights
+            _sync_module_states(module)
         assert self._topology is not None
+        settings = self._settings
         decision = self.layout.decision if self.layout is not None else None
-        settings = LayoutSettings(self._tp_arg, self._ep_arg, self._plan_arg, self._min_shard_params,
-                                  self._placement_arg, self._micro_batch_tokens, self.cluster.links,
-                                  self._compression.bits if self._compression is not None else None,
-                                  int((self._ddp_kwargs.get("bucket_cap_mb") or 25) * 2**20),
-                                  bool(self._ddp_kwargs.get("gradient_as_bucket_view", False)))
-        if self.layout is None and "auto" in (self._tp_arg, self._ep_arg) and self.world_size > 1 \
-                and trainer.state.fn == TrainerFn.FITTING:  # timed copies are training steps: fitting only
+        if self.layout is None and "auto" in (settings.tp, settings.ep) and self.world_size > 1 and not meta \
+                and trainer.state.fn == TrainerFn.FITTING:  # timed copies are training steps of a real model
             decision = decide_sizes(module, trainer, settings, self.parallel_dims, self._topology)
         self._dims = dims = resolve_dims(module, settings, self.parallel_dims, self.num_processes, decision)
-        self._plan = decide_layout_plan(module, settings, dims, decision)
+        self._plan = decide_layout_plan(module, settings, dims, decision, meta)
         if self.layout is None:
             self._mesh, policy = self._place(module, trainer, decision)
             bits = (decision.chosen.bits or 32) if decision is not None and settings.bits == "auto" else None
@@ -286,18 +312,20 @@ class HybridParallelStrategy(DDPStrategy):
         apply_tensor_parallel(module, self._plan.styles, self.device_mesh["tp"])
         log_plan(module, self._plan, dims)
         self._expert_plan = setup_expert_parallel(module, self.world_mesh, self._topology, self.expert_routing)
+        if dims.fsdp_enabled:
+            apply_fsdp(module, self.world_mesh, self._reshard_after_forward)
 
     def _place(self, module: nn.Module, trainer: pl.Trainer, decision: Decision | None) -> tuple[WorldMesh, str]:
         """The rank order (placement: by policy or by estimated traffic) and every mesh over it."""
         assert self._topology is not None
-        dims = self.parallel_dims
+        dims, settings = self.parallel_dims, self._settings
 
         def volume() -> CommVolume:
-            tokens = tokens_per_micro_batch(module, self._micro_batch_tokens,
-                                            warn_on_default=bool(self._plan) and self._placement_arg == "auto",
+            tokens = tokens_per_micro_batch(module, settings.micro_batch_tokens,
+                                            warn_on_default=bool(self._plan) and settings.placement == "auto",
                                             measured=decision.tokens if decision is not None else None)
             return comm_volume(module, self._plan, dims.tp, tokens, trainer.accumulate_grad_batches)
-        placed = place(self._placement_arg, self._topology, dims.dp, dims.tp, self.cluster.links, volume)
+        placed = place(settings.placement, self._topology, dims.dp, dims.tp, self.cluster.links, volume)
         self.placement_estimates = placed.estimates
         return dims.build_mesh(self.root_device.type, [rank for row in placed.grid for rank in row]), placed.policy
 
@@ -306,9 +334,9 @@ class HybridParallelStrategy(DDPStrategy):
         if any(p.requires_grad and not isinstance(p, DTensor) for p in self.model.parameters()):
             super().configure_ddp()
             return
-        # DDP refuses a module with nothing to reduce; the strategy reduces the shards itself.
-        rank_zero_info("HybridParallelStrategy: every trainable parameter is tensor-parallel, so there is no DDP "
-                       "wrapper (ddp_module is None); the strategy reduces the shard gradients over dp.")
+        # DDP refuses a module with nothing to reduce; FSDP or the strategy reduces the shards.
+        rank_zero_info("HybridParallelStrategy: every trainable parameter is sharded, so there is no DDP wrapper "
+                       "(ddp_module is None).")
 
     @override
     def teardown(self) -> None:

@@ -1,0 +1,136 @@
+"""Sharded parameters on the data-parallel dimension (ZeRO-3) through torch's FSDP2 ``fully_shard``, and the
+materialisation of a model built on the meta device.
+
+``HybridParallelStrategy(data_parallel_shard_size=N)`` shards every parameter that is replicated over the world
+(attention, embeddings, norms, dense feed-forward layers left unsharded) over the ``dp_shard`` view of the run's
+mesh: ``N`` consecutive ranks of placement's order, so inside a node where placement keeps them together; the
+``world / N`` groups of such ranks replicate the shards (HSDP: reduce-scatter inside a group, all-reduce across
+groups). Each transformer block is one FSDP unit (its parameters all-gathered just before its forward and its
+backward, and its gradients reduce-scattered right after its backward, overlapped with the next block's by FSDP's
+streams on CUDA), and each child of the LightningModule (the modules its steps call: embeddings, final norm and
+head) a last one; ``reshard_after_forward=False`` keeps a block's gathered parameters
+from forward to backward (ZeRO-2-like: less communication, more memory). Routed experts under expert parallelism
+are FSDP units of their own over the ``edp`` ranks that replicate each expert slice, as torchtitan shards them;
+their gradient, already summed over the ``ep`` group by the all-to-all's backward, is divided by the world size
+(``set_gradient_divide_factor``), which is DDP's mean; tensor-parallel layers likewise, each an FSDP unit over the
+``dp`` ranks that replicate its ``tp`` shard. Parameters, gradients and optimizer states per rank shrink to ``1/N``
+of the replicated parameters' (to ``1/edp`` of the experts', ``1/dp`` of the tensor-parallel shards').
+
+Why FSDP2 and not our own: it is torch's maintained ZeRO-3 (DTensor parameters that DCP, the state-dict helpers
+and the mesh-aware clipping already handle); what it leaves to the caller, and this module does, is choosing the
+units and the meshes and initialising a meta model.
+
+Meta-device models (:func:`materialize`): ``to_empty`` on the strategy's device, then the model's own
+``init_weights()`` where a module defines one (torchtitan's models, transformers' ``PreTrainedModel``), else every
+module's ``reset_parameters()``; a module with parameters or buffers and neither is named in an error. Each rank
+allocates only its shards.
+
+Not supported: replicating the tensor-parallel or expert shards in groups (HSDP) — they are sharded over all the
+ranks that replicate them; ZeRO-1 (``shard_optimizer_states``) on top of parameter sharding (FSDP already shards
+the optimizer states); CPU offload.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from lightning_deepseek.moe.protocol import find_expert_layers
+from lightning_deepseek.parallel.dims import WorldMesh
+from lightning_deepseek.parallel.expert import is_expert_param
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model``: the children of its ``nn.ModuleList`` holding the most parameters (our GPT's
+    blocks, transformers' decoder layers, a user's list of blocks); empty when it has none."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+    if not lists:
+        return []
+    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return list(largest)
+
+
+def apply_fsdp(model: nn.Module, mesh: WorldMesh, reshard_after_forward: bool = True) -> list[str]:
+    """Shard ``model``'s parameters over ``mesh["dp_shard"]`` (replicated over ``dp_replicate``): the experts of
+    each MoE layer (over ``edp`` under expert parallelism), each block, then each child of ``model`` (a
+    LightningModule: the modules its steps call). Returns the units' names.
+
+    Args:
+        model: the model, after tensor and expert parallelism and activation checkpointing.
+        mesh: the run's meshes (``mesh.dims.dp_shard`` > 1).
+        reshard_after_forward: free a block's gathered parameters after its forward (False: keep them until its
+            backward).
+    """
+    dims = mesh.dims
+    shard_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+    names = {id(m): name for name, m in model.named_modules()}
+    units = []
+    # Shards of a model-parallel dimension first, each over the ranks replicating it, cut from the same mesh (FSDP2
+    # requires it): their gradients are sums over their group's micro-batches, so divided by the world size.
+    sharded = []
+    if dims.ep_enabled:
+        sharded += [(layer.experts, mesh["edp"]) for layer in find_expert_layers(model)]
+    if dims.tp_enabled:
+        sharded += [(m, mesh["dp"]) for m in model.modules()
+                    if any(isinstance(p, DTensor) for p in m.parameters(recurse=False)) and not is_expert_module(m)]
+    for module, replicas in sharded:
+        fully_shard(module, mesh=replicas, reshard_after_forward=reshard_after_forward)
+        module.set_gradient_divide_factor(float(dims.world_size))
+        module.set_force_sum_reduction_for_comms(True)  # sum, then divide: gloo has no PREMUL_SUM
+        units.append(names[id(module)])
+    for block in find_blocks(model):
+        fully_shard(block, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
+        units.append(names[id(block)])
+    # The roots are the modules the LightningModule's steps call (its children), not the LightningModule itself,
+    # whose forward its steps need not call; parameters of its own stay replicated (DDP reduces them).
+    for name, child in model.named_children():
+        if any(not isinstance(p, DTensor) for p in child.parameters()):
+            fully_shard(child, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
+            units.append(name)
+    rank_zero_info(f"HybridParallelStrategy: parameters sharded over dp_shard={dims.dp_shard} x "
+                   f"dp_replicate={dims.dp_replicate} (FSDP2), {len(units)} units: {', '.join(units[:4])}"
+                   + (", ..." if len(units) > 4 else ""))
+    return units
+
+
+def is_expert_module(module: nn.Module) -> bool:
+    return any(is_expert_param(p) for p in module.parameters(recurse=False))
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate a meta-device ``module`` on ``device`` (only each rank's shards where it is sharded) and initialise
+    it: a module's own ``init_weights()`` covers it and everything below it, else each module's
+    ``reset_parameters()``. Raises ``ValueError`` naming the modules that have neither."""
+    if not has_meta_tensors(module):
+        return
+    module.to_empty(device=device)
+    covered: set[int] = set()
+    missing: list[str] = []
+    for name, sub in module.named_modules():
+        if id(sub) in covered:
+            continue
+        if callable(getattr(sub, "init_weights", None)):
+            sub.init_weights()
+            covered.update(id(m) for m in sub.modules())
+            continue
+        if not any(True for _ in itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False))):
+            continue
+        if callable(getattr(sub, "reset_parameters", None)):
+            sub.reset_parameters()
+        else:
+            missing.append(f"{name or '(root)'} ({type(sub).__name__})")
+    if missing:
+        raise ValueError(f"the model was built on the meta device, but these modules cannot be initialised on the "
+                         f"strategy's device: {', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''}. Give "
+                         "them a reset_parameters() method, give the model an init_weights() method, or build the "
+                         "model on a real device (outside trainer.init_module(empty_init=True)).")

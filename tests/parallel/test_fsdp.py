@@ -1,0 +1,152 @@
+"""Parameter sharding (``data_parallel_shard_size``, FSDP2) and meta-device initialisation, on real gloo processes:
+
+- FSDP over 2 ranks and HSDP (2 shards x 2 replicas) over 4 train as one process on the global batch (losses and
+  final weights, fp32, 1e-5), with gradient clipping; each rank holds half of every parameter;
+- a model built under ``trainer.init_module(empty_init=True)`` (meta device) trains with sharding: no rank holds a
+  full parameter, and loading the same weights gives the eager run's losses;
+- FSDP x tensor parallelism (the feed-forward shards over ``tp=2``, sharded over their ``dp=2`` replicas; the rest
+  over all 4 ranks), with clipping, equals one process;
+- FSDP x expert parallelism on the MoE model (experts over ``ep=2``, sharded over their ``edp=2`` replicas; the
+  rest HSDP 2 x 2) equals one process;
+- bad settings: clear errors before training.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lightning_deepseek import GradientCompression, HybridParallelStrategy
+from lightning_deepseek.models import GPT, GPTConfig
+from tests.helpers import run_distributed
+from tests.parallel.common import (
+    CONFIG,
+    TinyLM,
+    full_state,
+    loader,
+    make_trainer,
+    reference_run,
+    relative_error,
+    token_data,
+)
+
+STEPS, MICRO, TOL = 8, 2, 1e-5
+MOE = dict(n_routed_experts=4, moe_top_k=2, n_shared_experts=1, moe_hidden=32, n_dense_layers=1, mlp_ratio=4)
+
+
+class MetaLM(TinyLM):
+    """TinyLM whose model is built in ``configure_model`` (on the meta device under ``empty_init=True``)."""
+
+    def __init__(self, **config: Any) -> None:
+        pl.LightningModule.__init__(self)
+        self.config, self.lr, self.adam, self.losses = {**CONFIG, **config}, 0.05, False, []
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "model"):
+            self.model = GPT(GPTConfig(**self.config))
+
+
+def _fit(world_size: int, module: pl.LightningModule, meta: bool = False, clip: float | None = None, tp: int = 1,
+         **strategy_kwargs: Any) -> dict[str, Any]:
+    dataset = token_data(STEPS * world_size * MICRO)
+    strategy = HybridParallelStrategy(tensor_parallel_size=tp, min_shard_params=0, **strategy_kwargs)
+    trainer = make_trainer(world_size, strategy, max_steps=STEPS, gradient_clip_val=clip)
+    if meta:
+        with trainer.init_module(empty_init=True):
+            module.configure_model()
+        meta_built = all(p.is_meta for p in module.parameters())
+    trainer.fit(module, loader(dataset, MICRO))
+    losses: list[Any] = [None] * world_size
+    dist.all_gather_object(losses, module.losses)
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters())
+    full = sum(p.numel() for p in module.parameters())
+    return {"losses": losses, "state": full_state(module), "local_fraction": local / full,
+            "all_dtensor": all(isinstance(p, DTensor) for p in module.parameters()),
+            "meta_built": meta_built if meta else None, "ddp_module": strategy.ddp_module is not None}
+
+
+def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    fsdp = _fit(world_size, TinyLM(), data_parallel_shard_size=2, clip=0.5)
+    pl.seed_everything(0, verbose=False)
+    meta = _fit(world_size, MetaLM(), meta=True, data_parallel_shard_size=2)
+    strategy = HybridParallelStrategy(tensor_parallel_size=1, data_parallel_shard_size=2)
+    trainer = make_trainer(world_size, strategy, max_steps=1, callbacks=[GradientCompression(bits=8)])
+    try:
+        trainer.fit(TinyLM(), loader(token_data(8), MICRO))
+        compression = "no error"
+    except ValueError as exc:
+        compression = str(exc)
+    return {"fsdp": fsdp, "meta": meta, "compression": compression}
+
+
+def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    hsdp = _fit(world_size, TinyLM(), data_parallel_shard_size=2)
+    pl.seed_everything(0, verbose=False)
+    no_reshard = _fit(world_size, TinyLM(), data_parallel_shard_size=4, reshard_after_forward=False)
+    pl.seed_everything(0, verbose=False)
+    moe = _fit(world_size, TinyLM(**MOE), data_parallel_shard_size=2, expert_parallel_size=2)
+    pl.seed_everything(0, verbose=False)
+    tp = _fit(world_size, TinyLM(), tp=2, data_parallel_shard_size=4, clip=0.5)
+    return {"hsdp": hsdp, "no_reshard": no_reshard, "moe": moe, "tp": tp}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs() -> list[dict[str, Any]]:
+    return run_distributed(_two_ranks, 2, timeout=240)
+
+
+def _check(run: dict[str, Any], world_size: int, clip: float | None = None, **config: Any) -> None:
+    dataset = token_data(STEPS * world_size * MICRO)
+    ref_losses, ref_state = reference_run(STEPS, world_size * MICRO, dataset, clip=clip, **config)
+    losses = [sum(r[i] for r in run["losses"]) / world_size for i in range(STEPS)]
+    for got, want in zip(losses, ref_losses):
+        assert abs(got - want) <= TOL * abs(want), (losses, ref_losses)
+    assert relative_error(run["state"], ref_state) <= TOL
+
+
+def test_fsdp_over_two_ranks_trains_as_one_process_with_half_the_parameters(two_rank_runs: list[dict]) -> None:
+    for rank in two_rank_runs:
+        assert rank["fsdp"]["all_dtensor"] and not rank["fsdp"]["ddp_module"]
+        assert rank["fsdp"]["local_fraction"] == pytest.approx(0.5, abs=0.01)
+    _check(two_rank_runs[0]["fsdp"], 2, clip=0.5)
+
+
+def test_a_meta_model_is_sharded_then_materialised_per_rank(two_rank_runs: list[dict]) -> None:
+    for rank in two_rank_runs:
+        assert rank["meta"]["meta_built"] and rank["meta"]["local_fraction"] == pytest.approx(0.5, abs=0.01)
+        assert all(torch.isfinite(torch.tensor(r)).all() for r in rank["meta"]["losses"])
+    first = two_rank_runs[0]["meta"]["losses"]
+    assert first[0][-1] < first[0][0]  # it learns
+
+
+def test_hsdp_and_no_reshard_over_four_ranks_train_as_one_process() -> None:
+    runs = run_distributed(_four_ranks, 4, timeout=300)
+    for rank in runs:
+        assert rank["hsdp"]["local_fraction"] == pytest.approx(0.5, abs=0.01)
+        assert rank["no_reshard"]["local_fraction"] == pytest.approx(0.25, abs=0.01)
+    _check(runs[0]["hsdp"], 4)
+    _check(runs[0]["no_reshard"], 4)
+    _check(runs[0]["moe"], 4, **MOE)  # experts: ep=2, FSDP over their edp=2 replicas; the rest HSDP 2 x 2
+    _check(runs[0]["tp"], 4, clip=0.5)  # feed-forward tp=2, FSDP over its dp=2 replicas; the rest over all 4
+
+
+def test_compression_with_parameter_sharding_is_a_clear_error(two_rank_runs: list[dict]) -> None:
+    for rank in two_rank_runs:
+        assert "with data_parallel_shard_size=2 FSDP reduce-scatters the gradients itself" in rank["compression"]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(data_parallel_shard_size=0), "data_parallel_shard_size=0 must be a positive integer"),
+    (dict(data_parallel_shard_size=2, shard_optimizer_states=True),
+     "parameter sharding already shards the optimizer states"),
+])
+def test_bad_sharding_settings_fail_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HybridParallelStrategy(**kwargs)
