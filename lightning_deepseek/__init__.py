@@ -4,12 +4,19 @@ The top level exports the components (a strategy, callbacks, a precision plugin,
 example models and data are in :mod:`lightning_deepseek.models` and :mod:`lightning_deepseek.data`, the ``lds-train``
 application in :mod:`lightning_deepseek.app`. The names are imported on first use (PEP 562), so
 ``from lightning_deepseek import StagedPrecision`` does not import Optuna or the other components' dependencies.
+Importing it checks the versions of the required dependencies (:mod:`lightning_deepseek.versions`).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from lightning_deepseek.versions import require
+
+for _package in ("torch", "lightning", "optuna", "hydra-core"):  # the required ones; optional ones where used
+    require(_package)
+del _package
 
 _EXPORTS = {
     "ElasticTraining": "lightning_deepseek.elastic",

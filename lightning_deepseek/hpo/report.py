@@ -121,7 +121,8 @@ def _plot(study: optuna.Study, out: Path) -> list[str]:
         with _caught_plot_messages() as notes:
             try:
                 axes = plot(study)
-            except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. importances need 2+ parameters
+            # e.g. importances need 2+ parameters, and scikit-learn under Optuna 4 (ImportError)
+            except (ValueError, RuntimeError, ZeroDivisionError, ImportError) as exc:
                 print(f"hpo: skipped {filename}: {' '.join(str(exc).split())}", flush=True)
                 continue
             figure = getattr(axes, "figure", None) or plt.gcf()

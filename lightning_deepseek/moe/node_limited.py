@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_deepseek.moe.protocol import ExpertLayer
+from lightning_deepseek.moe.protocol import ExpertLayer, groups_attribute
 
 if TYPE_CHECKING:  # lightning_deepseek.parallel imports this module (through its strategy)
     from lightning_deepseek.parallel.topology import Topology
@@ -105,4 +105,5 @@ def _apply(layer: ExpertLayer, groups: list[int], max_islands: int) -> None:
     if groups != [expert // size for expert in range(len(groups))]:
         raise ValueError(f"{SETTING}={max_islands}: {layer.name}'s router takes equal contiguous groups of experts, "
                          f"but the islands hold the experts as {groups}. Declare equal islands of contiguous ranks.")
-    router.num_group, router.topk_group = len(per_island), max_islands
+    setattr(router, groups_attribute(router), len(per_island))
+    router.topk_group = max_islands

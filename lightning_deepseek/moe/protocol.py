@@ -31,7 +31,8 @@ holds one and no other MoE layer. A layer without one is still counted and logge
 The *router* of a layer, needed only by node-limited routing (:mod:`lightning_deepseek.moe.node_limited`), is the
 module under the experts module's parent that has a method ``limit_groups(groups, max_groups)`` (our
 :class:`~lightning_deepseek.models.moe.Router`) or the attributes ``num_group`` and ``topk_group`` (transformers'
-DeepSeek-V3 group-limited router, which takes equal contiguous groups). torchtitan's router is not driven.
+DeepSeek-V3 group-limited router, which takes equal contiguous groups; ``n_group`` on its MoE block in 5.0).
+torchtitan's router is not driven.
 
 Not supported: experts as a list of separate expert modules (no stacked parameters), transformers MoE families whose
 release declares no experts entry (Qwen2-MoE before 5.13: register its ``mlp.experts`` with
@@ -47,6 +48,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from lightning_deepseek.versions import require_if_loaded
 
 BIAS_NAMES = ("expert_bias", "expert_bias_E", "e_score_correction_bias")
 EP_PLAN_STYLE = "ep_dispatch_experts"  # the newest releases' style; every 5.x style: EXPERTS_STYLES, CONTAINER_STYLES
@@ -187,6 +190,7 @@ def _torchtitan_classes() -> tuple[type, ...]:
 
 def find_expert_layers(root: nn.Module) -> list[ExpertLayer]:
     """Every MoE layer under ``root`` (module-name order), by the protocol above."""
+    require_if_loaded("transformers", "transformers")  # its plans' vocabulary is read from 5.0 on
     modules = dict(root.named_modules())
     found: dict[str, tuple[nn.Module, str | None]] = {
         name: (m, None) for name, m in modules.items() if getattr(m, "is_moe_experts", False)}
@@ -223,9 +227,15 @@ def _find_bias(modules: dict[str, nn.Module], name: str, num_experts: int, layer
     return None
 
 
+def groups_attribute(router: nn.Module) -> str | None:
+    """The attribute holding transformers DeepSeek-V3's number of expert groups (``num_group``; ``n_group`` on its
+    MoE block in 5.0), when ``router`` has it and ``topk_group``."""
+    name = next((n for n in ("num_group", "n_group") if hasattr(router, n)), None)
+    return name if name and hasattr(router, "topk_group") else None
+
+
 def _find_router(parent: nn.Module) -> nn.Module | None:
     for module in parent.modules():
-        if callable(getattr(module, "limit_groups", None)) or (hasattr(module, "num_group")
-                                                               and hasattr(module, "topk_group")):
+        if callable(getattr(module, "limit_groups", None)) or groups_attribute(module):
             return module
     return None

@@ -32,6 +32,7 @@ from collections import defaultdict
 import torch.nn as nn
 
 from lightning_deepseek.parallel.detection import FeedForwardBlock, linear_shape
+from lightning_deepseek.versions import require_if_loaded
 
 UP_STYLES = ("colwise", "local_colwise")
 DOWN_STYLES = ("rowwise", "local_rowwise")
@@ -58,6 +59,7 @@ def declared_tp_plan(module: nn.Module) -> dict[str, str] | None:
 
 def declaring_modules(module: nn.Module) -> dict[str, tuple[nn.Module, dict[str, str]]]:
     """The outermost submodules of ``module`` (by name) that declare a plan, with their plans."""
+    require_if_loaded("transformers", "transformers")  # its plans' vocabulary is read from 5.0 on
     found: dict[str, tuple[nn.Module, dict[str, str]]] = {}
     for name, sub in module.named_modules():
         if any(outer == "" or name == outer or name.startswith(f"{outer}.") for outer in found):

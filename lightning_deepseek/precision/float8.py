@@ -46,6 +46,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_deepseek.versions import require
+
 DEFAULT_EXCLUDE = ("head", "lm_head", "output", "router", "gate", "classifier", "score")
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 INSTALL = "pip install 'lightning-deepseek[fp8]' (or: pip install torchao)"
@@ -85,6 +87,7 @@ class Float8Training:
 
     def config(self, device_type: str) -> Any:
         """torchao's ``Float8LinearConfig`` for ``device_type`` (emulated where the device has no FP8 GEMM)."""
+        require("torchao")
         from torchao.float8 import Float8LinearConfig
 
         config = self.recipe if isinstance(self.recipe, Float8LinearConfig) else (
