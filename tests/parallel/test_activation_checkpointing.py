@@ -1,10 +1,12 @@
 """Activation checkpointing per transformer block: which blocks are found, bitwise parity with no checkpointing
 (losses and gradients, FP32, a few SGD steps, same seed) on our GPT, HF Llama and a user's ``nn.ModuleList``, the
-activation bytes it keeps, and its composition with tensor-parallel DTensor blocks and FSDP2 on 2 gloo processes."""
+activation bytes it keeps, and its composition with tensor-parallel DTensor blocks and FSDP2 (2 gloo processes each,
+and FSDP x TP on 4)."""
 
 from __future__ import annotations
 
 import copy
+import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -258,34 +260,40 @@ def _train_on_rank(model: nn.Module, rank: int) -> dict[str, list]:
     return dict(losses=losses, grads=grads)
 
 
+LAYOUTS = {"tp": {"tp": 2}, "fsdp": {"dp": 2}, "fsdp x tp": {"dp": 2, "tp": 2}}
+
+
 def _sharded_runs(rank: int, world_size: int, layout: str) -> dict[str, Any]:
-    """Each mode on GPT blocks sharded by ``layout``: ``"tp"`` (the plan's feed-forward layers as DTensors, then
-    checkpointing) or ``"fsdp"`` (checkpointing, then FSDP2's ``fully_shard`` on each block and the root)."""
+    """Each mode on GPT blocks sharded as ``layout`` says, in torchtitan's order: the plan's feed-forward layers as
+    DTensors over ``tp``, then checkpointing, then FSDP2's ``fully_shard`` over ``dp`` on each block and the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from lightning_deepseek.parallel.plan import auto_plan
     from lightning_deepseek.parallel.styles import apply_tensor_parallel
 
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=(layout,))
+    sizes = LAYOUTS[layout]
+    mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes))
     results: dict[str, Any] = {}
     for mode in ("none", *MODES):
         torch.manual_seed(0)
         model = GPT(GPTConfig(**_GPT))
-        entries = auto_plan(model, world_size, 0)[0] if layout == "tp" else []
-        apply_tensor_parallel(model, {e.name: e.style for e in entries}, mesh)
+        entries = auto_plan(model, sizes["tp"], 0)[0] if "tp" in sizes else []
+        if entries:
+            apply_tensor_parallel(model, {e.name: e.style for e in entries}, mesh["tp"])
         names = apply_activation_checkpointing(model, mode)
-        if layout == "fsdp":
+        if "dp" in sizes:
             for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
         results[mode] = dict(names=names, sharded=len(entries), block_class=type(model.blocks[0]).__name__,
                              **_train_on_rank(model, rank))
     return results
 
 
 def _distributed_scenarios(rank: int, world_size: int) -> dict[str, Any]:
-    return {layout: _sharded_runs(rank, world_size, layout) for layout in ("tp", "fsdp")}
+    return {layout: _sharded_runs(rank, world_size, layout) for layout, sizes in LAYOUTS.items()
+            if math.prod(sizes.values()) == world_size}
 
 
 @pytest.fixture(scope="module")
@@ -293,21 +301,33 @@ def two_rank_results() -> list[dict[str, Any]]:
     return run_distributed(_distributed_scenarios, 2, timeout=240)
 
 
-def test_tensor_parallel_blocks_checkpoint_bitwise(two_rank_results: list[dict[str, Any]]) -> None:
-    for rank, results in enumerate(two_rank_results):
-        runs = results["tp"]
-        assert runs["none"]["sharded"] > 0
+@pytest.fixture(scope="module")
+def four_rank_results() -> list[dict[str, Any]]:
+    return run_distributed(_distributed_scenarios, 4, timeout=240)
+
+
+def _check_bitwise(results: list[dict[str, Any]], layout: str) -> None:
+    for rank, by_layout in enumerate(results):
+        runs = by_layout[layout]
         for mode in MODES:
             assert runs[mode]["names"] == ["blocks.0", "blocks.1", "blocks.2"]
             assert runs[mode]["losses"] == runs["none"]["losses"], (rank, mode)
             assert runs[mode]["grads"] == runs["none"]["grads"], (rank, mode)
 
 
+def test_tensor_parallel_blocks_checkpoint_bitwise(two_rank_results: list[dict[str, Any]]) -> None:
+    assert two_rank_results[0]["tp"]["none"]["sharded"] > 0
+    _check_bitwise(two_rank_results, "tp")
+
+
 def test_fully_shard_after_checkpointing_trains_bitwise(two_rank_results: list[dict[str, Any]]) -> None:
-    for rank, results in enumerate(two_rank_results):
-        runs = results["fsdp"]
-        assert runs["full"]["block_class"] == "FSDPCheckpointedBlock"
-        for mode in MODES:
-            assert runs[mode]["losses"] == runs["none"]["losses"], (rank, mode)
-            assert runs[mode]["grads"] == runs["none"]["grads"], (rank, mode)
+    assert two_rank_results[0]["fsdp"]["full"]["block_class"] == "FSDPCheckpointedBlock"
+    _check_bitwise(two_rank_results, "fsdp")
     assert two_rank_results[0]["fsdp"]["none"]["losses"] != two_rank_results[1]["fsdp"]["none"]["losses"]
+
+
+def test_tensor_parallel_then_checkpointing_then_fully_shard_on_four_ranks(
+        four_rank_results: list[dict[str, Any]]) -> None:
+    assert four_rank_results[0]["fsdp x tp"]["none"]["sharded"] > 0
+    assert four_rank_results[0]["fsdp x tp"]["full"]["block_class"] == "FSDPCheckpointedBlock"
+    _check_bitwise(four_rank_results, "fsdp x tp")
