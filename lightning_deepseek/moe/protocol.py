@@ -52,7 +52,6 @@ from torch import nn
 from lightning_deepseek.versions import require_if_loaded
 
 BIAS_NAMES = ("expert_bias", "expert_bias_E", "e_score_correction_bias")
-EP_PLAN_STYLE = "ep_dispatch_experts"  # the newest releases' style; every 5.x style: EXPERTS_STYLES, CONTAINER_STYLES
 CONVENTIONS = {
     "top_k": "forward(hidden_states (T, d), top_k_index (T, k), top_k_weights (T, k)) -> (T, d), weighted sum per "
              "token (transformers 5.x, lightning_deepseek.models.moe)",

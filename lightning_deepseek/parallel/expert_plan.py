@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_deepseek.moe.node_limited import SETTING as MAX_ISLANDS
 from lightning_deepseek.moe.node_limited import limit_routing
-from lightning_deepseek.moe.protocol import BIAS_NAMES, EP_PLAN_STYLE, ExpertLayer, find_expert_layers
+from lightning_deepseek.moe.protocol import BIAS_NAMES, SEARCHED, ExpertLayer, find_expert_layers
 from lightning_deepseek.parallel.dims import ParallelDims, WorldMesh
 from lightning_deepseek.parallel.expert import apply_expert_parallel
 from lightning_deepseek.parallel.expert_dispatch import apply_island_dispatch, build_island_dispatch, resolve_dispatch
@@ -124,9 +124,8 @@ def setup_expert_parallel(module: nn.Module, mesh: WorldMesh, topology: Topology
         return ExpertParallelPlan(dims, None, named, expert_bytes, other_bytes)
     if not layers:
         rank_zero_warn(f"HybridParallelStrategy: expert_parallel_size={dims.ep} but the model has no MoE "
-                       f"layer: looked for modules marked `is_moe_experts` (lightning_deepseek.moe.register_experts) "
-                       f"and transformers' `base_model_ep_plan` entries of style {EP_PLAN_STYLE!r}. Training "
-                       "continues without expert parallelism; set expert_parallel_size=1 to silence this.")
+                       f"layer: {SEARCHED}. Training continues without expert parallelism; register the experts "
+                       "(lightning_deepseek.moe.register_experts), or set expert_parallel_size=1 to silence this.")
         return ExpertParallelPlan(dims, None, named, expert_bytes, other_bytes)
     dims.check_experts(layers)
     expert_mesh = mesh["edp", "ep"]
