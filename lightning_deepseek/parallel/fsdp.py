@@ -41,18 +41,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_deepseek.moe.protocol import find_expert_layers
+from lightning_deepseek.parallel.activation_checkpointing import find_transformer_blocks
 from lightning_deepseek.parallel.dims import WorldMesh
 from lightning_deepseek.parallel.expert import is_expert_param
-
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of ``model``: the children of its ``nn.ModuleList`` holding the most parameters (our GPT's
-    blocks, transformers' decoder layers, a user's list of blocks); empty when it has none."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
-    if not lists:
-        return []
-    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-    return list(largest)
 
 
 def apply_fsdp(model: nn.Module, mesh: WorldMesh, reshard_after_forward: bool = True) -> list[str]:
@@ -83,9 +74,10 @@ def apply_fsdp(model: nn.Module, mesh: WorldMesh, reshard_after_forward: bool = 
         module.set_gradient_divide_factor(float(dims.world_size))
         module.set_force_sum_reduction_for_comms(True)  # sum, then divide: gloo has no PREMUL_SUM
         units.append(names[id(module)])
-    for block in find_blocks(model):
-        fully_shard(block, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
-        units.append(names[id(block)])
+    modules = dict(model.named_modules())
+    for name in find_transformer_blocks(model):
+        fully_shard(modules[name], mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
+        units.append(name)
     # The roots are the modules the LightningModule's steps call (its children), not the LightningModule itself,
     # whose forward its steps need not call; parameters of its own stay replicated (DDP reduces them).
     for name, child in model.named_children():

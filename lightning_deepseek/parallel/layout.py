@@ -10,16 +10,24 @@ Nothing searches ``trainer.callbacks``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import lightning.pytorch as pl
 from torch import nn
 
 from lightning_deepseek.moe.protocol import find_expert_layers
+from lightning_deepseek.parallel.activation_checkpointing import MODES
 from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.expert_plan import resolve_ep_size
-from lightning_deepseek.parallel.placement import LinkCost
+from lightning_deepseek.parallel.placement import (
+    POLICIES,
+    CommVolume,
+    LinkCost,
+    comm_volume,
+    place,
+    tokens_per_micro_batch,
+)
 from lightning_deepseek.parallel.plan import Plan, decide_plan
 from lightning_deepseek.parallel.topology import Topology
 
@@ -36,6 +44,7 @@ class Layout:
     Args:
         dims: the parallel sizes.
         placement: the rank-order policy placement chose (``"tp_intra_node"`` or ``"dp_intra_node"``).
+        order: every rank in mesh order (a rank's position is its data shard); every mesh is cut from it.
         bits: the gradient-compression bits decided with the sizes (8 or 4), ``32`` for an uncompressed exchange,
             or None where the strategy did not decide them (no callback asked, or fixed bits).
         decision: the cost model's comparison when an ``"auto"`` setting was decided by it, else None.
@@ -43,34 +52,65 @@ class Layout:
 
     dims: ParallelDims
     placement: str
+    order: tuple[int, ...]
     bits: int | None = None
     decision: Decision | None = None
+    estimates: dict[str, float] = field(default_factory=dict)  # placement's estimated seconds per policy
 
 
 @dataclass(frozen=True)
 class LayoutSettings:
-    """The strategy's arguments that decide the layout (validated by the strategy at construction).
+    """The strategy's arguments that decide the layout, validated at construction (errors name the argument).
 
     Args:
         tp, ep: ``tensor_parallel_size``, ``expert_parallel_size`` (a size, ``"auto"`` or ``"per_node"``).
         dp_shard: ``data_parallel_shard_size`` (a size, or ``"auto"``: the processes per node).
-        plan, min_shard_params, placement, micro_batch_tokens: as the strategy's arguments.
+        plan, min_shard_params, placement, micro_batch_tokens, reshard_after_forward, activation_checkpointing,
+            shard_optimizer_states: as the strategy's arguments.
         links: the cluster's link figures, or None (probed).
-        bits: what a ``GradientCompression`` callback asked for (``"auto"``, 8, 4), or None without one.
         bucket_bytes, bucket_view: DDP's bucket size and ``gradient_as_bucket_view`` (the timed copies use them).
+        bits: what a ``GradientCompression`` callback asked for (``"auto"``, 8, 4), or None without one.
     """
 
-    tp: Size
-    ep: Size
-    dp_shard: int | Literal["auto"]
-    plan: str | dict[str, str]
-    min_shard_params: int
-    placement: str
-    micro_batch_tokens: int | None
-    links: dict[str, LinkCost] | None
-    bits: int | str | None
-    bucket_bytes: int
-    bucket_view: bool
+    tp: Size = "auto"
+    ep: Size = 1
+    dp_shard: int | Literal["auto"] = 1
+    plan: str | dict[str, str] = "auto"
+    min_shard_params: int = 1 << 16
+    placement: str = "auto"
+    micro_batch_tokens: int | None = None
+    reshard_after_forward: bool = True
+    activation_checkpointing: str = "none"
+    shard_optimizer_states: bool = False
+    links: dict[str, LinkCost] | None = None
+    bucket_bytes: int = 25 << 20
+    bucket_view: bool = False
+    bits: int | str | None = None
+
+    def __post_init__(self) -> None:
+        for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep)):
+            if size not in ("auto", "per_node") and not (isinstance(size, int) and not isinstance(size, bool)
+                                                         and size > 0):
+                raise ValueError(f"{name}={size!r} must be a positive integer, 'auto' (decided by timing copies of "
+                                 "the model) or 'per_node' (by the processes per node).")
+        shard = self.dp_shard
+        if shard != "auto" and not (isinstance(shard, int) and not isinstance(shard, bool) and shard > 0):
+            raise ValueError(f"data_parallel_shard_size={shard!r} must be a positive integer (1: parameters "
+                             "replicated) or 'auto' (shard inside a node, replicate across nodes).")
+        if shard != 1 and self.shard_optimizer_states:
+            raise ValueError(f"shard_optimizer_states=True with data_parallel_shard_size={shard!r}: parameter "
+                             "sharding already shards the optimizer states. Set shard_optimizer_states=False (or "
+                             "data_parallel_shard_size=1 for ZeRO-1 alone).")
+        if self.activation_checkpointing not in MODES:
+            raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r} is not a mode: use one of "
+                             f"{MODES}.")
+        if self.placement not in POLICIES:
+            raise ValueError(f"placement={self.placement!r} is not a placement policy: use one of {POLICIES}.")
+        if self.plan != "auto" and not isinstance(self.plan, dict):
+            raise TypeError(f"plan={self.plan!r} must be 'auto' or a dict of module-name patterns to "
+                            "'colwise'/'rowwise'.")
+        if self.min_shard_params < 0:
+            raise ValueError(f"min_shard_params={self.min_shard_params} must be >= 0.")
 
 
 def provisional_dims(settings: LayoutSettings, world_size: int, local_size: int) -> ParallelDims:
@@ -131,3 +171,20 @@ def decide_layout_plan(module: nn.Module, settings: LayoutSettings, dims: Parall
                     "set tensor_parallel_size to shard anyway.")
     return decide_plan(module, settings.plan, dims.world_size, dims.tp, settings.tp == "per_node",
                        settings.min_shard_params)
+
+
+def place_layout(module: nn.Module, trainer: pl.Trainer, settings: LayoutSettings, dims: ParallelDims, plan: Plan,
+                 topology: Topology, decision: Decision | None) -> Layout:
+    """The layout: the decided sizes, and the rank order placement chose for them (by policy, or by the traffic it
+    estimates for the plan over the cluster's links; collective where it probes the links)."""
+
+    def volume() -> CommVolume:
+        tokens = tokens_per_micro_batch(module, settings.micro_batch_tokens,
+                                        warn_on_default=bool(plan) and settings.placement == "auto",
+                                        measured=decision.tokens if decision is not None else None)
+        return comm_volume(module, plan, dims.tp, tokens, trainer.accumulate_grad_batches)
+
+    placed = place(settings.placement, topology, dims.dp, dims.tp, settings.links, volume)
+    bits = (decision.chosen.bits or 32) if decision is not None and settings.bits == "auto" else None
+    order = tuple(rank for row in placed.grid for rank in row)
+    return Layout(dims, placed.policy, order, bits, decision, placed.estimates)

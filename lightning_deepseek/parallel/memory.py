@@ -96,7 +96,7 @@ def _replica_group(mesh: DeviceMesh) -> zero.ReplicaGroup:
 
 
 def setup_optimizer_states(optimizers: list[Optimizer], rank: int, world_size: int, mesh: WorldMesh | None,
-                           shard: bool) -> list[ShardedOptimizerStates]:
+                           shard: bool, previous: list[ShardedOptimizerStates] = ()) -> list[ShardedOptimizerStates]:
     """Print the memory per rank and, with ``shard``, shard the optimizer states (ZeRO-1) over the replica groups.
 
     Args:
@@ -106,10 +106,13 @@ def setup_optimizer_states(optimizers: list[Optimizer], rank: int, world_size: i
         mesh: the run's meshes (None: every parameter replicated over the world); tensor-parallel shards are
             replicated over ``dp``, expert slices over ``edp``.
         shard: ``shard_optimizer_states``.
+        previous: the handles of an earlier setup in the same processes, removed first.
 
     Returns:
         One ZeRO-1 handle per optimizer when sharding, else none.
     """
+    for handle in previous:
+        handle.remove()
     if world_size == 1:
         if shard:
             rank_zero_warn("HybridParallelStrategy: shard_optimizer_states=True on one process: every parameter "

@@ -1,29 +1,27 @@
-"""``HybridParallelStrategy``: data-parallel attention, tensor-parallel feed-forward, expert-parallel MoE layers,
-over one topology-aware device mesh.
+"""``HybridParallelStrategy``: data-parallel attention, tensor-parallel feed-forward, expert-parallel MoE layers and
+sharded parameters, over one topology-aware device mesh.
 
-Every rank consumes its own micro-batch (global batch = world size x micro-batch). Large feed-forward linear
-pairs (``nn.Linear``, transformers' ``Conv1D``) are sharded over the ``tp`` dimension (torch DTensor tensor
-parallelism: batch-sharded activations all-gathered before the block, reduce-scattered after it); routed experts
-over ``ep`` (all-to-all dispatch, :mod:`.expert`); every other parameter is replicated. Gradients: the replicated
-parameters are averaged over the world by torch ``DistributedDataParallel`` (``ddp_module``, where a comm hook such
-as ``GradientCompression`` plugs in; shards are in its ignore list); a shard already holds the gradient summed over
-its group's micro-batches, so it is summed over its replicas (``dp`` or ``edp``) and divided by the world size once
-per optimizer step, after the closure. A model whose every trainable parameter is sharded gets no DDP wrapper. The
-result is the training of the same model on the global batch (tested to 1e-5 against one process and against DDP,
-on HF Llama, GPT-2, BERT, ViT, Mixtral and DeepSeek-V3 too).
+Every rank consumes its own micro-batch (global batch = world size x micro-batch). Large feed-forward linear pairs
+are sharded over ``tp`` (DTensor tensor parallelism: batch-sharded activations all-gathered before the block,
+reduce-scattered after it), routed experts over ``ep`` (all-to-all dispatch, :mod:`.expert`), and with
+``data_parallel_shard_size`` every parameter over the ranks that replicate it (FSDP2, :mod:`.fsdp`). Unsharded
+parameters are averaged over the world by torch ``DistributedDataParallel`` (``ddp_module``, where a comm hook such as
+``GradientCompression`` plugs in); a tp/ep shard already holds the gradient summed over its group's micro-batches,
+so it is summed over its replicas and divided by the world size once per optimizer step. The result is the training
+of the same model on the global batch (tested to 1e-5 against one process and DDP, on HF families too).
 
 A thin coordinator over values decided once at setup: the ``Cluster`` (:mod:`.cluster`), the ``Layout``
-(:mod:`.layout`: sizes, placement, the ``"auto"`` decision), every mesh (``WorldMesh``, :mod:`.dims`), the ``Plan``
+(:mod:`.layout`: sizes, rank order, the ``"auto"`` decision), every mesh (``WorldMesh``, :mod:`.dims`), the ``Plan``
 (:mod:`.plan`), the ``ExpertParallelPlan`` (:mod:`.expert_plan`); ``_parallelize`` is the flat list of setup steps.
-Reused from Lightning: ``DDPStrategy`` (launch, process group, DDP wrapping, ``no_sync``, ``reduce``) and
-``ModelParallelStrategy``'s DCP checkpoint layout (:mod:`.checkpoint`: reloads at another ``tp``, ``ep`` or world
-size). With nothing to shard it trains as plain DDP, and says why and which setting changes that.
+Reused from Lightning: ``DDPStrategy`` (launch, process group, DDP wrapping, ``no_sync``, ``reduce``), and
+``ModelParallelStrategy``'s meta-device contract and DCP checkpoint layout (:mod:`.checkpoint`). With nothing to
+shard it trains as plain DDP, and says why and which setting changes that.
 
-Costs: per micro-batch and sharded block, two all-gathers and two reduce-scatters of one rank's activations over
-``tp``; per MoE layer, two all-to-alls each way over ``ep``; per step, one all-reduce of the replicated gradients
-(world) and one of the shards (``dp``/``edp``). Not supported: sharding anything but ``nn.Linear``, ``Conv1D`` and
-routed experts; ranks of a ``tp`` group feeding micro-batches of different shapes; models built on the meta device
-(each rank materialises the whole model before sharding it).
+Costs: per micro-batch and tp block, two all-gathers and two reduce-scatters of one rank's activations; per MoE
+layer, two all-to-alls each way; per step, one all-reduce of the unsharded gradients and one of the tp/ep shards;
+with parameter sharding, FSDP's all-gather per block forward and backward and reduce-scatter per block backward.
+Not supported: tensor-sharding anything but ``nn.Linear``, ``Conv1D`` and routed experts; ranks of a ``tp`` group
+feeding micro-batches of different shapes.
 """
 
 from __future__ import annotations
@@ -55,7 +53,8 @@ from typing_extensions import override
 
 from lightning_deepseek.parallel import checkpoint as _checkpoint_io
 from lightning_deepseek.parallel import clipping
-from lightning_deepseek.parallel.arguments import check_arguments, check_ddp_kwargs
+from lightning_deepseek.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_deepseek.parallel.arguments import check_ddp_kwargs
 from lightning_deepseek.parallel.cluster import Cluster
 from lightning_deepseek.parallel.dims import ParallelDims, WorldMesh
 from lightning_deepseek.parallel.expert import reduce_expert_gradients
@@ -67,19 +66,18 @@ from lightning_deepseek.parallel.layout import (
     LayoutSettings,
     decide_layout_plan,
     decide_sizes,
+    place_layout,
     provisional_dims,
     resolve_dims,
 )
 from lightning_deepseek.parallel.memory import setup_optimizer_states, summary_rows
 from lightning_deepseek.parallel.optimizers import disable_foreach_on_mixed_groups, settle_mixed_param_groups
-from lightning_deepseek.parallel.placement import CommVolume, comm_volume, place, tokens_per_micro_batch
 from lightning_deepseek.parallel.plan import Plan, log_plan
 from lightning_deepseek.parallel.styles import apply_tensor_parallel, reduce_tensor_parallel_gradients
 from lightning_deepseek.parallel.topology import Topology, discover_topology
 from lightning_deepseek.parallel.zero import ShardedOptimizerStates
 
 if TYPE_CHECKING:
-    from lightning_deepseek.autotune.decision import Decision
     from lightning_deepseek.compression.config import CompressionConfig
 
 
@@ -87,14 +85,12 @@ class HybridParallelStrategy(DDPStrategy):
     """Attention (and the rest) data-parallel, large feed-forward layers tensor-parallel, routed experts over ``ep``.
 
     Args:
-        tensor_parallel_size: size of the ``tp`` mesh dimension; must divide the world size. ``"auto"``: decided
-            at setup by timed copies of each candidate layout (:mod:`lightning_deepseek.autotune`): 1 (plain data
-            parallelism) unless sharding measures faster by the margin or memory requires it. ``"per_node"``: the
-            number of processes per node.
-        expert_parallel_size: ranks over which the routed experts of MoE layers are sharded (E/ep each, tokens
-            dispatched by all-to-all); must divide the world size and every layer's expert count. 1: experts
-            replicated. ``"auto"``: decided with ``tensor_parallel_size`` (1 without MoE layers). ``"per_node"``:
-            the largest size inside a node that divides every layer's expert count.
+        tensor_parallel_size: size of the ``tp`` mesh dimension, dividing the world size. ``"auto"``: by timed
+            copies of each candidate layout at setup (:mod:`lightning_deepseek.autotune`), 1 unless sharding is
+            faster by the margin or memory requires it. ``"per_node"``: the processes per node.
+        expert_parallel_size: ranks sharing the routed experts of MoE layers (E/ep each, tokens dispatched by
+            all-to-all), dividing the world size and every expert count. 1: replicated. ``"auto"``: decided with
+            ``tensor_parallel_size``. ``"per_node"``: the largest size inside a node that divides the expert counts.
         plan: ``"auto"`` (detect feed-forward blocks, :mod:`lightning_deepseek.parallel.plan`) or a mapping of
             module-name patterns (``fnmatch``, relative to the LightningModule) to ``"colwise"``/``"rowwise"``.
         min_shard_params: ``plan="auto"`` shards a block only from this many parameters on.
@@ -103,16 +99,15 @@ class HybridParallelStrategy(DDPStrategy):
         data_parallel_shard_size: ranks sharding each replicated parameter, its gradient and optimizer state
             (ZeRO-3 by FSDP2, :mod:`lightning_deepseek.parallel.fsdp`); the other data-parallel ranks replicate the
             shards (HSDP). 1: off. ``"auto"``: the processes per node.
-        reshard_after_forward: with parameter sharding, free each block's gathered parameters after its forward
-            (False: keep them until backward, ZeRO-2-like).
+        reshard_after_forward: free each block's gathered parameters after forward (False: ZeRO-2-like).
+        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` per transformer block
+            (:mod:`lightning_deepseek.parallel.activation_checkpointing`); with or without sharding.
         shard_optimizer_states: ZeRO-1: each replica of a parameter keeps the optimizer state of only the
             parameters it owns (:mod:`lightning_deepseek.parallel.zero`).
-        save_distributed_checkpoint: ``True``: a DCP folder, one shard file per rank. ``False``: full weights and
-            optimizer states gathered to rank 0 into one file (readable by ``load_from_checkpoint``).
+        save_distributed_checkpoint: ``True``: a DCP folder. ``False``: one full file gathered on rank 0.
         cluster: the machines' islands and link figures (``Cluster``); None: discovered and probed at start-up.
         expert_routing: node-limited routing and the dispatch of MoE layers (``ExpertRouting``).
-        micro_batch_tokens: tokens per rank and micro-batch for placement's traffic estimate; default: the
-            micro-batch the ``"auto"`` sizes were timed on, else ``example_input_array``, else 2048.
+        micro_batch_tokens: tokens per rank and micro-batch for placement's traffic estimate (default: measured).
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
         **ddp_kwargs: passed to torch ``DistributedDataParallel`` (or Lightning's ``DDPStrategy``); any other name
             is an ``UnknownArgumentError`` naming the closest valid one (:mod:`lightning_deepseek.parallel.arguments`).
@@ -129,6 +124,7 @@ class HybridParallelStrategy(DDPStrategy):
         placement: Literal["auto", "tp_intra_node", "dp_intra_node"] = "auto",
         data_parallel_shard_size: int | Literal["auto"] = 1,
         reshard_after_forward: bool = True,
+        activation_checkpointing: Literal["none", "full", "selective"] = "none",
         shard_optimizer_states: bool = False,
         save_distributed_checkpoint: bool = True,
         cluster: Cluster | None = None,
@@ -142,19 +138,17 @@ class HybridParallelStrategy(DDPStrategy):
         check_ddp_kwargs(type(self), ddp_kwargs)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
                          **ddp_kwargs)
-        check_arguments(tensor_parallel_size=tensor_parallel_size, expert_parallel_size=expert_parallel_size,
-                        plan=plan, min_shard_params=min_shard_params, placement=placement, cluster=cluster,
-                        expert_routing=expert_routing, data_parallel_shard_size=data_parallel_shard_size,
-                        shard_optimizer_states=shard_optimizer_states)
+        for name, value, kind in (("cluster", cluster, Cluster), ("expert_routing", expert_routing, ExpertRouting)):
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"{name}={value!r} must be a lightning_deepseek.parallel.{kind.__name__} or None.")
         self.cluster = cluster or Cluster()
         self.expert_routing = expert_routing or ExpertRouting()
         self._settings = LayoutSettings(
             tensor_parallel_size, expert_parallel_size, data_parallel_shard_size,
             dict(plan) if isinstance(plan, dict) else plan, min_shard_params, placement, micro_batch_tokens,
-            self.cluster.links, None, int((self._ddp_kwargs.get("bucket_cap_mb") or 25) * 2**20),
+            reshard_after_forward, activation_checkpointing, shard_optimizer_states, self.cluster.links,
+            int((self._ddp_kwargs.get("bucket_cap_mb") or 25) * 2**20),
             bool(self._ddp_kwargs.get("gradient_as_bucket_view", False)))
-        self._reshard_after_forward = reshard_after_forward
-        self._shard_optimizer_states = shard_optimizer_states
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._dims: ParallelDims | None = None
         self._mesh: WorldMesh | None = None
@@ -162,9 +156,8 @@ class HybridParallelStrategy(DDPStrategy):
         self._plan = Plan()
         self._expert_plan: ExpertParallelPlan | None = None
         self._zero: list[ShardedOptimizerStates] = []
-        self._has_shards = True  # set at setup; until then every step reduces what it finds
+        self._has_shards = True  # set at setup
         self.layout: Layout | None = None
-        self.placement_estimates: dict[str, float] = {}
 
     @classmethod
     @override
@@ -196,8 +189,8 @@ class HybridParallelStrategy(DDPStrategy):
         return self.layout.placement if self.layout is not None else None
 
     @property
-    def topology(self) -> Topology | None:
-        return self._topology
+    def placement_estimates(self) -> dict[str, float]:
+        return self.layout.estimates if self.layout is not None else {}
 
     @property
     def plan(self) -> Plan:
@@ -222,24 +215,21 @@ class HybridParallelStrategy(DDPStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # As Lightning's ModelParallelStrategy: trainer.init_module(empty_init=True) builds on the meta device;
-        # setup() shards the model, then allocates and initialises each rank's shards (fsdp.materialize).
         with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
     def summary(self) -> dict[str, object]:
         """Mesh, placement and memory per rank against DDP, as rows of a run summary."""
-        if self._mesh is None or self.layout is None:
+        if self.layout is None:
             return {}
-        return {**summary_rows(self.lightning_module, self.layout, len(self._plan), self.optimizers, self._zero,
-                               self.global_rank),
-                **(self._expert_plan.summary() if self._expert_plan is not None else {})}
+        rows = summary_rows(self.lightning_module, self.layout, len(self._plan), self.optimizers, self._zero,
+                            self.global_rank)
+        return {**rows, **(self._expert_plan.summary() if self._expert_plan is not None else {})}
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # The data shard follows the rank's position in the mesh order, not its global rank: under a permuted
-        # placement the tp group gathers activations in that order.
+        # The data shard is the rank's position in the mesh order (a tp group gathers activations in that order).
         if self._mesh is None:
             return super().distributed_sampler_kwargs
         return {"num_replicas": self.world_size, "rank": self._mesh.order.index(self.global_rank)}
@@ -272,19 +262,17 @@ class HybridParallelStrategy(DDPStrategy):
             self._parallelize(module, trainer, meta)
         materialize(module, self.root_device)  # a meta model: each rank allocates and initialises its shards
         self.model_to_device()
-        # Decided once: unsharded, each step is DDPStrategy's own; FSDP reduces its parameters' gradients itself.
-        self._has_shards = not self.parallel_dims.fsdp_enabled and any(isinstance(p, DTensor)
-                                                                       for p in module.parameters())
+        # Unsharded, each step is DDPStrategy's own; FSDP reduces its parameters' gradients itself.
+        sharded = any(isinstance(p, DTensor) for p in module.parameters())
+        self._has_shards = sharded and not self.parallel_dims.fsdp_enabled
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
             self.configure_ddp()
             self.setup_optimizers(trainer)
             settle_mixed_param_groups(self.optimizers)
-            for handle in self._zero:
-                handle.remove()
             self._zero = setup_optimizer_states(self.optimizers, self.global_rank, self.world_size, self._mesh,
-                                                self._shard_optimizer_states)
+                                                self._settings.shard_optimizer_states, previous=self._zero)
         self.setup_precision_plugin()
         clipping.route_clipping(self.precision_plugin)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -305,29 +293,15 @@ class HybridParallelStrategy(DDPStrategy):
         self._dims = dims = resolve_dims(module, settings, self.parallel_dims, self.num_processes, decision)
         self._plan = decide_layout_plan(module, settings, dims, decision, meta)
         if self.layout is None:
-            self._mesh, policy = self._place(module, trainer, decision)
-            bits = (decision.chosen.bits or 32) if decision is not None and settings.bits == "auto" else None
-            self.layout = Layout(dims, policy, bits, decision)
+            self.layout = place_layout(module, trainer, settings, dims, self._plan, self._topology, decision)
+            self._mesh = dims.build_mesh(self.root_device.type, self.layout.order)
         module._device_mesh = self.device_mesh  # what LightningModule.device_mesh reads; Lightning has no setter
         apply_tensor_parallel(module, self._plan.styles, self.device_mesh["tp"])
         log_plan(module, self._plan, dims)
         self._expert_plan = setup_expert_parallel(module, self.world_mesh, self._topology, self.expert_routing)
+        apply_activation_checkpointing(module, settings.activation_checkpointing)
         if dims.fsdp_enabled:
-            apply_fsdp(module, self.world_mesh, self._reshard_after_forward)
-
-    def _place(self, module: nn.Module, trainer: pl.Trainer, decision: Decision | None) -> tuple[WorldMesh, str]:
-        """The rank order (placement: by policy or by estimated traffic) and every mesh over it."""
-        assert self._topology is not None
-        dims, settings = self.parallel_dims, self._settings
-
-        def volume() -> CommVolume:
-            tokens = tokens_per_micro_batch(module, settings.micro_batch_tokens,
-                                            warn_on_default=bool(self._plan) and settings.placement == "auto",
-                                            measured=decision.tokens if decision is not None else None)
-            return comm_volume(module, self._plan, dims.tp, tokens, trainer.accumulate_grad_batches)
-        placed = place(settings.placement, self._topology, dims.dp, dims.tp, self.cluster.links, volume)
-        self.placement_estimates = placed.estimates
-        return dims.build_mesh(self.root_device.type, [rank for row in placed.grid for rank in row]), placed.policy
+            apply_fsdp(module, self.world_mesh, settings.reshard_after_forward)
 
     @override
     def configure_ddp(self) -> None:
@@ -344,8 +318,7 @@ class HybridParallelStrategy(DDPStrategy):
         if module is None or not any(isinstance(p, DTensor) for p in module.parameters()):
             super().teardown()
             return
-        # As Lightning's ModelParallelStrategy: sharded weights stay (Module.cpu() would fail while an exception's
-        # traceback holds the autograd graph, and hide the user's exception).
+        # As ModelParallelStrategy: shards stay (Module.cpu() fails while a traceback holds the autograd graph).
         if isinstance(self.model, DistributedDataParallel):
             self.model = module
         if self._layer_sync and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING:
@@ -363,8 +336,7 @@ class HybridParallelStrategy(DDPStrategy):
 
     def reduce_tensor_parallel_gradients(self, optimizer: Optimizer) -> None:
         """Sum the tensor-parallel gradients of ``optimizer``'s parameters over ``dp``, divide by the world size."""
-        reduce_tensor_parallel_gradients([p for group in optimizer.param_groups for p in group["params"]],
-                                         self.device_mesh)
+        reduce_tensor_parallel_gradients([p for g in optimizer.param_groups for p in g["params"]], self.device_mesh)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:

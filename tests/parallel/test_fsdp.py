@@ -2,6 +2,7 @@
 
 - FSDP over 2 ranks and HSDP (2 shards x 2 replicas) over 4 train as one process on the global batch (losses and
   final weights, fp32, 1e-5), with gradient clipping; each rank holds half of every parameter;
+- full activation checkpointing under FSDP is bitwise equal to none;
 - a model built under ``trainer.init_module(empty_init=True)`` (meta device) trains with sharding: no rank holds a
   full parameter, and loading the same weights gives the eager run's losses;
 - FSDP x tensor parallelism (the feed-forward shards over ``tp=2``, sharded over their ``dp=2`` replicas; the rest
@@ -74,6 +75,8 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     fsdp = _fit(world_size, TinyLM(), data_parallel_shard_size=2, clip=0.5)
     pl.seed_everything(0, verbose=False)
+    checkpointed = _fit(world_size, TinyLM(), data_parallel_shard_size=2, clip=0.5, activation_checkpointing="full")
+    pl.seed_everything(0, verbose=False)
     meta = _fit(world_size, MetaLM(), meta=True, data_parallel_shard_size=2)
     strategy = HybridParallelStrategy(tensor_parallel_size=1, data_parallel_shard_size=2)
     trainer = make_trainer(world_size, strategy, max_steps=1, callbacks=[GradientCompression(bits=8)])
@@ -82,7 +85,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
         compression = "no error"
     except ValueError as exc:
         compression = str(exc)
-    return {"fsdp": fsdp, "meta": meta, "compression": compression}
+    return {"fsdp": fsdp, "checkpointed": checkpointed, "meta": meta, "compression": compression}
 
 
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
@@ -116,6 +119,12 @@ def test_fsdp_over_two_ranks_trains_as_one_process_with_half_the_parameters(two_
         assert rank["fsdp"]["all_dtensor"] and not rank["fsdp"]["ddp_module"]
         assert rank["fsdp"]["local_fraction"] == pytest.approx(0.5, abs=0.01)
     _check(two_rank_runs[0]["fsdp"], 2, clip=0.5)
+
+
+def test_activation_checkpointing_under_fsdp_is_bitwise_equal(two_rank_runs: list[dict]) -> None:
+    for rank in two_rank_runs:
+        assert rank["checkpointed"]["losses"] == rank["fsdp"]["losses"]
+        assert all((rank["checkpointed"]["state"][k] == v).all() for k, v in rank["fsdp"]["state"].items())
 
 
 def test_a_meta_model_is_sharded_then_materialised_per_rank(two_rank_runs: list[dict]) -> None:
