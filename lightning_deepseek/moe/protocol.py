@@ -19,7 +19,8 @@ Experts modules are found, in this order of precedence, by
 1. the marker ``is_moe_experts = True`` (a class attribute, as on our ``GroupedExperts``, or set by
    :func:`register_experts` on a user's own module, which also records its convention);
 2. what a transformers model declares in its config's ``base_model_ep_plan`` and ``base_model_tp_plan`` (relative to
-   its base model), in the vocabulary of every 5.x release (:func:`declared_experts`);
+   its base model), in the vocabulary of every 5.x release (:func:`declared_experts`); one named only by a
+   tensor-parallel plan counts when it keeps the contract (others, as LongCat-Flash's, stay replicated);
 3. torchtitan's ``GroupedExperts`` (any torchtitan module of that name already imported; convention ``"grouped"``).
 
 The *balancing bias* of a layer (aux-loss-free balancing, added to the routing scores for the choice of experts
@@ -161,12 +162,15 @@ def declared_experts(plan: dict[str, str]) -> dict[str, tuple[str, ...]]:
 
 
 def _declared_experts(root: nn.Module) -> dict[str, nn.Module]:
-    """Experts modules declared by transformers models under ``root`` through their plans."""
+    """Experts modules declared by transformers models under ``root`` through their plans. A module named only by a
+    tensor-parallel plan is taken when it keeps the contract (LongCat-Flash's, with zero-compute experts and no
+    ``num_experts``, does not, and stays replicated as before); one named by an expert-parallel plan always is."""
     found: dict[str, nn.Module] = {}
     for prefix, module in root.named_modules():
         config = getattr(module, "config", None)
-        plans = [getattr(config, attr, None) for attr in PLAN_ATTRIBUTES]
-        patterns = {k: v for plan in plans if isinstance(plan, dict) for k, v in declared_experts(plan).items()}
+        plans = {attr: getattr(config, attr, None) for attr in PLAN_ATTRIBUTES}
+        patterns = {(key, attr): params for attr, plan in plans.items() if isinstance(plan, dict)
+                    for key, params in declared_experts(plan).items()}
         if not patterns:
             continue
         base_name = getattr(module, "base_model_prefix", "")
@@ -174,10 +178,19 @@ def _declared_experts(root: nn.Module) -> dict[str, nn.Module]:
         base, base_prefix = (base, f"{base_name}.") if isinstance(base, nn.Module) else (module, "")
         for name, sub in base.named_modules():
             own = dict(sub.named_parameters(recurse=False))
-            if any(fnmatch.fnmatchcase(name, key) and all(p in own for p in params)
-                   for key, params in patterns.items()):
+            plans_naming = {attr for (key, attr), params in patterns.items()
+                            if fnmatch.fnmatchcase(name, key) and all(p in own for p in params)}
+            if "base_model_ep_plan" in plans_naming or (plans_naming and _keeps_contract(sub)):
                 found[".".join(filter(None, (prefix, base_prefix + name)))] = sub
     return found
+
+
+def _keeps_contract(module: nn.Module) -> bool:
+    try:
+        _check_contract(module, "")
+    except TypeError:
+        return False
+    return True
 
 
 def _torchtitan_classes() -> tuple[type, ...]:

@@ -64,6 +64,28 @@ class _Experts(nn.Module):
         return hidden_states
 
 
+def _hf_like(experts: nn.Module, **plans: dict[str, str]) -> nn.Module:
+    """A model laid out as transformers' (``model.layers.0.mlp.experts``) declaring ``plans`` in its config."""
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.ModuleDict({"mlp": nn.ModuleDict({"experts": experts})})])
+    model.base_model_prefix = "model"
+    model.config = SimpleNamespace(**plans)
+    return model
+
+
+def test_experts_only_a_tp_plan_names_are_skipped_when_they_break_the_contract() -> None:
+    """LongCat-Flash's experts (``moe_tp_experts`` in its TP plan, no ``num_experts``) stay replicated, as before
+    plans were read; the same module named by an expert-parallel plan is an error naming the fix."""
+    longcat = _Experts()
+    del longcat.num_experts
+    assert find_expert_layers(_hf_like(longcat, base_model_tp_plan={EXPERTS: "moe_tp_experts"})) == []
+    with pytest.raises(TypeError, match="no positive int attribute `num_experts`"):
+        find_expert_layers(_hf_like(longcat, base_model_ep_plan={EXPERTS: "ep_dispatch_experts"}))
+    found = find_expert_layers(_hf_like(_Experts(), base_model_tp_plan={EXPERTS: "moe_tp_experts"}))
+    assert [(layer.name, layer.convention) for layer in found] == [("model.layers.0.mlp.experts", "top_k")]
+
+
 def test_a_5_0_container_style_on_a_dense_block_is_no_experts_module() -> None:
     """transformers 5.0's Llama-4 gives ``gather`` to its feed-forward and ``local_colwise`` to its linears, the
     styles it gives Mixtral's experts and their stacked weights: only the module holding them as parameters counts."""
