@@ -1,0 +1,129 @@
+"""``CollectiveCounter``: the bytes one rank hands to each collective, by process group, counted at the dispatcher.
+
+A ``TorchDispatchMode`` that sees every collective reaching torch's dispatcher: the in-place ``c10d`` ops of
+``torch.distributed`` (``all_reduce``, ``broadcast``, ``all_to_all_single``, ...) and the functional collectives
+that DTensor's redistributions and ``all_to_all_single_autograd`` call (forward and backward). Each call is recorded
+with its process group's name and its *buffer bytes at this rank*: the largest tensor it reads or writes
+(all-reduce and broadcast: the buffer; all-gather: the gathered output; reduce-scatter: the full input; all-to-all:
+the larger of what is sent and received). The same counter runs in a planned step on the fake backend and in a
+real step on gloo, so the two are compared call by call.
+
+torch's ``CommDebugMode`` counts the same ops but not their bytes, and its module tracker raises on transformers'
+models in torch 2.13 (their output-capturing hooks); this counter tracks no modules. Not seen here: what
+``DistributedDataParallel``'s reducer sends (C++ calls the process group directly): its bytes come from its buckets
+(:mod:`lightning_deepseek.planning.planner`), or, in a real run, from a comm hook.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator  # see LocalOpsOnly
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # no public way to bypass
+from torch.utils._pytree import tree_flatten
+
+NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+IGNORED = ("wait_tensor", "barrier", "monitored_barrier")
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective at this rank: op name (``all_reduce``, ``broadcast``, ...), group name, buffer bytes and the
+    phase of the step it ran in (``"forward_backward"``, ``"gradients"``, ``"optimizer"``, ``"ddp"``)."""
+
+    op: str
+    group: str
+    num_bytes: int
+    phase: str = "forward_backward"
+
+
+def _op_name(func: Any) -> str:
+    name = func._overloadpacket.__name__.strip("_")
+    return {"allreduce": "all_reduce", "allgather_base": "all_gather", "all_gather_into_tensor": "all_gather",
+            "reduce_scatter_base": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+            "alltoall_base": "all_to_all", "all_to_all_single": "all_to_all"}.get(name, name)
+
+
+def _group_name(args: list[Any]) -> str:
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            return dist.ProcessGroup.unbox(arg).group_name
+        if isinstance(arg, dist.ProcessGroup):
+            return arg.group_name
+    strings = [a for a in args if isinstance(a, str)]
+    return strings[-1] if strings else "?"  # the functional collectives take the group name last
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Records each collective (see the module docstring); ``bytes_by_group()`` sums them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[CollectiveCall] = []
+        self.phase = "forward_backward"  # set by the caller as the step moves on
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace in NAMESPACES and not any(n in func._overloadpacket.__name__ for n in IGNORED):
+            flat, _ = tree_flatten((args, kwargs))
+            tensors = [t for t in flat + tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            num_bytes = max((t.numel() * t.element_size() for t in tensors), default=0)
+            self.calls.append(CollectiveCall(_op_name(func), _group_name(flat), num_bytes, self.phase))
+        return out
+
+    def bytes_by_group(self) -> dict[tuple[str, str], int]:
+        """``{(group name, op): bytes}`` over every recorded call."""
+        totals: dict[tuple[str, str], int] = defaultdict(int)
+        for call in self.calls:
+            totals[call.group, call.op] += call.num_bytes
+        return dict(totals)
+
+
+class LocalOpsOnly(TorchDispatchMode):
+    """Entered innermost (on top of the mode stack), so that the modes below (``FlopCounterMode``, ``MemTracker``,
+    the ``CollectiveCounter``) see what a rank runs and nothing else:
+
+    - an op on DTensors is left to DTensor, which runs it as local ops and collectives (the modes below would
+      otherwise count a tensor-parallel matmul at its global shape, ``tp`` times this rank's work);
+    - the ops DTensor runs at global shapes on fake tensors to infer an output's shape (its sharding propagation,
+      ``ShardingPropagator._propagate_tensor_meta_non_cached``) run past the modes below: in a real run they cost
+      nothing (the patch of that private method, for the ``with`` block only, is the one place that marks them).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._propagating = 0
+        self._saved: Any = None
+
+    def __enter__(self) -> LocalOpsOnly:
+        propagate = getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None)
+        if propagate is not None:
+            def marked(prop: Any, *args: Any, **kwargs: Any) -> Any:
+                self._propagating += 1
+                try:
+                    return propagate(prop, *args, **kwargs)
+                finally:
+                    self._propagating -= 1
+            self._saved = propagate
+            ShardingPropagator._propagate_tensor_meta_non_cached = marked
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._saved is not None:
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._saved
+            self._saved = None
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if self._propagating:
+            with _disable_current_modes():  # the fake tensors carry their own mode
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,100 @@
+"""The step time a plan predicts from what its fake step measured: compute from the counted FLOPs, communication
+from the counted bytes per collective and the cluster's link figures (the strategy's ring formulas,
+:mod:`lightning_deepseek.parallel.placement`), and which of it is exposed (the planner's docstring states the
+assumptions; :data:`ASSUMPTIONS` prints them with every plan).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from lightning_deepseek.parallel.placement import LinkCost, all_reduce_seconds, all_to_all_seconds
+from lightning_deepseek.planning.cluster import ClusterSpec
+from lightning_deepseek.planning.counting import CollectiveCall
+from lightning_deepseek.planning.layout import PlanLayout, StepShape
+from lightning_deepseek.planning.report import PlanReport, RankMemory, Traffic
+
+BACKWARD_SHARE = 2 / 3  # backward's share of forward + backward FLOPs, which DDP's all-reduce overlaps
+ADAMW_BYTES_PER_ELEMENT = 28  # reads parameter, gradient, two moments (16 B); writes parameter and moments (12 B)
+ASSUMPTIONS = (
+    "routed experts receive tokens evenly (uniform routing)",
+    "compute at compute_efficiency x the dense peak of the step's dtype; AdamW memory-bound at the memory bandwidth",
+    "tensor-parallel and all-to-all collectives exposed; DDP's all-reduce hidden behind backward but its last "
+    "bucket; shard reductions and ZeRO-1 broadcasts exposed",
+    "ring all-reduce / all-gather / reduce-scatter / all-to-all, tree-latency broadcast; a group spanning nodes at "
+    "the across-nodes link, one NIC per GPU",
+    "memory: the step's tensors only (no CUDA context, allocator cache or fragmentation)",
+)
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A process group of rank 0: its mesh dimension, size and link class."""
+
+    dim: str
+    size: int
+    link: str
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """What the fake step measured at rank 0."""
+
+    memory: RankMemory
+    flops: float
+    calls: tuple[CollectiveCall, ...]
+    groups: dict[str, GroupInfo]
+    num_sharded_layers: int
+    placement: str
+    owned_state_elements: int
+
+
+def collective_seconds(op: str, num_bytes: int, n: int, link: LinkCost) -> float:
+    """One collective of ``num_bytes`` (the buffer at one rank) over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return all_reduce_seconds(num_bytes, n, link)
+    if op == "all_to_all":
+        return all_to_all_seconds(num_bytes, n, link)
+    if op == "broadcast":
+        return num_bytes / link.bandwidth + math.ceil(math.log2(n)) * link.latency
+    return (n - 1) / n * num_bytes / link.bandwidth + (n - 1) * link.latency  # all-gather, reduce-scatter
+
+
+def estimate(model: str, world_size: int, layout: PlanLayout, cluster: ClusterSpec, step: StepShape,
+             measured: StepMeasurement, plan_seconds: float) -> PlanReport:
+    """The report of a plan: traffic by mesh dimension and op, predicted step time, tokens/s per GPU and MFU."""
+    peak = cluster.peak_flops(step.dtype)
+    compute = measured.flops / (peak * step.compute_efficiency)
+    optimizer = measured.owned_state_elements * ADAMW_BYTES_PER_ELEMENT / (cluster.memory_bandwidth_gbs * 1e9)
+    rows: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
+    ddp_seconds, last_bucket = 0.0, 0.0
+    for call in measured.calls:
+        info = measured.groups.get(call.group, GroupInfo("?", world_size, "inter"))
+        seconds = collective_seconds(call.op, call.num_bytes, info.size, cluster.links[info.link])
+        exposed = 0.0 if call.phase == "ddp" else seconds
+        if call.phase == "ddp":
+            ddp_seconds += seconds
+            last_bucket = seconds if not last_bucket else last_bucket
+        row = rows["ddp" if call.phase == "ddp" else info.dim, call.op, call.phase]
+        row[0], row[1], row[2], row[3] = row[0] + 1, row[1] + call.num_bytes, row[2] + seconds, row[3] + exposed
+    ddp_exposed = max(ddp_seconds - BACKWARD_SHARE * compute, last_bucket) if ddp_seconds else 0.0
+    traffic = []
+    for (dim, op, _phase), (calls, num_bytes, seconds, exposed) in rows.items():
+        group = next((g for g in measured.groups.values() if g.dim == dim), GroupInfo(dim, world_size, "inter"))
+        if dim == "ddp":
+            world = next(g for g in measured.groups.values() if g.dim == "world")
+            group, exposed = GroupInfo("ddp (world)", world.size, world.link), ddp_exposed
+        traffic.append(Traffic(group.dim, op, group.size, group.link, int(calls), int(num_bytes), seconds, exposed))
+    comm = sum(t.exposed_seconds for t in traffic)
+    total = compute + optimizer + comm
+    return PlanReport(model=model, world_size=world_size, layout=layout, cluster=cluster.name, step=step,
+                      placement=measured.placement, num_sharded_layers=measured.num_sharded_layers,
+                      memory=measured.memory, memory_capacity=cluster.memory_bytes, traffic=tuple(traffic),
+                      flops=measured.flops, compute_seconds=compute, optimizer_seconds=optimizer, comm_seconds=comm,
+                      step_seconds=total, tokens_per_second_per_gpu=step.tokens / total,
+                      mfu=measured.flops / total / peak, plan_seconds=plan_seconds,
+                      assumptions=(*ASSUMPTIONS, f"compute_efficiency={step.compute_efficiency}"))

@@ -1,0 +1,81 @@
+"""``PlanLayout`` and ``StepShape``: the settings a plan is made for, each one validated value.
+
+``PlanLayout`` holds the strategy's layout settings that exist today: ``tensor_parallel_size``,
+``expert_parallel_size``, ``shard_optimizer_states`` (ZeRO-1) and ``placement``; the data-parallel size is what is
+left of the world. Each setting the strategy gains (FSDP2's ``data_parallel_shard_size``, activation checkpointing,
+pipeline stages and schedule, micro-batches) is one more field here, one more axis of
+:func:`lightning_deepseek.planning.search.candidate_layouts`, and one more argument handed to the strategy's own
+code by the planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_deepseek.parallel.placement import POLICIES
+
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """A layout of ``HybridParallelStrategy``.
+
+    Args:
+        tp: ``tensor_parallel_size``.
+        ep: ``expert_parallel_size``.
+        shard_optimizer_states: ZeRO-1.
+        placement: the rank-order policy (``"auto"``: the strategy's estimate over the cluster's link figures).
+    """
+
+    tp: int = 1
+    ep: int = 1
+    shard_optimizer_states: bool = False
+    placement: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep)):
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"{name}={size!r} must be a positive integer.")
+        if self.placement not in POLICIES:
+            raise ValueError(f"placement={self.placement!r} must be one of {POLICIES}.")
+
+    def describe(self, world_size: int) -> str:
+        parts = [f"dp={world_size // self.tp}", f"tp={self.tp}"]
+        parts += [f"ep={self.ep}"] if self.ep > 1 else []
+        parts += ["zero1"] if self.shard_optimizer_states else []
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One training step of a plan.
+
+    Args:
+        micro_batch_size: sequences per rank and step.
+        seq_len: tokens per sequence.
+        dtype: ``"fp32"``, or ``"bf16"``: FP32 parameters, gradients and AdamW states, BF16 autocast compute (the
+            peak FLOPs of this dtype count).
+        compute_efficiency: the fraction of the peak FLOPs the step's compute reaches (an assumption, printed).
+        min_shard_params: the strategy's ``min_shard_params``.
+        bucket_cap_mb: DDP's ``bucket_cap_mb``.
+    """
+
+    micro_batch_size: int = 1
+    seq_len: int = 2048
+    dtype: str = "bf16"
+    compute_efficiency: float = 0.4
+    min_shard_params: int = 1 << 16
+    bucket_cap_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}.")
+        if self.micro_batch_size < 1 or self.seq_len < 1:
+            raise ValueError(f"micro_batch_size={self.micro_batch_size} and seq_len={self.seq_len} must be >= 1.")
+        if not 0 < self.compute_efficiency <= 1:
+            raise ValueError(f"compute_efficiency={self.compute_efficiency} must be in (0, 1].")
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.seq_len

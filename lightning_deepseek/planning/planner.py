@@ -1,0 +1,198 @@
+"""``plan``: one training step of ``HybridParallelStrategy`` at any world size, in this process, on torch's fake
+process group and fake tensors; what one rank holds and sends, and the step time the cluster's figures predict.
+
+The steps, the strategy's own code for each (:mod:`lightning_deepseek.parallel`), in ``_parallelize``'s order:
+
+1. the model is built under ``FakeTensorMode`` (:mod:`.models`): shapes only;
+2. the sizes (``ParallelDims``), the tensor-parallel plan (``decide_plan``), the rank order (``place``, with the
+   cluster's islands and link figures: nothing probed), every mesh (``build_mesh``), tensor parallelism
+   (``apply_tensor_parallel``), expert parallelism (``setup_expert_parallel``), the optimizer (torch's AdamW) and
+   ZeRO-1's partition and hooks (``setup_optimizer_states``);
+3. one step under torch's ``MemTracker`` (memory by kind), ``FlopCounterMode`` and a ``CollectiveCounter``
+   (:mod:`.counting`): forward and backward (BF16 autocast where ``dtype="bf16"``), the strategy's reductions of
+   the tensor- and expert-parallel gradients, the optimizer step (ZeRO-1's broadcasts in its hooks);
+4. DDP's gradient all-reduce, which the fake step does not run (DDP's reducer calls the process group from C++), is
+   added from DDP's buckets: the replicated trainable parameters in reverse order, a first bucket of 1 MiB, then
+   ``bucket_cap_mb`` (DDP's rule); its buckets are also memory (``gradient_as_bucket_view=False``, the default).
+
+Only rank 0 is stepped: in today's layouts (dp, tp, ep, ZeRO-1) every rank holds the same shapes but ZeRO-1's
+owned states, whose maximum over ranks comes from the partition (``memory_per_rank``, the strategy's own table).
+Pipeline stages will make ranks differ: one step per distinct stage, a loop here.
+
+Assumptions (each printed with the plan): routed experts receive tokens evenly (:mod:`.routing`); the compute
+reaches ``compute_efficiency`` of the cluster's dense peak for ``dtype``; AdamW's step is memory-bound (28 bytes
+per owned FP32 element at the memory bandwidth); the collectives inside forward and backward (tensor-parallel
+gathers and scatters, all-to-alls) are exposed, DDP's all-reduce overlaps backward (two thirds of the compute)
+except its last bucket, the shard reductions and ZeRO-1's broadcasts after backward are exposed; a group spanning
+nodes runs at the across-nodes link, each GPU with its own NIC (no sharing). Memory is what the step's tensors
+hold (no CUDA context, allocator caching or fragmentation: real peaks run higher).
+
+Costs: a few seconds to a minute, dominated by the fake step's op count (layers x ops); no device, no weights.
+Not supported: FSDP2 sharding, activation checkpointing, pipelines, gradient accumulation, compression (the
+strategy does not yet have the first three); uneven routing; optimizers other than torch's AdamW.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop, sdpa_flop
+
+from lightning_deepseek.moe.protocol import find_expert_layers
+from lightning_deepseek.parallel.dims import ParallelDims, WorldMesh
+from lightning_deepseek.parallel.expert import reduce_expert_gradients
+from lightning_deepseek.parallel.expert_plan import setup_expert_parallel
+from lightning_deepseek.parallel.expert_routing import ExpertRouting
+from lightning_deepseek.parallel.memory import memory_per_rank, setup_optimizer_states
+from lightning_deepseek.parallel.placement import comm_volume, place
+from lightning_deepseek.parallel.plan import decide_plan
+from lightning_deepseek.parallel.styles import apply_tensor_parallel, reduce_tensor_parallel_gradients
+from lightning_deepseek.parallel.topology import Topology
+from lightning_deepseek.planning.cluster import ClusterSpec
+from lightning_deepseek.planning.counting import CollectiveCall, CollectiveCounter, LocalOpsOnly
+from lightning_deepseek.planning.estimate import GroupInfo, StepMeasurement, estimate
+from lightning_deepseek.planning.fake_world import fake_world
+from lightning_deepseek.planning.layout import PlanLayout, StepShape
+from lightning_deepseek.planning.models import ModelSpec
+from lightning_deepseek.planning.report import PlanReport, RankMemory
+from lightning_deepseek.planning.routing import uniform_routing
+
+FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
+# The CPU's fused attention has no formula in FlopCounterMode's registry; it does what the GPU kernels do.
+# (FlopCounterMode wraps a custom formula itself: hand it the unwrapped ones.)
+CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop.__wrapped__,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop.__wrapped__}
+
+
+def cluster_topology(world_size: int, gpus_per_node: int) -> Topology:
+    """Nodes of ``gpus_per_node`` consecutive ranks."""
+    size = min(gpus_per_node, world_size)
+    return Topology(tuple(tuple(range(i, min(i + size, world_size))) for i in range(0, world_size, size)))
+
+
+def local_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of ``tensors`` at this rank (a DTensor's local shard)."""
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
+
+
+def ddp_buckets(params: list[torch.Tensor], bucket_cap_bytes: int) -> list[int]:
+    """Bytes of each DDP bucket of the replicated trainable ``params`` (DDP's rule: reverse order, 1 MiB first)."""
+    buckets, current, cap = [], 0, FIRST_BUCKET_BYTES
+    for param in reversed(params):
+        current += param.numel() * param.element_size()
+        if current >= cap:
+            buckets.append(current)
+            current, cap = 0, bucket_cap_bytes
+    return buckets + ([current] if current else [])
+
+
+def plan(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: ClusterSpec,
+         step: StepShape | None = None) -> PlanReport:
+    """Set up the strategy's layout for rank 0 of a fake world and step once; the report (see the module docstring).
+
+    Raises:
+        ValueError: a size does not divide the world size or an expert count (the strategy's own messages).
+    """
+    step = step or StepShape()
+    started = time.perf_counter()
+    topology = cluster_topology(world_size, cluster.gpus_per_node)
+    with fake_world(world_size), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the strategy's and torch's set-up warnings are for real runs
+        measured = _step(model, world_size, layout, step, topology, cluster)
+    return estimate(model.name, world_size, layout, cluster, step, measured, time.perf_counter() - started)
+
+
+def _groups(mesh: object, dims: ParallelDims, topology: Topology) -> dict[str, GroupInfo]:
+    """Every group rank 0 is in, by process-group name: its mesh dimension, size and link class."""
+    named = [("world", dist.group.WORLD)]
+    named += [(dim, mesh[dim].get_group()) for dim in ("dp", "tp")]  # type: ignore[index]
+    named += [(dim, mesh[dim].get_group()) for dim in ("edp", "ep")] if dims.ep_enabled else []  # type: ignore[index]
+    infos: dict[str, GroupInfo] = {}
+    for dim, group in named:
+        ranks = dist.get_process_group_ranks(group)
+        link = "inter" if topology.spans_islands(ranks) else "intra"
+        infos.setdefault(group.group_name, GroupInfo(dim, len(ranks), link))
+    return infos
+
+
+def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
+          cluster: ClusterSpec) -> StepMeasurement:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        module = model.build()
+    dims = ParallelDims(world_size, tp=layout.tp, ep=layout.ep)
+    layers = find_expert_layers(module)
+    dims.check_experts(layers)
+    tp_plan = decide_plan(module, "auto", world_size, dims.tp, False, step.min_shard_params)
+    placed = place(layout.placement, topology, dims.dp, dims.tp, cluster.links,
+                   lambda: comm_volume(module, tp_plan, dims.tp, step.tokens, 1))
+    mesh = dims.build_mesh("cpu", [rank for row in placed.grid for rank in row])
+    if dims.ep_enabled:
+        mesh["edp", "ep"]  # made outside the fake mode: DeviceMesh reads the values of its rank tensor
+    # Outside the fake mode too: the set-up reads mesh coordinates (real tensors); the fake parameters carry it.
+    apply_tensor_parallel(module, tp_plan.styles, mesh["dp", "tp"]["tp"])
+    expert_plan = setup_expert_parallel(module, mesh, topology, ExpertRouting(dispatch="flat"))
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    zero = setup_optimizer_states([optimizer], 0, world_size, mesh, layout.shard_optimizer_states)
+    tracker, counter = MemTracker(), CollectiveCounter()
+    flops = FlopCounterMode(display=False, custom_mapping=CPU_SDPA)
+    tracker.track_external(module, optimizer)
+    autocast = torch.autocast("cpu", torch.bfloat16) if step.dtype == "bf16" else contextlib.nullcontext()
+    with mode:
+        input_ids = torch.randint(0, model.vocab_size, (step.micro_batch_size, step.seq_len))
+    with mode, uniform_routing(layers), tracker, counter:
+        with flops, LocalOpsOnly():
+            with autocast:
+                loss = model.loss(module, input_ids)
+            saved = tracker.get_tracker_snapshot("current")[torch.device("cpu")]
+            loss.backward()
+        grad_bytes = local_bytes([p.grad for p in params if p.grad is not None])
+        counter.phase = "gradients"
+        with LocalOpsOnly():
+            _reduce_and_step(params, mesh, expert_plan.mesh, optimizer, counter)
+    replicated = [p for p in params if not isinstance(p, DTensor)]
+    buckets = ddp_buckets(replicated, int(step.bucket_cap_mb * 2**20)) if world_size > 1 else []
+    ddp_calls = [CollectiveCall("all_reduce", dist.group.WORLD.group_name, b, "ddp") for b in buckets]
+    snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    peak = _kind(snapshot, "Total")
+    partitions = [z.partition for z in zero] or None
+    states_max = (memory_per_rank([optimizer], partitions, world_size)["this layout + ZeRO-1"].states
+                  if partitions else None)
+    state_bytes = sum(local_bytes([t for t in s.values() if isinstance(t, torch.Tensor)])
+                      for s in optimizer.state.values())
+    memory = RankMemory(params=local_bytes(list(module.parameters())), grads=grad_bytes, states=state_bytes,
+                        states_max=states_max if states_max is not None else state_bytes,
+                        activations=_kind(saved, "Activation") + _kind(saved, "Temp"), ddp_buckets=sum(buckets),
+                        peak=peak + sum(buckets))
+    return StepMeasurement(memory=memory, flops=flops.get_total_flops(), calls=tuple(counter.calls) + tuple(ddp_calls),
+                           groups=_groups(mesh, dims, topology), num_sharded_layers=len(tp_plan),
+                           placement=placed.policy, owned_state_elements=_owned_elements(optimizer))
+
+
+def _reduce_and_step(params: list[torch.Tensor], mesh: WorldMesh, expert_mesh: DeviceMesh | None,
+                     optimizer: torch.optim.Optimizer, counter: CollectiveCounter) -> None:
+    """What the strategy's ``optimizer_step`` does after the closure: the shard reductions, then the step."""
+    reduce_tensor_parallel_gradients(params, mesh["dp", "tp"])
+    if expert_mesh is not None:
+        reduce_expert_gradients(params, expert_mesh)
+    counter.phase = "optimizer"
+    optimizer.step()
+
+
+def _kind(snapshot: dict, name: str) -> int:
+    """Bytes of one kind (``_MemRefType`` value, or ``"Total"``) in a ``MemTracker`` snapshot."""
+    return sum(v for k, v in snapshot.items() if getattr(k, "value", k) == name)
+
+
+def _owned_elements(optimizer: torch.optim.Optimizer) -> int:
+    """FP32 elements whose AdamW state this rank keeps (what its step reads and writes)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in optimizer.state)
