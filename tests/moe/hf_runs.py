@@ -1,7 +1,7 @@
 """transformers MoE families under expert parallelism: 10 SGD steps of each family from ``hf_families``, on one
 process on the global batch (= DDP's result) and expert-sharded ``ep=2`` under DDP, with bias balancing where the
 family has a bias (DeepSeek-V3's ``e_score_correction_bias``); the loop is :mod:`tests.moe.ep_runs`. The tests are in
-tests/parallel/test_expert.py and, on the oldest supported versions, tests/test_oldest_versions.py."""
+tests/parallel/test_expert.py, which `make test-oldest` also runs on the oldest supported versions."""
 
 from __future__ import annotations
 
