@@ -25,7 +25,8 @@ How a block is wrapped: its class is swapped for a subclass whose ``forward`` ca
 
 Order with parallelism (torchtitan's): tensor and expert parallelism first (the blocks' layers may hold DTensors),
 then this, then FSDP2's ``fully_shard`` on each checkpointed block: its all-gathers stay outside the recompute,
-and its pre-backward all-gather feeds it.
+and its pre-backward all-gather feeds it. ``torch.compile`` of a checkpointed block (after this) traces the
+checkpoint without a graph break; its backward then recomputes inside the compiled graph.
 
 Costs: ``"full"`` recomputes each block's forward (about a third more compute per step), plus the collectives
 inside a tensor-parallel block; ``"selective"`` recomputes the cheap ops and half the matrix multiplies.
@@ -47,12 +48,7 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-    noop_context_fn,
-)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_deepseek.parallel.plan import plan_blocks
 
@@ -92,6 +88,21 @@ def _recomputing() -> Iterator[None]:
         _state.recomputing = False
 
 
+def _flag_recompute(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, whose calls after the first (the checkpoint's recompute) run with ``is_recomputing()`` true."""
+    calls = 0
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return fn(*args, **kwargs)
+        with _recomputing():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def _selective_contexts() -> tuple[Any, Any]:
     """Fresh contexts for one checkpointed call: keep the outputs of the ops in ``_SAVE_OPS`` and of every odd
     matrix multiply (counted separately in forward and recompute, so both pick the same ones)."""
@@ -121,18 +132,11 @@ class CheckpointedForward(nn.Module):
             kwargs.update({name: None for name in _CACHE_KWARGS if kwargs.get(name) is not None})
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
-        calls = 0
-
-        def run(*inner_args: Any, **inner_kwargs: Any) -> Any:
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                return original(*inner_args, **inner_kwargs)
-            with _recomputing():
-                return original(*inner_args, **inner_kwargs)
-
-        context_fn: Callable = _selective_contexts if self.activation_checkpointing == "selective" else noop_context_fn
-        return checkpoint(run, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        # Compiled, the block is traced once and its backward recomputes inside the graph, without Python.
+        run = original if torch.compiler.is_compiling() else _flag_recompute(original)
+        if self.activation_checkpointing == "selective":
+            return checkpoint(run, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)  # no context_fn: torch.compile traces it
 
 
 _checkpointed_classes: dict[type, type] = {}
