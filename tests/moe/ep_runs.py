@@ -17,6 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_deepseek.moe.balancing import LoadCounter, update_biases
 from lightning_deepseek.moe.protocol import find_expert_layers
 from lightning_deepseek.parallel.expert import apply_expert_parallel, is_expert_param, reduce_expert_gradients
+from lightning_deepseek.parallel.expert_dispatch import apply_island_dispatch, build_island_dispatch
+from lightning_deepseek.parallel.topology import parse_topology
 from tests.parallel.common import full_state
 
 RATE = 1e-2
@@ -44,11 +46,15 @@ def reference(model: nn.Module, batches: list[torch.Tensor], loss: Loss) -> tupl
     return train(model, model, batches, loss, lambda: None, lambda c: c), full_state(model)
 
 
-def ep_run(model: nn.Module, batches: list[torch.Tensor], loss: Loss, rank: int, world_size: int) -> dict[str, Any]:
-    """``model`` trained with its experts sharded ``ep=2`` (contiguous ranks), everything else under DDP."""
+def ep_run(model: nn.Module, batches: list[torch.Tensor], loss: Loss, rank: int, world_size: int,
+           islands: str | None = None) -> dict[str, Any]:
+    """``model`` trained with its experts sharded ``ep=2`` (contiguous ranks), everything else under DDP; with
+    ``islands`` (a topology, e.g. ``"0;1"``), dispatched per island."""
     model.train()
     mesh = DeviceMesh("cpu", torch.arange(world_size).view(world_size // 2, 2), mesh_dim_names=("edp", "ep"))
     layers = apply_expert_parallel(model, mesh)
+    if islands is not None:
+        apply_island_dispatch(layers, build_island_dispatch(parse_topology(islands), mesh.mesh.tolist()))
     ignored = [name for name, p in model.named_parameters() if is_expert_param(p)]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(model)

@@ -5,7 +5,8 @@ user's own FP32 layer (``register_experts``), each trained 8 SGD steps on one pr
 expert-sharded ``ep=2`` under DDP, the balancing bias updated after every step from the token counts (summed over
 ranks under EP); losses and final weights within 1e-4. torchtitan's experts compute in BF16: on CPU a row's result
 does not depend on the size of its group, so the sharded run matches as closely as the FP32 one (1.2e-7 on the
-losses); docs/moe.md states the bound where a kernel's result does depend on it (GPU grouped GEMMs).
+losses); docs/moe.md states the bound where a kernel's result does depend on it (GPU grouped GEMMs). The user's
+layer also through the per-island dispatch (two islands of one rank each).
 In the same spawn, with Lightning: torchtitan's MoE under ``HybridParallelStrategy(expert_parallel_size=2)`` and
 ``ExpertLoadBalancing`` against ``DDPStrategy`` with the same callback.
 """
@@ -73,6 +74,7 @@ def _fit(strategy: pl.strategies.Strategy) -> dict[str, Any]:
 def scenarios(rank: int, world_size: int) -> dict[str, Any]:
     runs = {kind: ep_runs.ep_run(build(kind), _batches(), loss, rank, world_size)
             for kind in KINDS if kind == "user" or HAS_TITAN}
+    runs["user_per_island"] = ep_runs.ep_run(build("user"), _batches(), loss, rank, world_size, islands="0;1")
     if HAS_TITAN:
         hybrid = HybridParallelStrategy(tensor_parallel_size=1, expert_parallel_size=2)
         runs["lightning"] = {"ddp": _fit(DDPStrategy()), "hybrid": _fit(hybrid)}
@@ -111,3 +113,12 @@ def test_hybrid_strategy_shards_torchtitan_experts_at_ddp_parity(runs: dict[str,
     for step, (ours, ref) in enumerate(zip(hybrid["losses"], ddp["losses"])):
         assert abs(ours - ref) <= TOL * abs(ref), f"step {step}: {ours} vs {ref}"
     assert all(b > 0 for b in hybrid["bias"]) and hybrid["bias"] == pytest.approx(ddp["bias"], rel=TOL)
+
+
+def test_grouped_experts_dispatched_per_island_match_one_process(runs: dict[str, Any]) -> None:
+    """The per-island dispatch (each rank an island of its own) takes a grouped layer's rows as the flat one does."""
+    run = runs["user_per_island"]
+    ref_losses, ref_state = ep_runs.reference(build("user"), _batches(), loss)
+    for step, (ours, ref) in enumerate(zip(run["losses"], ref_losses)):
+        assert abs(ours - ref) <= TOL * abs(ref), f"step {step}: {ours} vs {ref}"
+    assert relative_error(run["state"], ref_state) < TOL
