@@ -1,6 +1,6 @@
 """Activation checkpointing per transformer block: which blocks are found, bitwise parity with no checkpointing
 (losses and gradients, FP32, a few SGD steps, same seed) on our GPT, HF Llama and a user's ``nn.ModuleList``, the
-activation bytes it keeps, and its composition with tensor-parallel DTensor blocks and FSDP2 (2 gloo processes each,
+activation bytes it keeps, and its composition with tensor and expert parallelism and FSDP2 (2 gloo processes each,
 and FSDP x TP on 4)."""
 
 from __future__ import annotations
@@ -260,15 +260,18 @@ def _train_on_rank(model: nn.Module, rank: int) -> dict[str, list]:
     return dict(losses=losses, grads=grads)
 
 
-LAYOUTS = {"tp": {"tp": 2}, "fsdp": {"dp": 2}, "fsdp x tp": {"dp": 2, "tp": 2}}
+LAYOUTS = {"tp": {"tp": 2}, "ep": {"edp": 1, "ep": 2}, "fsdp": {"dp": 2}, "fsdp x tp": {"dp": 2, "tp": 2}}
+_MOE = dict(n_routed_experts=4, moe_top_k=2, moe_hidden=16, n_dense_layers=1)
 
 
 def _sharded_runs(rank: int, world_size: int, layout: str) -> dict[str, Any]:
     """Each mode on GPT blocks sharded as ``layout`` says, in torchtitan's order: the plan's feed-forward layers as
-    DTensors over ``tp``, then checkpointing, then FSDP2's ``fully_shard`` over ``dp`` on each block and the root."""
+    DTensors over ``tp`` or the routed experts over ``ep`` (a MoE GPT), then checkpointing, then FSDP2's
+    ``fully_shard`` over ``dp`` on each block and the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from lightning_deepseek.parallel.expert import apply_expert_parallel
     from lightning_deepseek.parallel.plan import auto_plan
     from lightning_deepseek.parallel.styles import apply_tensor_parallel
 
@@ -277,10 +280,12 @@ def _sharded_runs(rank: int, world_size: int, layout: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for mode in ("none", *MODES):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(**_GPT))
+        model = GPT(GPTConfig(**_GPT, **(_MOE if "ep" in sizes else {})))
         entries = auto_plan(model, sizes["tp"], 0)[0] if "tp" in sizes else []
         if entries:
             apply_tensor_parallel(model, {e.name: e.style for e in entries}, mesh["tp"])
+        if "ep" in sizes:
+            entries = apply_expert_parallel(model, mesh)
         names = apply_activation_checkpointing(model, mode)
         if "dp" in sizes:
             for block in model.blocks:
@@ -318,6 +323,11 @@ def _check_bitwise(results: list[dict[str, Any]], layout: str) -> None:
 def test_tensor_parallel_blocks_checkpoint_bitwise(two_rank_results: list[dict[str, Any]]) -> None:
     assert two_rank_results[0]["tp"]["none"]["sharded"] > 0
     _check_bitwise(two_rank_results, "tp")
+
+
+def test_expert_parallel_blocks_checkpoint_bitwise(two_rank_results: list[dict[str, Any]]) -> None:
+    assert two_rank_results[0]["ep"]["none"]["sharded"] == 2  # the two MoE layers' experts, all-to-all inside
+    _check_bitwise(two_rank_results, "ep")
 
 
 def test_fully_shard_after_checkpointing_trains_bitwise(two_rank_results: list[dict[str, Any]]) -> None:
