@@ -223,6 +223,51 @@ class ActivationBytes(TorchDispatchMode):
         return sum({storage.data_ptr(): storage.nbytes() for storage in self.created}.values())
 
 
+class OpNames(TorchDispatchMode):
+    """The names of the ops run while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_selective_keeps_attention_and_full_recomputes_it(device: str) -> None:
+    """Attention forwards run again in backward: one per block under full, none under selective (its output is
+    kept), whichever kernel SDPA picks on ``device``; the losses stay those of none."""
+    recomputed, losses = {}, {}
+    for mode in ("none", *MODES):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**_GPT)).to(device)
+        apply_activation_checkpointing(model, mode)
+        loss = _gpt_loss(model, _tokens().to(device))
+        with OpNames() as ops:
+            loss.backward()
+        recomputed[mode] = sum(name.startswith("aten._scaled_dot_product") and "backward" not in name
+                               for name in ops.names)
+        losses[mode] = loss.item()
+    assert recomputed == {"none": 0, "full": _GPT["n_layer"], "selective": 0}
+    assert losses["full"] == losses["selective"] == losses["none"]
+
+
+def test_the_ops_selective_keeps_exist_in_this_torch() -> None:
+    from lightning_deepseek.parallel.activation_checkpointing import _MATMUL_OPS, _SAVE_OPS
+
+    aten = torch.ops.aten
+    assert {aten.mm.default, aten.addmm.default, aten.bmm.default} <= _MATMUL_OPS
+    assert {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_cudnn_attention.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default} <= _SAVE_OPS
+
+
 def _activation_bytes(mode: str, n_layer: int) -> tuple[int, int]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=64, n_layer=n_layer, n_head=2, n_embd=64))
