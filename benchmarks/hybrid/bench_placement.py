@@ -57,8 +57,8 @@ def worker(args: argparse.Namespace) -> None:
             local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in module.parameters())
             full = sum(p.numel() * 4 for p in module.parameters())
             ff = [p for n, p in module.named_parameters() if isinstance(p, DTensor)]
-            results.append(dict(repeat=repeat, policy=policy, chosen=strategy.placement,
-                                estimates=strategy.placement_estimates, median_s=times.median().item(),
+            results.append(dict(repeat=repeat, policy=policy, chosen=strategy.layout.placement,
+                                estimates=strategy.layout.estimates, median_s=times.median().item(),
                                 param_bytes=local, ddp_param_bytes=full,
                                 ff_bytes=sum(p.to_local().numel() * 4 for p in ff),
                                 ff_ddp_bytes=sum(p.numel() * 4 for p in ff)))

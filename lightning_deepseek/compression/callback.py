@@ -98,7 +98,7 @@ class GradientCompression(Callback):
     ``GradientCompression(bits=4, block_size=64)``: the exchange's settings are the fields of
     :class:`~lightning_deepseek.compression.CompressionConfig` (``bits``, ``block_size``, ``error_feedback``,
     ``warmup_steps``, ``min_bucket_numel``, ``stochastic_rounding``, ``overlap``, ``seed``...), where each one's
-    default and meaning are documented. ``bits="auto"``: fp32, 8 or 4 by the cost model, at fit start.
+    default and meaning are documented. ``bits="auto"``: fp32, 8 or 4 by timed copies, at fit start.
 
     Args:
         config: the exchange's settings as one value; or pass them as keyword arguments (``**settings``).
@@ -125,7 +125,7 @@ class GradientCompression(Callback):
         self._device = torch.device("cpu")
         self._gather_group: dist.ProcessGroup | None = None
         self._gpu_step: tuple | None = None  # CUDA: the last step's events, read at the next step (_gpu_timings)
-        self.decision: Decision | None = None  # bits="auto": the cost model's table and choice
+        self.decision: Decision | None = None  # bits="auto": the timed copies' table and choice
         self._decided_by_strategy = False
 
     @override
@@ -170,7 +170,7 @@ class GradientCompression(Callback):
             self._pending = None
 
     def _decide_bits(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int | None:
-        """``bits="auto"``: the strategy's decision where it made one, else the cost model's here (collective)."""
+        """``bits="auto"``: the strategy's decision where it made one, else timed copies here (collective)."""
         from lightning_deepseek.autotune.auto_parallel import decide_compression  # autotune imports our kernels
 
         strategy = trainer.strategy
@@ -265,7 +265,7 @@ class GradientCompression(Callback):
         state = self.hook_state
         auto = {} if self.decision is None or self._decided_by_strategy else self.decision.summary()
         if state is None:
-            off = "fp32: the cost model predicts no gain" if self.decision is not None else "single device"
+            off = "fp32: no compressed copy was faster" if self.decision is not None else "single device"
             return {"compression": f"off ({off})", **auto}
         cfg = state.config
         return {

@@ -24,6 +24,7 @@ from lightning_deepseek.parallel.placement import (
     POLICIES,
     CommVolume,
     LinkCost,
+    candidate_mesh,
     comm_volume,
     place,
     tokens_per_micro_batch,
@@ -43,11 +44,12 @@ class Layout:
 
     Args:
         dims: the parallel sizes.
-        placement: the rank-order policy placement chose (``"tp_intra_node"`` or ``"dp_intra_node"``).
+        placement: the rank-order policy placement chose (``"tp_intra_node"`` or ``"dp_intra_node"``), or
+            ``"user"`` where the LightningModule parallelised itself in ``configure_model``.
         order: every rank in mesh order (a rank's position is its data shard); every mesh is cut from it.
         bits: the gradient-compression bits decided with the sizes (8 or 4), ``32`` for an uncompressed exchange,
             or None where the strategy did not decide them (no callback asked, or fixed bits).
-        decision: the cost model's comparison when an ``"auto"`` setting was decided by it, else None.
+        decision: the timed copies' comparison when an ``"auto"`` setting was decided by it, else None.
     """
 
     dims: ParallelDims
@@ -160,17 +162,30 @@ def resolve_dims(module: nn.Module, settings: LayoutSettings, dims: ParallelDims
     return ParallelDims(dims.world_size, tp=tp, ep=ep, dp_shard=dims.dp_shard)
 
 
+def why_untimed(meta: bool, dims: ParallelDims, fitting: bool) -> str | None:
+    """Why the ``"auto"`` sizes cannot be decided by timed copies in this setup (they then resolve to 1), or None."""
+    if meta:
+        return "a model on the meta device cannot be timed"
+    if dims.fsdp_enabled:
+        return "the timed copies do not shard parameters (data_parallel_shard_size > 1)"
+    return None if fitting else "it is decided when fitting; this run only evaluates"
+
+
 def decide_layout_plan(module: nn.Module, settings: LayoutSettings, dims: ParallelDims,
-                       decision: Decision | None, meta: bool = False) -> Plan:
+                       decision: Decision | None, untimed: str | None = None) -> Plan:
     """The tensor-parallel plan at the decided ``tp`` (empty, saying why, where nothing is sharded)."""
     if settings.tp == "auto" and dims.tp == 1 and dims.world_size > 1:
-        why = (f"timing the candidate layouts chose tp=1 ({decision.reason})" if decision is not None
-               else "a model on the meta device cannot be timed" if meta
-               else "it is decided when fitting; this run only evaluates")
-        return Plan(reason=f"tensor_parallel_size='auto': {why}, so nothing is sharded and this runs as plain DDP; "
-                    "set tensor_parallel_size to shard anyway.")
+        why = f"timing the candidate layouts chose tp=1 ({decision.reason})" if decision is not None else untimed
+        return Plan(reason=f"tensor_parallel_size='auto': {why}, so no layer is tensor-parallel; set "
+                    "tensor_parallel_size to shard the feed-forward layers anyway.")
     return decide_plan(module, settings.plan, dims.world_size, dims.tp, settings.tp == "per_node",
                        settings.min_shard_params)
+
+
+def default_order(settings: LayoutSettings, topology: Topology, dims: ParallelDims) -> list[int]:
+    """The rank order before the model is known: the ``placement`` policy's, ``tp_intra_node`` for ``"auto"``."""
+    policy = "tp_intra_node" if settings.placement == "auto" else settings.placement
+    return [rank for row in candidate_mesh(policy, topology, dims.dp, dims.tp) for rank in row]
 
 
 def place_layout(module: nn.Module, trainer: pl.Trainer, settings: LayoutSettings, dims: ParallelDims, plan: Plan,

@@ -66,9 +66,11 @@ from lightning_deepseek.parallel.layout import (
     LayoutSettings,
     decide_layout_plan,
     decide_sizes,
+    default_order,
     place_layout,
     provisional_dims,
     resolve_dims,
+    why_untimed,
 )
 from lightning_deepseek.parallel.memory import setup_optimizer_states, summary_rows
 from lightning_deepseek.parallel.optimizers import disable_foreach_on_mixed_groups, settle_mixed_param_groups
@@ -185,14 +187,6 @@ class HybridParallelStrategy(DDPStrategy):
         return self.world_mesh["dp", "tp"]
 
     @property
-    def placement(self) -> str | None:
-        return self.layout.placement if self.layout is not None else None
-
-    @property
-    def placement_estimates(self) -> dict[str, float]:
-        return self.layout.estimates if self.layout is not None else {}
-
-    @property
     def plan(self) -> Plan:
         """The sharded layers (empty before setup); iterating it gives its ``PlanEntry`` items."""
         return self._plan
@@ -247,8 +241,12 @@ class HybridParallelStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._dims = provisional_dims(self._settings, self.world_size, self.num_processes)
+        self._dims = dims = provisional_dims(self._settings, self.world_size, self.num_processes)
         self._topology = discover_topology(self.root_device, self.local_rank, self.cluster.topology)
+        # As Lightning's ModelParallelStrategy, `self.device_mesh` exists in configure_model: the fixed sizes in
+        # placement's default order; setup() may choose the "auto" sizes and another order for its own sharding.
+        self._mesh = dims.build_mesh(self.root_device.type, default_order(self._settings, self._topology, dims))
+        self.lightning_module._device_mesh = self.device_mesh  # what LightningModule.device_mesh reads
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -260,11 +258,13 @@ class HybridParallelStrategy(DDPStrategy):
             self.model_to_device()
         if not any(isinstance(p, DTensor) for p in module.parameters()):
             self._parallelize(module, trainer, meta)
+        elif self.layout is None:  # the user's own parallelisation in configure_model: kept as it is
+            self.layout = Layout(self.parallel_dims, "user", self.world_mesh.order)
         materialize(module, self.root_device)  # a meta model: each rank allocates and initialises its shards
         self.model_to_device()
         # Unsharded, each step is DDPStrategy's own; FSDP reduces its parameters' gradients itself.
         sharded = any(isinstance(p, DTensor) for p in module.parameters())
-        self._has_shards = sharded and not self.parallel_dims.fsdp_enabled
+        self._has_shards = sharded and not self.parallel_dims.fsdp_enabled and self.layout.placement != "user"
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
@@ -287,15 +287,15 @@ class HybridParallelStrategy(DDPStrategy):
         assert self._topology is not None
         settings = self._settings
         decision = self.layout.decision if self.layout is not None else None
-        if self.layout is None and "auto" in (settings.tp, settings.ep) and self.world_size > 1 and not meta \
-                and trainer.state.fn == TrainerFn.FITTING:  # timed copies are training steps of a real model
+        untimed = why_untimed(meta, self.parallel_dims, trainer.state.fn == TrainerFn.FITTING)
+        if self.layout is None and "auto" in (settings.tp, settings.ep) and self.world_size > 1 and untimed is None:
             decision = decide_sizes(module, trainer, settings, self.parallel_dims, self._topology)
         self._dims = dims = resolve_dims(module, settings, self.parallel_dims, self.num_processes, decision)
-        self._plan = decide_layout_plan(module, settings, dims, decision, meta)
+        self._plan = decide_layout_plan(module, settings, dims, decision, untimed)
         if self.layout is None:
             self.layout = place_layout(module, trainer, settings, dims, self._plan, self._topology, decision)
             self._mesh = dims.build_mesh(self.root_device.type, self.layout.order)
-        module._device_mesh = self.device_mesh  # what LightningModule.device_mesh reads; Lightning has no setter
+        module._device_mesh = self.device_mesh  # Lightning has no setter
         apply_tensor_parallel(module, self._plan.styles, self.device_mesh["tp"])
         log_plan(module, self._plan, dims)
         self._expert_plan = setup_expert_parallel(module, self.world_mesh, self._topology, self.expert_routing)
