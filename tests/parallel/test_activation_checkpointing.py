@@ -1,7 +1,7 @@
 """Activation checkpointing per transformer block: which blocks are found, bitwise parity with no checkpointing
 (losses and gradients, FP32, a few SGD steps, same seed) on our GPT, HF Llama and a user's ``nn.ModuleList``, the
-activation bytes it keeps, and its composition with tensor and expert parallelism and FSDP2 (2 gloo processes each,
-and FSDP x TP on 4)."""
+activation bytes it keeps, and its composition with Lightning's DDP, tensor and expert parallelism and FSDP2 (2 gloo
+processes each, and FSDP x TP on 4)."""
 
 from __future__ import annotations
 
@@ -341,9 +341,32 @@ def _sharded_runs(rank: int, world_size: int, layout: str) -> dict[str, Any]:
     return results
 
 
+def _lightning_ddp_runs(world_size: int) -> dict[str, Any]:
+    """Each mode applied in ``configure_model`` of a LightningModule trained by Lightning's own DDP: losses of every
+    step and the final weights."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from tests.parallel.common import TinyLM, full_state, loader, make_trainer, token_data
+
+    class CheckpointedLM(TinyLM):
+        def configure_model(self) -> None:
+            self.checkpointed = apply_activation_checkpointing(self.model, self.mode)
+
+    results: dict[str, Any] = {}
+    for mode in ("none", *MODES):
+        pl.seed_everything(0, verbose=False)
+        module = CheckpointedLM()
+        module.mode = mode
+        make_trainer(world_size, DDPStrategy(), max_steps=STEPS).fit(module, loader(token_data(4 * STEPS), 2))
+        results[mode] = dict(losses=module.losses, state=full_state(module), names=module.checkpointed)
+    return results
+
+
 def _distributed_scenarios(rank: int, world_size: int) -> dict[str, Any]:
-    return {layout: _sharded_runs(rank, world_size, layout) for layout, sizes in LAYOUTS.items()
-            if math.prod(sizes.values()) == world_size}
+    results = {layout: _sharded_runs(rank, world_size, layout) for layout, sizes in LAYOUTS.items()
+               if math.prod(sizes.values()) == world_size}
+    return {**results, "lightning ddp": _lightning_ddp_runs(world_size)} if world_size == 2 else results
 
 
 @pytest.fixture(scope="module")
@@ -373,6 +396,16 @@ def test_tensor_parallel_blocks_checkpoint_bitwise(two_rank_results: list[dict[s
 def test_expert_parallel_blocks_checkpoint_bitwise(two_rank_results: list[dict[str, Any]]) -> None:
     assert two_rank_results[0]["ep"]["none"]["sharded"] == 2  # the two MoE layers' experts, all-to-all inside
     _check_bitwise(two_rank_results, "ep")
+
+
+def test_lightning_ddp_without_sharding_trains_bitwise(two_rank_results: list[dict[str, Any]]) -> None:
+    for rank, results in enumerate(two_rank_results):
+        runs = results["lightning ddp"]
+        assert len(runs["none"]["losses"]) == STEPS
+        for mode in MODES:
+            assert runs[mode]["names"] == ["blocks.0", "blocks.1"], mode  # TinyLM: 2 blocks
+            assert runs[mode]["losses"] == runs["none"]["losses"], (rank, mode)
+            assert all((runs[mode]["state"][k] == v).all() for k, v in runs["none"]["state"].items()), (rank, mode)
 
 
 def test_fully_shard_after_checkpointing_trains_bitwise(two_rank_results: list[dict[str, Any]]) -> None:
