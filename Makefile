@@ -14,6 +14,7 @@ OLDEST := .venv-oldest
 TORCHTITAN := torchtitan==0.3.0 spmd-types==0.2.3 triton==3.9.0
 # One fast test of each component and the tests that depend on the versions (transformers' plans, Hydra, Optuna).
 OLDEST_TESTS := tests/test_versions.py tests/moe tests/parallel/test_hf_families.py tests/parallel/test_expert.py \
+	tests/parallel/test_activation_checkpointing.py tests/parallel/test_fsdp.py \
 	tests/parallel/test_plan.py tests/hpo/test_upstream_sweeper.py tests/hpo/test_search.py tests/precision \
 	tests/compression/test_hook.py tests/elastic/test_components.py tests/optim tests/data tests/models \
 	--ignore=tests/precision/test_cli.py  # lds-train imports Lightning 2.6's _RICH_AVAILABLE (the app's to mend)

@@ -47,10 +47,13 @@ class LoadCounter:
             layer.experts.register_forward_pre_hook(self._hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
 
     def _hook(self, i: int) -> Any:
+        # Imported here: parallel imports this package (the MoE protocol); a recomputed forward counts no tokens.
+        from lightning_deepseek.parallel.activation_checkpointing import is_recomputing
+
         grouped = self.layers[i].convention == "grouped"
 
         def count(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if module.training and torch.is_grad_enabled():
+            if module.training and torch.is_grad_enabled() and not is_recomputing():
                 # top_k: (hidden, top_k_index, weights); grouped: (rows, num_tokens_per_expert), counted already
                 index = args[1] if len(args) > 1 else kwargs["num_tokens_per_expert" if grouped else "top_k_index"]
                 self.counts = self.counts.to(index.device)

@@ -13,6 +13,7 @@ and, when asked, shards the states.
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,8 @@ def setup_optimizer_states(optimizers: list[Optimizer], rank: int, world_size: i
     inners = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
     owners = [zero.partition([p for g in o.param_groups for p in g["params"]], replica_group_of) for o in inners]
     memory = memory_per_rank(inners, owners, world_size)  # with the partition ZeRO-1 deals or would deal
+    if mesh is not None and mesh.dims.fsdp_enabled:  # parameter sharding already shards the states
+        memory.pop("this layout + ZeRO-1")
     rank_zero_info(f"HybridParallelStrategy memory per rank:\n{format_memory_table(memory, shard)}")
     if not shard:
         return []
@@ -142,16 +145,23 @@ def setup_optimizer_states(optimizers: list[Optimizer], rank: int, world_size: i
 
 def summary_rows(module: nn.Module, layout: Layout, num_sharded_layers: int, optimizers: list[Optimizer],
                  sharded: list[ShardedOptimizerStates], rank: int) -> dict[str, object]:
-    """The layout and parameter and optimizer-state bytes per rank against DDP's, as rows of a run summary."""
+    """The layout, parameter and optimizer-state bytes per rank against DDP's, and the measured peak (CUDA: the
+    caching allocator's ``max_memory_allocated``; CPU: the process's peak resident set), as rows of a run summary."""
     params = list(module.parameters())
     full = sum(p.numel() * p.element_size() for p in params)
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
-    rows: dict[str, object] = {"hybrid_mesh": f"dp={layout.dims.dp} x tp={layout.dims.tp} ({layout.placement})",
+    dims = layout.dims
+    mesh = f"dp={dims.dp} x tp={dims.tp}" + (f", dp_shard={dims.dp_shard}" if dims.fsdp_enabled else "")
+    rows: dict[str, object] = {"hybrid_mesh": f"{mesh} ({layout.placement})",
                                "hybrid_sharded_layers": num_sharded_layers,
                                "hybrid_param_bytes_vs_ddp": round(local / max(full, 1), 3),
                                **(layout.decision.summary() if layout.decision is not None else {})}
     if optimizers:
-        rows["hybrid_optimizer_state_bytes"] = sum(zero.state_bytes(o) for o in optimizers)
+        rows["hybrid_optimizer_state_bytes"] = states = sum(zero.state_bytes(o) for o in optimizers)
+        rows["hybrid_model_state_bytes"] = 2 * local + states  # parameters, their gradients, optimizer states
+    device = params[0].device if params else torch.device("cpu")
+    rows["peak_memory_bytes"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if sharded:
         state = sum(z.partition.state_fraction(rank) * local for z in sharded) / len(sharded)
         rows["hybrid_optimizer_state_bytes_vs_ddp"] = round(state / max(full, 1), 3)
