@@ -9,8 +9,9 @@ fix. Everything else is Lightning's: ``TQDMProgressBar`` without ``rich``, nothi
 
 from __future__ import annotations
 
+import importlib.util
+
 from lightning.pytorch.callbacks import Callback, ProgressBar, RichProgressBar, TQDMProgressBar
-from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 
 class StepLimitedRichProgressBar(RichProgressBar):
@@ -30,3 +31,6 @@ def progress_bar(enabled: bool, callbacks: list[Callback]) -> list[ProgressBar]:
     if not enabled or any(isinstance(callback, ProgressBar) for callback in callbacks):
         return []
     return [StepLimitedRichProgressBar() if _RICH_AVAILABLE else TQDMProgressBar()]
+
+
+_RICH_AVAILABLE = importlib.util.find_spec("rich") is not None  # Lightning's own flag is private and 2.6+ only
