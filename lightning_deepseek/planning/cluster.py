@@ -4,7 +4,7 @@ memory and its bandwidth, and the two link classes (inside a node, across nodes)
 Link figures are per GPU and per direction (what one rank can send at once); a group whose ranks sit on more than
 one node runs at the across-nodes figures (the ring's slowest hop), one inside a node at the inside figures. Nothing
 is probed: a plan is for machines one does not have. The presets are YAML files of ``lds-plan``
-(``lightning_deepseek/app/conf/cluster``); a user's own file has the same fields.
+(``lightning_deepseek/app/conf/plan/presets/cluster``); a user's own file has the same fields.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class ClusterSpec:
         if missing:
             raise ClusterSpecError(f"cluster file {source} lacks {', '.join(dict.fromkeys(missing))}. A cluster file "
                                    f"needs {', '.join(REQUIRED)} with links.intra and links.inter each holding "
-                                   f"{' and '.join(LINK_FIELDS)} (see lightning_deepseek/app/conf/cluster/h100.yaml).")
+                                   f"{' and '.join(LINK_FIELDS)} (as lds-plan's preset h100.yaml).")
         try:
             peak = {str(k): float(v) for k, v in dict(spec["peak_tflops"]).items()}
             made = cls(str(spec["name"]), int(spec["gpus_per_node"]), peak, float(spec["memory_gib"]),

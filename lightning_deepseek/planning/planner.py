@@ -35,8 +35,10 @@ strategy does not yet have the first three); uneven routing; optimizers other th
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -65,6 +67,8 @@ from lightning_deepseek.planning.models import ModelSpec
 from lightning_deepseek.planning.report import PlanReport, RankMemory
 from lightning_deepseek.planning.routing import uniform_routing
 
+RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                     "lightning_utilities.core.rank_zero")
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
 # The CPU's fused attention has no formula in FlopCounterMode's registry; it does what the GPU kernels do.
 # (FlopCounterMode wraps a custom formula itself: hand it the unwrapped ones.)
@@ -104,10 +108,24 @@ def plan(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: Cluster
     step = step or StepShape()
     started = time.perf_counter()
     topology = cluster_topology(world_size, cluster.gpus_per_node)
-    with fake_world(world_size), warnings.catch_warnings():
+    with fake_world(world_size), warnings.catch_warnings(), _quiet_set_up():
         warnings.simplefilter("ignore")  # the strategy's and torch's set-up warnings are for real runs
         measured = _step(model, world_size, layout, step, topology, cluster)
     return estimate(model.name, world_size, layout, cluster, step, measured, time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def _quiet_set_up() -> Iterator[None]:
+    """The strategy's set-up tables (Lightning's ``rank_zero_info``) are for real runs: the plan prints its own."""
+    loggers = [logging.getLogger(name) for name in RANK_ZERO_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _groups(mesh: object, dims: ParallelDims, topology: Topology) -> dict[str, GroupInfo]:
