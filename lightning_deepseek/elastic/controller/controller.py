@@ -5,7 +5,9 @@ Every ``interval_s`` the controller reads each job's report file (``report.py``)
 never touches training processes itself, so it can die without harming the jobs: the agents run in their
 own sessions and keep training at their current size (``LocalBackend`` records their pids in
 ``<run_dir>/agents.json``). A job that reports ``fatal`` (e.g. a checkpoint of another model) is stopped
-and the controller exits with its message; a job that reports ``done`` is left to finish. Each resize is
+and the controller exits with its message; a job that reports ``done`` is left to finish. A resize holds its job
+from the decision until the job reports training at the new size (on a cluster manager that takes the queue and
+the start-up), and ``cooldown_s`` counts from then; after ``RESIZE_TIMEOUT_S`` it holds no more. Each resize is
 printed with its reason; at the end ``<run_dir>/workers.png`` plots the workers of every job over time.
 
     lds-elastic --min-workers 1 --max-workers 2 --run-dir runs/demo -- examples/elastic_train.py --run-dir runs/demo
@@ -26,6 +28,9 @@ from lightning_deepseek.elastic.controller.timeline import Timeline, resize_reas
 from lightning_deepseek.elastic.report import Reports
 
 log = logging.getLogger(__name__)
+
+# A resize that has not taken effect after this long (e.g. a node the cluster never scheduled) stops holding its job.
+RESIZE_TIMEOUT_S = 600.0
 
 
 class JobFailed(RuntimeError):
@@ -56,6 +61,7 @@ class ElasticController:
         self.started: set[str] = set()
         self.healthy = {job.name: True for job in jobs}
         self.timeline = Timeline()
+        self.in_flight: dict[str, tuple[int, float]] = {}  # job name -> (nodes decided, when), until it trains so
 
     def status(self, job: JobSpec) -> JobStatus:
         """The policy's view of ``job`` from its latest reports."""
@@ -70,11 +76,17 @@ class ElasticController:
         progress = reports.latest_progress or {}
         max_steps = progress.get("max_steps") or 0
         now = time.time()
+        target, decided = self.in_flight.get(job.name, (0, now))
+        if job.name in self.in_flight and (progress.get("world_size") == target * job.nproc_per_node
+                                           or now - decided > RESIZE_TIMEOUT_S):
+            del self.in_flight[job.name]
+            self.last_resize[job.name] = now  # the cooldown runs from the resize's end, not from its decision
         return JobStatus(
             name=job.name, min_workers=job.min_workers, max_workers=job.max_workers, workers=self.backend.size(job),
             samples_per_s=progress.get("samples_per_s"),
             fraction_done=min(progress.get("step", 0) / max_steps, 1.0) if max_steps > 0 else 0.0,
-            elapsed_s=now - job.started_at, since_resize_s=now - self.last_resize[job.name],
+            elapsed_s=now - job.started_at,
+            since_resize_s=0.0 if job.name in self.in_flight else now - self.last_resize[job.name],
             target_samples_per_s=job.target_samples_per_s, deadline_s=job.deadline_s, healthy=self.healthy[job.name],
         )
 
@@ -97,6 +109,7 @@ class ElasticController:
             self.backend.scale(job, targets[job.name])
             self.started.add(job.name)
             self.last_resize[job.name] = time.time()
+            self.in_flight[job.name] = (targets[job.name], self.last_resize[job.name])
         return targets
 
     def run(self, timeout_s: float | None = None) -> None:

@@ -51,6 +51,20 @@ def test_idle_workers_are_shared_then_a_lagging_job_takes_them_from_a_flexible_o
     assert controller.step() == {"lagging": 4, "flexible": 1}
 
 
+def test_a_resize_holds_its_job_until_it_trains_at_the_new_size_then_the_cooldown_runs(tmp_path: Path) -> None:
+    # On a cluster manager a resize takes tens of seconds (queue, start-up): counted from the decision, a short
+    # cooldown undid grows before the new node trained, and the job never trained again.
+    job = _job(tmp_path, "a")
+    controller = ElasticController(InMemoryBackend(), ScalingPolicy(pool_size=4, cooldown_s=60.0), [job])
+    assert controller.step() == {"a": 4}
+    job.run_dir.mkdir(parents=True)
+    controller.last_resize["a"] -= 100.0  # the decision was long ago, but the job has not trained at 4 yet
+    write_report(job.report_file, "progress", step=3, world_size=1, samples_per_s=10.0, max_steps=100)
+    assert controller.status(job).since_resize_s == 0.0
+    write_report(job.report_file, "progress", step=4, world_size=4, samples_per_s=40.0, max_steps=100)
+    assert 0.0 <= controller.status(job).since_resize_s < 60.0  # training at 4 now: the cooldown starts
+
+
 def test_fatal_report_stops_every_job_with_its_message(tmp_path: Path) -> None:
     job = _job(tmp_path, "a")
     backend = InMemoryBackend()
