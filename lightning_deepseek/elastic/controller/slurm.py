@@ -21,8 +21,9 @@ command and its output. submitit's USR2 requeue is not used: a job is requeued b
 
 Not supported: several nodes per SLURM job (a heterogeneous or multi-node allocation that grows in place), GPUs
 other than what ``slurm_parameters`` requests (e.g. ``{"gpus_per_node": 8}``), a controller restarted while its
-jobs run (it does not find the jobs it submitted before), and a first job that is lost: the job then fails with
-a ``SlurmError`` naming it, as the rendezvous store goes with it.
+jobs run (it does not find the jobs it submitted before), two elastic jobs whose first SLURM jobs share a node (one
+``rdzv_port`` for all), and a first job that is lost: the job then fails with a ``SlurmError`` naming it, as the
+rendezvous store goes with it (a requeued first job while others run is not tested).
 """
 
 from __future__ import annotations
