@@ -58,3 +58,10 @@ def test_hpo_example_runs_a_resumable_search(tmp_path: Path) -> None:
     assert (tmp_path / "hpo" / "trials.csv").is_file()
     again = run_example("hpo_search.py", "--trials", "3", "--steps", "20", "--out", str(tmp_path / "hpo"), cwd=tmp_path)
     assert "[hpo] trial" not in again  # every trial is in the study already: nothing runs again
+
+
+def test_finetune_sharded_example_loads_trains_and_exports(tmp_path: Path) -> None:
+    out = run_example("finetune_sharded.py", cwd=tmp_path)
+    assert "parameters on this rank: 41120 of 82240" in out  # FSDP-2: half of the model
+    assert re.search(r"exported model: LlamaForCausalLM, loss [\d.]+", out), out[-2000:]
+    assert (tmp_path / "finetuned" / "model.safetensors").is_file()

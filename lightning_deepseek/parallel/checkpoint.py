@@ -1,5 +1,9 @@
 """Checkpoint I/O of ``HybridParallelStrategy``: torch DCP folders (Lightning ``ModelParallelStrategy``'s layout, a
-folder of shards plus ``meta.pt``) and one-file full checkpoints, both loadable at any ``tp`` or world size.
+folder of shards plus ``meta.pt``) and one-file full checkpoints, both loadable at any other layout: FSDP-N, DDP,
+tp, FSDP x TP, ep, FSDP x EP, other world sizes, one process (weights and optimizer states arrive exactly as saved;
+the state-dict helpers key both by parameter name, whatever the sharding). From a DCP folder each rank reads only
+the slices of its new shards; a one-file checkpoint is read whole by every rank. Pretrained weights (safetensors)
+and the inference export are :mod:`.pretrained`'s.
 
 A DCP folder counts as complete only when it holds ``meta.pt`` (the loader refuses one without it), and ``meta.pt``
 is written last and atomically: an overwritten folder first loses its old ``meta.pt``, the shards are written,
