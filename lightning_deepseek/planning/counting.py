@@ -28,7 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
-IGNORED = ("wait_tensor", "barrier", "monitored_barrier")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather",
+               "scatter", "send", "recv", "allgather", "allreduce_coalesced", "allgather_into_tensor_coalesced",
+               "reduce_scatter_tensor_coalesced", "all_gather_into_tensor_coalesced", "all_reduce_coalesced")
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ def _op_name(func: Any) -> str:
     name = func._overloadpacket.__name__.strip("_")
     return {"allreduce": "all_reduce", "allgather_base": "all_gather", "all_gather_into_tensor": "all_gather",
             "reduce_scatter_base": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-            "alltoall_base": "all_to_all", "all_to_all_single": "all_to_all"}.get(name, name)
+            "alltoall_base": "all_to_all", "all_to_all_single": "all_to_all", "send": "send",
+            "recv": "recv"}.get(name, name)
 
 
 def _group_name(args: list[Any]) -> str:
@@ -70,7 +73,7 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.namespace in NAMESPACES and not any(n in func._overloadpacket.__name__ for n in IGNORED):
+        if func.namespace in NAMESPACES and _op_name(func) in COLLECTIVES:
             flat, _ = tree_flatten((args, kwargs))
             tensors = [t for t in flat + tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             num_bytes = max((t.numel() * t.element_size() for t in tensors), default=0)

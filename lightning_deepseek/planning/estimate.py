@@ -86,7 +86,7 @@ def estimate(model: str, world_size: int, layout: PlanLayout, cluster: ClusterSp
     for (dim, op, _phase), (calls, num_bytes, seconds, exposed) in rows.items():
         group = next((g for g in measured.groups.values() if g.dim == dim), GroupInfo(dim, world_size, "inter"))
         if dim == "ddp":
-            world = next(g for g in measured.groups.values() if g.dim == "world")
+            world = next(g for g in measured.groups.values() if g.dim.endswith("world"))
             group, exposed = GroupInfo("ddp (world)", world.size, world.link), ddp_exposed
         traffic.append(Traffic(group.dim, op, group.size, group.link, int(calls), int(num_bytes), seconds, exposed))
     comm = sum(t.exposed_seconds for t in traffic)

@@ -13,7 +13,8 @@ The steps, the strategy's own code for each (:mod:`lightning_deepseek.parallel`)
    the tensor- and expert-parallel gradients, the optimizer step (ZeRO-1's broadcasts in its hooks);
 4. DDP's gradient all-reduce, which the fake step does not run (DDP's reducer calls the process group from C++), is
    added from DDP's buckets: the replicated trainable parameters in reverse order, a first bucket of 1 MiB, then
-   ``bucket_cap_mb`` (DDP's rule); its buckets are also memory (``gradient_as_bucket_view=False``, the default).
+   ``bucket_cap_mb`` (DDP's rule); its buckets are also memory (``gradient_as_bucket_view=False``, the default);
+   with it, DDP's broadcast of the module's buffers before forward (``broadcast_buffers=True``, its default).
 
 Only rank 0 is stepped: in today's layouts (dp, tp, ep, ZeRO-1) every rank holds the same shapes but ZeRO-1's
 owned states, whose maximum over ranks comes from the partition (``memory_per_rank``, the strategy's own table).
@@ -128,16 +129,27 @@ def _quiet_set_up() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _groups(mesh: object, dims: ParallelDims, topology: Topology) -> dict[str, GroupInfo]:
-    """Every group rank 0 is in, by process-group name: its mesh dimension, size and link class."""
-    named = [("world", dist.group.WORLD)]
-    named += [(dim, mesh[dim].get_group()) for dim in ("dp", "tp")]  # type: ignore[index]
-    named += [(dim, mesh[dim].get_group()) for dim in ("edp", "ep")] if dims.ep_enabled else []  # type: ignore[index]
-    infos: dict[str, GroupInfo] = {}
+def mesh_groups(mesh: WorldMesh, dims: ParallelDims, topology: Topology) -> dict[str, GroupInfo]:
+    """Every group this rank is in, by process-group name: its mesh dimensions (``"tp/world"`` where the ``tp``
+    group is the whole world), size and link class."""
+    named = [(dim, mesh[dim].get_group()) for dim in ("dp", "tp")]
+    named += [(dim, mesh[dim].get_group()) for dim in ("edp", "ep")] if dims.ep_enabled else []
+    named.append(("world", dist.group.WORLD))
+    labels: dict[str, list[str]] = {}
     for dim, group in named:
+        key = group.group_name
+        if dist.get_process_group_ranks(group) == list(range(dims.world_size)):
+            key = dist.group.WORLD.group_name  # one label for the world, whichever group object spans it
+        labels.setdefault(key, []).append(dim)
+    infos = {}
+    for name, dims_of in labels.items():
+        group = next(g for d, g in named if d == dims_of[0])
         ranks = dist.get_process_group_ranks(group)
-        link = "inter" if topology.spans_islands(ranks) else "intra"
-        infos.setdefault(group.group_name, GroupInfo(dim, len(ranks), link))
+        infos[name] = GroupInfo("/".join(dims_of), len(ranks), "inter" if topology.spans_islands(ranks) else "intra")
+    for _dim, group in named:  # a group object of the world other than WORLD's: the same label
+        infos.setdefault(group.group_name, infos[dist.group.WORLD.group_name]
+                         if dist.get_process_group_ranks(group) == list(range(dims.world_size))
+                         else infos[group.group_name])
     return infos
 
 
@@ -180,6 +192,9 @@ def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape
     replicated = [p for p in params if not isinstance(p, DTensor)]
     buckets = ddp_buckets(replicated, int(step.bucket_cap_mb * 2**20)) if world_size > 1 else []
     ddp_calls = [CollectiveCall("all_reduce", dist.group.WORLD.group_name, b, "ddp") for b in buckets]
+    buffers = local_bytes(list(module.buffers()))
+    if buckets and buffers:  # DDP's broadcast_buffers (its default): rank 0's buffers before every forward
+        ddp_calls.insert(0, CollectiveCall("broadcast", dist.group.WORLD.group_name, buffers))
     snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     peak = _kind(snapshot, "Total")
     partitions = [z.partition for z in zero] or None
@@ -192,7 +207,7 @@ def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape
                         activations=_kind(saved, "Activation") + _kind(saved, "Temp"), ddp_buckets=sum(buckets),
                         peak=peak + sum(buckets))
     return StepMeasurement(memory=memory, flops=flops.get_total_flops(), calls=tuple(counter.calls) + tuple(ddp_calls),
-                           groups=_groups(mesh, dims, topology), num_sharded_layers=len(tp_plan),
+                           groups=mesh_groups(mesh, dims, topology), num_sharded_layers=len(tp_plan),
                            placement=placed.policy, owned_state_elements=_owned_elements(optimizer))
 
 

@@ -1,0 +1,105 @@
+"""What a real run of ``HybridParallelStrategy`` holds and sends in one training step, counted the way a plan counts
+it: the model states from the real sharded tensors, the bytes at the real collectives (``CollectiveCounter`` on the
+dispatcher, DDP's buckets through a comm hook). Each rank returns plain numbers for the parent to compare."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _disable_current_modes
+
+from lightning_deepseek import HybridParallelStrategy
+from lightning_deepseek.parallel import Cluster
+from lightning_deepseek.planning import ModelSpec, PlanLayout
+from lightning_deepseek.planning.counting import CollectiveCounter, LocalOpsOnly
+from lightning_deepseek.planning.planner import cluster_topology, local_bytes, mesh_groups
+
+
+class PlannedModule(pl.LightningModule):
+    """The model of a ``ModelSpec``, trained on random tokens with torch's AdamW (the plan's optimizer)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = spec.build()
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.spec.loss(self.model, batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
+
+
+class StepCounter(pl.Callback):
+    """Counts one training step: collectives by (mesh dimension, op), gradient bytes before the optimizer step,
+    parameter and optimizer-state bytes after it."""
+
+    def __init__(self, gpus_per_node: int) -> None:
+        self.gpus_per_node = gpus_per_node
+        self.counter = CollectiveCounter()
+        self.local_ops = LocalOpsOnly()
+        self.ddp_bytes: list[int] = []
+        self.result: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ddp = trainer.strategy.ddp_module
+        if ddp is not None:
+            def counting(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+                self.ddp_bytes.append(bucket.buffer().numel() * bucket.buffer().element_size())
+                with _disable_current_modes():  # counted here, by bucket, as the plan counts DDP
+                    return allreduce_hook(state, bucket)
+            # DDP checks the annotations as objects; this module's are strings (postponed evaluation)
+            counting.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                                        "return": torch.futures.Future[torch.Tensor]}
+            ddp.register_comm_hook(None, counting)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.counter.__enter__()
+        self.local_ops.__enter__()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.result["grads"] = local_bytes([p.grad for p in pl_module.parameters() if p.grad is not None])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           idx: int) -> None:
+        self.local_ops.__exit__(None, None, None)
+        self.counter.__exit__(None, None, None)
+        strategy = trainer.strategy
+        optimizer = strategy.optimizers[0]
+        states = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        topology = cluster_topology(trainer.world_size, self.gpus_per_node)
+        groups = mesh_groups(strategy.world_mesh, strategy.parallel_dims, topology)
+        traffic: dict[tuple[str, str], int] = {}
+        for call in self.counter.calls:
+            key = (groups[call.group].dim if call.group in groups else f"?{call.group}", call.op)
+            traffic[key] = traffic.get(key, 0) + call.num_bytes
+        if self.ddp_bytes:
+            traffic["ddp (world)", "all_reduce"] = sum(self.ddp_bytes)
+        self.result.update(params=local_bytes(list(pl_module.parameters())),
+                           states=local_bytes(states),
+                           traffic=traffic, sharded=any(isinstance(p, DTensor) for p in pl_module.parameters()))
+
+
+def real_step(spec: ModelSpec, layout: PlanLayout, world_size: int, micro_batch_size: int, seq_len: int,
+              gpus_per_node: int) -> dict[str, Any]:
+    """One training step of ``spec`` at ``layout`` on this rank's real process group (collective)."""
+    pl.seed_everything(0, verbose=False)
+    module = PlannedModule(spec)
+    topology = ";".join(",".join(map(str, island)) for island in cluster_topology(world_size, gpus_per_node).islands)
+    cluster = Cluster(topology=topology, link_costs={"intra": {"bandwidth_gbit": 16}, "inter": {"bandwidth_gbit": 1}})
+    strategy = HybridParallelStrategy(tensor_parallel_size=layout.tp, expert_parallel_size=layout.ep,
+                                      shard_optimizer_states=layout.shard_optimizer_states, min_shard_params=0,
+                                      placement=layout.placement, cluster=cluster)
+    counter = StepCounter(gpus_per_node)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, callbacks=[counter])
+    tokens = torch.randint(0, spec.vocab_size, (world_size * micro_batch_size, seq_len))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=micro_batch_size)
+    trainer.fit(module, data)
+    return counter.result
