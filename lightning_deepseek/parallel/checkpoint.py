@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -132,10 +133,15 @@ def load_full(model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[st
             sharded[i].drop_unowned_state(optimizer)  # the file holds every state: keep the owned ones
 
 
-def check_file_path(path: Path) -> None:
-    """Raise unless a one-file checkpoint can be written at ``path``."""
-    if path.is_dir():
+def make_way_for_file(path: Path, is_rank_zero: bool, barrier: Callable[[], None]) -> None:
+    """Make way for a one-file checkpoint at ``path`` (collective): a distributed checkpoint folder there is replaced,
+    as Lightning does; any other folder is an error, on every rank."""
+    replace = is_distributed_checkpoint(path)
+    if path.is_dir() and not replace:
         raise IsADirectoryError(f"{path} is a folder; save_distributed_checkpoint=False writes one file.")
+    barrier()  # every rank has looked before rank 0 removes it
+    if replace and is_rank_zero:
+        shutil.rmtree(path)
 
 
 def load(model: nn.Module, optimizers: list[Optimizer], path: Path, module: Any, weights_only: bool | None,

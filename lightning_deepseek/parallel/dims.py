@@ -37,6 +37,11 @@ EXPERT_DIMS = ("edp", "ep")
 SHARD_DIMS = ("dp_replicate", "dp_shard")
 
 
+class ParallelSizeError(ValueError, RuntimeError):
+    """A parallel size that does not divide the world size (a ``ValueError``, and the ``RuntimeError`` Lightning's own
+    model-parallel strategy raises for it)."""
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -66,7 +71,7 @@ class ParallelDims:
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"{name}={size!r} must be a positive integer.")
             if self.world_size % size:
-                raise ValueError(f"{name}={size} does not divide the world size {self.world_size}. "
+                raise ParallelSizeError(f"{name}={size} does not divide the world size {self.world_size}. "
                                  f"Choose one of {_divisors(self.world_size)}.")
 
     @property

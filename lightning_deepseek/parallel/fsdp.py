@@ -94,6 +94,16 @@ def is_expert_module(module: nn.Module) -> bool:
     return any(is_expert_param(p) for p in module.parameters(recurse=False))
 
 
+def check_no_legacy_fsdp(module: nn.Module) -> None:
+    """Raise ``TypeError`` when ``module`` holds a module wrapped in torch's FSDP1 (``FullyShardedDataParallel``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        raise TypeError("HybridParallelStrategy found modules wrapped with torch's FullyShardedDataParallel (FSDP1): "
+                        "it supports FSDP2 only. Use torch.distributed.fsdp.fully_shard in configure_model, or let "
+                        "the strategy shard (data_parallel_shard_size).")
+
+
 def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 

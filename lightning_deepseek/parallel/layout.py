@@ -59,6 +59,14 @@ class Layout:
     decision: Decision | None = None
     estimates: dict[str, float] = field(default_factory=dict)  # placement's estimated seconds per policy
 
+    def data_shard(self, rank: int) -> dict[str, int]:
+        """``DistributedSampler``'s arguments for ``rank``: its position in the mesh order (a tp group gathers
+        activations in that order); under the user's own tensor parallelism a tp group shares one shard."""
+        position = self.order.index(rank)
+        if self.placement == "user":
+            return {"num_replicas": self.dims.dp, "rank": position // self.dims.tp}
+        return {"num_replicas": self.dims.world_size, "rank": position}
+
 
 @dataclass(frozen=True)
 class LayoutSettings:

@@ -60,7 +60,7 @@ from lightning_deepseek.parallel.dims import ParallelDims, WorldMesh
 from lightning_deepseek.parallel.expert import reduce_expert_gradients
 from lightning_deepseek.parallel.expert_plan import ExpertParallelPlan, setup_expert_parallel
 from lightning_deepseek.parallel.expert_routing import ExpertRouting
-from lightning_deepseek.parallel.fsdp import apply_fsdp, has_meta_tensors, materialize
+from lightning_deepseek.parallel.fsdp import apply_fsdp, check_no_legacy_fsdp, has_meta_tensors, materialize
 from lightning_deepseek.parallel.layout import (
     Layout,
     LayoutSettings,
@@ -223,10 +223,7 @@ class HybridParallelStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # The data shard is the rank's position in the mesh order (a tp group gathers activations in that order).
-        if self._mesh is None:
-            return super().distributed_sampler_kwargs
-        return {"num_replicas": self.world_size, "rank": self._mesh.order.index(self.global_rank)}
+        return super().distributed_sampler_kwargs if self.layout is None else self.layout.data_shard(self.global_rank)
 
     @property
     @override
@@ -254,6 +251,7 @@ class HybridParallelStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         module, meta = self.lightning_module, has_meta_tensors(self.lightning_module)
+        check_no_legacy_fsdp(module)
         if not meta:
             self.model_to_device()
         if not any(isinstance(p, DTensor) for p in module.parameters()):
@@ -386,7 +384,7 @@ class HybridParallelStrategy(DDPStrategy):
         if self._save_distributed_checkpoint:
             _checkpoint_io.save_distributed(checkpoint, path, self.global_rank == 0, self.barrier)
             return
-        _checkpoint_io.check_file_path(path)
+        _checkpoint_io.make_way_for_file(path, self.global_rank == 0, self.barrier)
         super().save_checkpoint(checkpoint, path)
         self.barrier()
 

@@ -582,9 +582,6 @@ def test_users_tensor_parallelism_is_kept_and_not_sharded_twice(contract: list[d
         assert not run["ddp_module"]
 
 
-@pytest.mark.xfail(reason="distributed_sampler_kwargs gives every rank its own shard (num_replicas=world_size) "
-                          "also when the user parallelised the model: torch's ColwiseParallel expects the tp "
-                          "group's ranks to share one batch", strict=True)
 def test_users_tensor_parallel_group_shares_one_batch(contract: list[dict]) -> None:
     for rank in contract:
         run = _ok(rank["user_tp"])
@@ -592,8 +589,6 @@ def test_users_tensor_parallel_group_shares_one_batch(contract: list[dict]) -> N
         assert all(np.array_equal(step[0], step[1]) for step in run["batches"])
 
 
-@pytest.mark.xfail(reason="the tp group's ranks get different batches (see the test above), so the hand-written "
-                          "TP layers mix two batches", strict=True)
 def test_users_tensor_parallelism_trains_as_one_process(contract: list[dict]) -> None:
     run = _ok(contract[0]["user_tp"])
     losses, final = _reference(run["initial"], [[step[0]] for step in run["batches"]])
@@ -737,9 +732,6 @@ def test_saving_a_file_over_a_folder_that_is_no_checkpoint_is_an_error(contract:
         assert run["file"]["error"] is None and run["file"]["is_file"]
 
 
-@pytest.mark.xfail(reason="save_checkpoint with save_distributed_checkpoint=False raises IsADirectoryError for "
-                          "every folder; Lightning replaces a DCP checkpoint folder (meta.pt inside) by the file",
-                   strict=True)
 def test_saving_a_file_over_a_distributed_checkpoint_replaces_it(contract: list[dict]) -> None:
     for rank in contract:
         run = _ok(rank["state_dicts"])["save-False"]["dcp_folder"]
@@ -774,8 +766,6 @@ def test_compiled_submodule_optimizer_states_are_keyed_by_index(contract: list[d
 # --- bad input ---
 
 
-@pytest.mark.xfail(reason="ParallelDims raises ValueError; Lightning's tests expect RuntimeError for sizes that do "
-                          "not cut the world", strict=True)
 @pytest.mark.parametrize("case", ["{'tensor_parallel_size': 3}", "{'tensor_parallel_size': 4}",
                                   "{'expert_parallel_size': 3}", "{'data_parallel_shard_size': 3}"])
 def test_invalid_sizes_are_runtime_errors(contract: list[dict], case: str) -> None:
@@ -793,7 +783,6 @@ def test_invalid_sizes_name_the_argument(contract: list[dict], case: str) -> Non
         assert name in error["message"] and "does not divide the world size 2" in error["message"], error
 
 
-@pytest.mark.xfail(reason="a legacy FullyShardedDataParallel module is not refused at setup", strict=True)
 def test_legacy_fsdp_module_is_a_type_error(contract: list[dict]) -> None:
     for rank in contract:
         assert rank["fsdp1"]["error"] == "TypeError" and "FSDP2" in rank["fsdp1"]["message"], rank["fsdp1"]
