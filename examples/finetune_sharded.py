@@ -7,7 +7,7 @@ for a model many times one device's memory):
 2. ``HybridParallelStrategy(data_parallel_shard_size=2)`` shards it with FSDP2 and each rank materialises only
    its shards;
 3. ``load_pretrained`` in ``on_fit_start`` reads, on each rank, only the slices of the files its shards hold
-   (skipped when resuming from a checkpoint, which already holds the weights);
+   (when resuming, Lightning restores the checkpoint right after ``on_fit_start``: its weights win);
 4. after training, ``export_safetensors`` gathers the weights to rank 0, which writes a folder that
    ``AutoModelForCausalLM.from_pretrained`` loads.
 
@@ -43,8 +43,7 @@ class FineTune(pl.LightningModule):
             self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.weights))
 
     def on_fit_start(self) -> None:
-        if self.trainer.ckpt_path is None:
-            load_pretrained(self.model, self.weights)
+        load_pretrained(self.model, self.weights)
 
     def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
         (tokens,) = batch

@@ -5,9 +5,10 @@ parallel ``DTensor`` shards, plain replicated parameters; a model built on the m
 materialised it):
 
 - a Hugging Face folder as ``save_pretrained`` writes it (``model.safetensors``, or shards beside
-  ``model.safetensors.index.json``), read by torch DCP's ``HuggingFaceStorageReader``: each rank reads from the
-  files only the slices of its own shards (``safe_open(...).get_slice``), converting the stored dtype to the
-  model's. The reader is public in ``torch.distributed.checkpoint`` from torch 2.8, so in every torch this package
+  ``model.safetensors.index.json``), read by torch DCP's ``HuggingFaceStorageReader``: each rank asks it only for
+  the slices of its own shards, which it reads through ``safe_open(...).get_slice`` (torch 2.13's reader; torch
+  2.8's first one deserialised whole files), converting the stored dtype to the model's. The reader is public in
+  ``torch.distributed.checkpoint`` from torch 2.8 on, with the same constructor, so in every torch this package
   supports (2.11 and later): there is no fallback;
 - a one-file Lightning checkpoint (or a ``torch.save`` of a ``state_dict``), memory-mapped: each rank copies its
   slices out of the mapped tensors (``distribute_tensor(..., src_data_rank=None)``, no communication), so only the
@@ -23,12 +24,12 @@ once, the other ranks nothing extra) and writes them: a transformers ``PreTraine
 ``AutoModelForCausalLM.from_pretrained``; any other module as one ``model.safetensors`` of its ``state_dict``.
 
 When to call them in Lightning: after the strategy has sharded and materialised the model, i.e. in the
-LightningModule's ``on_fit_start`` (before that, ``configure_model`` sees an unsharded, possibly meta, model) and
-not when resuming (``on_fit_start`` runs after the checkpoint was restored)::
+LightningModule's ``on_fit_start`` (before that, ``configure_model`` sees an unsharded, possibly meta, model).
+When resuming, Lightning restores a strategy's checkpoint that loads after setup (``HybridParallelStrategy``'s,
+``ModelParallelStrategy``'s) right after ``on_fit_start``, so the checkpoint's weights win::
 
     def on_fit_start(self) -> None:
-        if self.trainer.ckpt_path is None:
-            load_pretrained(self.model, "path/to/hf_folder")
+        load_pretrained(self.model, "path/to/hf_folder")
 
 Not supported: models whose parameter names differ from the file's (transformers 5's MoE families that fuse
 experts on load convert names and layouts that this loader does not: the error lists the names), loading

@@ -9,7 +9,7 @@ here: fp32 sums in another order); each run's share of the parameters shows its 
 
 - 2 ranks, GPT: FSDP-2 -> DDP, FSDP-2 -> tp=2, DDP -> FSDP-2, tp=2 -> FSDP-2 (which saves one full file);
 - 4 ranks, the MoE preset: FSDP x EP (experts ep=2 sharded over edp=2, the rest HSDP 2 x 2) -> DDP, -> ep=4 and
-  -> FSDP x TP (tp=2, FSDP over all 4), DDP -> FSDP x EP;
+  -> FSDP x TP (tp=2, FSDP over all 4), DDP -> FSDP x EP (whose ``export_safetensors`` holds its full weights);
 - one process: the FSDP-2 folder through the strategy on one device, and the full file written under FSDP by a
   plain Lightning Trainer (no strategy of ours).
 """
@@ -24,9 +24,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from lightning_deepseek import HybridParallelStrategy
+from lightning_deepseek.parallel.pretrained import export_safetensors
 from tests.helpers import run_distributed
 from tests.parallel.common import (
     TinyLM,
@@ -85,7 +87,7 @@ def save_run(world_size: int, layout: str, path: Path, config: dict[str, Any]) -
 
 
 def resume_run(world_size: int, layout: str, path: Path, config: dict[str, Any], save_file: Path | None = None,
-               micro: int = MICRO) -> dict[str, Any]:
+               micro: int = MICRO, export: Path | None = None) -> dict[str, Any]:
     """Resume ``path`` at ``layout`` for 3 more steps: what was loaded, every rank's losses, the final weights."""
     torch.manual_seed(1 + dist.get_rank())  # not seed_everything: its seed is also the sampler's shuffling seed
     module, record = TinyLM(**config), RecordLoaded()
@@ -94,6 +96,8 @@ def resume_run(world_size: int, layout: str, path: Path, config: dict[str, Any],
     trainer.fit(module, loader(token_data(world_size * micro), micro), ckpt_path=path)
     if save_file is not None:
         trainer.save_checkpoint(save_file)
+    if export is not None:
+        export_safetensors(module, export)
     losses: list[Any] = [None] * world_size
     dist.all_gather_object(losses, module.losses)
     return {"loaded": record.loaded, "losses": losses, "state": full_state(module),
@@ -124,7 +128,7 @@ def _four_ranks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         "fsdp_ep->ddp": resume_run(world_size, "ddp", root / "moe_fsdp_ep.ckpt", MOE),
         "fsdp_ep->ep4": resume_run(world_size, "ep4", root / "moe_fsdp_ep.ckpt", MOE),
         "fsdp_ep->fsdp_tp": resume_run(world_size, "fsdp_tp", root / "moe_fsdp_ep.ckpt", MOE),
-        "ddp->fsdp_ep": resume_run(world_size, "fsdp_ep", root / "moe_ddp.ckpt", MOE),
+        "ddp->fsdp_ep": resume_run(world_size, "fsdp_ep", root / "moe_ddp.ckpt", MOE, export=root / "moe_export"),
     }
     return {"saved": saved, "resumed": resumed} if rank == 0 else {}
 
@@ -179,6 +183,9 @@ def test_moe_layouts_resume_each_other_on_four_ranks(folder: Path) -> None:
     result = run_distributed(_four_ranks, 4, str(folder), timeout=500)[0]
     for source, target in (("fsdp_ep", "ddp"), ("fsdp_ep", "ep4"), ("fsdp_ep", "fsdp_tp"), ("ddp", "fsdp_ep")):
         _check_resume(result["saved"][source], result["resumed"][f"{source}->{target}"], 4, (source, target), **MOE)
+    final = result["resumed"]["ddp->fsdp_ep"]["state"]
+    exported = load_file(folder / "moe_export" / "model.safetensors")  # that run's weights, consolidated
+    assert max_relative_error({name: exported[name].numpy() for name in final}, final) == 0.0
 
 
 def test_sharded_checkpoints_load_on_one_process(two_rank_runs: dict[str, Any], folder: Path) -> None:

@@ -7,8 +7,11 @@ an index, and as a one-file Lightning checkpoint. On 2 real gloo processes, each
 - DDP (eager), FSDP-2 (built on the meta device), tp=2 and FSDP-2 from the Lightning file: the weights as training
   starts equal the saved ones exactly;
 - the meta-initialised FSDP-2 run gives the losses and final weights of the eagerly built DDP run within 1e-5;
+- resuming that FSDP-2 run's checkpoint with the same module (which loads the pretrained weights in
+  ``on_fit_start`` again) starts from the checkpoint's weights;
 - each rank asks the safetensors reader for its slices only (half of the elements under FSDP-2);
-- the FSDP-2 run's export loads with ``AutoModelForCausalLM.from_pretrained`` and equals its final weights.
+- the FSDP-2 and tp=2 runs' exports load with ``AutoModelForCausalLM.from_pretrained`` and equal their final
+  weights.
 
 In one process: names or shapes that do not match are one error listing them; ``strict=False``; a meta model.
 """
@@ -56,8 +59,7 @@ class PretrainedLM(pl.LightningModule):
             self.model = llama()
 
     def on_fit_start(self) -> None:
-        if self.trainer.ckpt_path is None:
-            load_pretrained(self.model, self.weights, prefix=self.prefix)
+        load_pretrained(self.model, self.weights, prefix=self.prefix)
 
     def on_train_start(self) -> None:
         self.loaded = full_state(self.model)
@@ -84,17 +86,19 @@ class CountingReader(HuggingFaceStorageReader):
 
 
 def _fit(world_size: int, weights: Path, meta: bool = False, prefix: str = "", export: Path | None = None,
-         **strategy_kwargs: Any) -> dict[str, Any]:
+         save: Path | None = None, resume: Path | None = None, **strategy_kwargs: Any) -> dict[str, Any]:
     torch.manual_seed(1 + dist.get_rank())  # every weight must come from the file
     CountingReader.elements = 0
     module = PretrainedLM(str(weights), prefix)
     strategy = HybridParallelStrategy(min_shard_params=0, **{"tensor_parallel_size": 1, **strategy_kwargs})
-    trainer = make_trainer(world_size, strategy, max_steps=STEPS)
+    trainer = make_trainer(world_size, strategy, max_steps=2 * STEPS if resume else STEPS)
     if meta:
         with trainer.init_module(empty_init=True):
             module.configure_model()
         assert all(p.is_meta for p in module.parameters())
-    trainer.fit(module, loader(token_data(STEPS * world_size * MICRO), MICRO))
+    trainer.fit(module, loader(token_data(STEPS * world_size * MICRO), MICRO), ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
     if export is not None:
         export_safetensors(module.model, export)
     losses: list[Any] = [None] * world_size
@@ -115,8 +119,10 @@ def _two_ranks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     runs = {
         "ddp": _fit(world_size, root / "single"),
         "fsdp_meta": _fit(world_size, root / "sharded", meta=True, data_parallel_shard_size=2,
-                          export=root / "export"),
-        "tp2": _fit(world_size, root / "single", tensor_parallel_size=2),
+                          export=root / "export", save=root / "fsdp_meta.ckpt"),
+        "resumed": _fit(world_size, root / "sharded", meta=True, data_parallel_shard_size=2,
+                        resume=root / "fsdp_meta.ckpt"),
+        "tp2": _fit(world_size, root / "single", tensor_parallel_size=2, export=root / "export_tp2"),
         "fsdp_file": _fit(world_size, root / "lightning.ckpt", prefix="model.", data_parallel_shard_size=2),
     }
     return runs if rank == 0 else {}
@@ -161,6 +167,10 @@ def test_each_rank_reads_only_its_slices(runs: dict[str, Any]) -> None:
     assert 0.5 < runs["tp2"]["read_fraction"] < 1.0  # tp=2: half of the feed-forward weights
 
 
+def test_when_resuming_the_checkpoint_wins_over_the_pretrained_weights(runs: dict[str, Any]) -> None:
+    assert max_relative_error(runs["resumed"]["loaded"], runs["fsdp_meta"]["state"]) == 0.0
+
+
 def test_a_meta_initialised_fsdp_run_equals_the_eager_ddp_run(runs: dict[str, Any]) -> None:
     ddp, meta = runs["ddp"], runs["fsdp_meta"]
     assert meta["losses"] == [pytest.approx(want, rel=TOL) for want in ddp["losses"]]
@@ -169,10 +179,11 @@ def test_a_meta_initialised_fsdp_run_equals_the_eager_ddp_run(runs: dict[str, An
     assert ddp["losses"][-1] < ddp["losses"][0]  # it trained
 
 
-def test_the_fsdp_export_loads_with_from_pretrained(saved: tuple, runs: dict[str, Any]) -> None:
-    model = transformers.AutoModelForCausalLM.from_pretrained(saved[0] / "export")
+@pytest.mark.parametrize(("run", "folder"), [("fsdp_meta", "export"), ("tp2", "export_tp2")])
+def test_the_export_loads_with_from_pretrained(saved: tuple, runs: dict[str, Any], run: str, folder: str) -> None:
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved[0] / folder)
     assert type(model).__name__ == "LlamaForCausalLM"
-    assert max_relative_error(_numpy(model), runs["fsdp_meta"]["state"]) == 0.0
+    assert max_relative_error(_numpy(model), runs[run]["state"]) == 0.0
 
 
 def test_names_and_shapes_that_do_not_match_are_listed(saved: tuple) -> None:
