@@ -132,6 +132,7 @@ class ElasticTraining(Callback):
     # ---------------------------------------------------------------- set-up and resume
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._reported_done = False
         if stage != "fit":
             return
         datamodule = trainer.datamodule
@@ -309,6 +310,13 @@ class ElasticTraining(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.checkpointer.save(trainer, trainer.global_step, blocking=True)
         self._report(trainer, "done")
+        self._reported_done = True
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A job resumed at max_steps trains nothing: Lightning skips the loop and on_train_end, so say it is done here.
+        if 0 < trainer.max_steps <= trainer.global_step and not self._reported_done:
+            self._report(trainer, "done")
 
     def _report(self, trainer: pl.Trainer, event: str, **fields: Any) -> None:
         if trainer.global_rank == 0:

@@ -90,6 +90,16 @@ def test_resume_from_an_epochs_last_step_starts_the_next_epoch(tmp_path: Path) -
     assert elastic.sampler.epoch == 1 and elastic.sampler.consumed_samples == 0  # set_epoch(1) restarted it
 
 
+def test_a_job_resumed_at_max_steps_reports_done(tmp_path: Path) -> None:
+    # Lightning skips the training loop (and on_train_end) of a fit that starts at max_steps: lds-elastic must still
+    # read "done", not a job that stopped without finishing.
+    _fit(tmp_path, 3)
+    (tmp_path / "ckpt" / "reports.jsonl").unlink()
+    _fit(tmp_path, 3)
+    events = [json.loads(line)["event"] for line in (tmp_path / "ckpt" / "reports.jsonl").read_text().splitlines()]
+    assert events[-1] == "done", events
+
+
 @pytest.mark.parametrize("staged", [False, True], ids=["fp32", "StagedPrecision"])
 def test_resume_after_a_crash_is_bitwise_identical_to_an_uninterrupted_run(tmp_path: Path, staged: bool) -> None:
     # With StagedPrecision the checkpoint falls in its FP16 stage and the resumed run crosses into BF16:
