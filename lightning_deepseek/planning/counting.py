@@ -16,12 +16,14 @@ models in torch 2.13 (their output-capturing hooks); this counter tracks no modu
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator  # see LocalOpsOnly
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # no public way to bypass
@@ -99,8 +101,9 @@ class LocalOpsOnly(TorchDispatchMode):
       nothing (the patch of that private method, for the ``with`` block only, is the one place that marks them).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fake_mode: FakeTensorMode | None = None) -> None:
         super().__init__()
+        self.fake_mode = fake_mode  # the plan's: what DTensor's propagation computes under (None in a real run)
         self._propagating = 0
         self._saved: Any = None
 
@@ -126,7 +129,7 @@ class LocalOpsOnly(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
-        if self._propagating:
-            with _disable_current_modes():  # the fake tensors carry their own mode
+        if self._propagating:  # past the modes below, but fake: its factory calls allocate nothing
+            with _disable_current_modes(), self.fake_mode or contextlib.nullcontext():
                 return func(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))

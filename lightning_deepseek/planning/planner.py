@@ -180,14 +180,14 @@ def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape
     with mode:
         input_ids = torch.randint(0, model.vocab_size, (step.micro_batch_size, step.seq_len))
     with mode, uniform_routing(layers), tracker, counter:
-        with flops, LocalOpsOnly():
+        with flops, LocalOpsOnly(mode):
             with autocast:
                 loss = model.loss(module, input_ids)
             saved = tracker.get_tracker_snapshot("current")[torch.device("cpu")]
             loss.backward()
         grad_bytes = local_bytes([p.grad for p in params if p.grad is not None])
         counter.phase = "gradients"
-        with LocalOpsOnly():
+        with LocalOpsOnly(mode):
             _reduce_and_step(params, mesh, expert_plan.mesh, optimizer, counter)
     replicated = [p for p in params if not isinstance(p, DTensor)]
     buckets = ddp_buckets(replicated, int(step.bucket_cap_mb * 2**20)) if world_size > 1 else []
@@ -203,7 +203,7 @@ def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape
     state_bytes = sum(local_bytes([t for t in s.values() if isinstance(t, torch.Tensor)])
                       for s in optimizer.state.values())
     memory = RankMemory(params=local_bytes(list(module.parameters())), grads=grad_bytes, states=state_bytes,
-                        states_max=states_max if states_max is not None else state_bytes,
+                        states_max=max(states_max or 0, state_bytes),  # the estimate leaves out step counters
                         activations=_kind(saved, "Activation") + _kind(saved, "Temp"), ddp_buckets=sum(buckets),
                         peak=peak + sum(buckets))
     return StepMeasurement(memory=memory, flops=flops.get_total_flops(), calls=tuple(counter.calls) + tuple(ddp_calls),
