@@ -40,9 +40,10 @@ def model_state(model: nn.Module, full: bool) -> dict[str, Any]:
 
 
 def optimizer_state(model: nn.Module, optimizer: Optimizer, full: bool,
-                    sharded: ShardedOptimizerStates | None = None) -> dict[str, Any]:
+                    sharded: ShardedOptimizerStates | None = None, module: nn.Module | None = None) -> dict[str, Any]:
     """``optimizer``'s state, sharded like ``model_state`` (with ZeRO-1: the owned states; ``full``: all of them
-    gathered to rank 0)."""
+    gathered to rank 0 and, given the LightningModule ``module``, keyed by parameter index as Lightning's DDP and
+    model-parallel files key them)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -54,7 +55,34 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, full: bool,
         dist.gather_object(state["state"], gathered, dst=0)
         if gathered is not None:
             state["state"] = {k: v for rank_states in gathered for k, v in rank_states.items()}
+    if full and module is not None and dist.get_rank() == 0:
+        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+        # FSDP1's rekeying is torch's only public name -> index conversion (Lightning's strategies use it too).
+        state = FullyShardedDataParallel.rekey_optim_state_dict(_compiled_names(state, module, insert=True),
+                                                                OptimStateKeyType.PARAM_ID, module)
     return state
+
+
+def _compiled_names(state: dict[str, Any], module: nn.Module, insert: bool) -> dict[str, Any]:
+    """``state`` with the parameter names of compiled submodules given (``insert``) or stripped of ``._orig_mod``:
+    ``named_parameters`` has it, torch's optimizer state-dict helpers do not."""
+    from torch._dynamo import OptimizedModule  # torch.compile's wrapper class; no public name for it
+
+    prefixes = sorted((n for n, m in module.named_modules() if isinstance(m, OptimizedModule)), key=len, reverse=True)
+
+    def rename(key: Any) -> Any:
+        if not isinstance(key, str):
+            return key
+        if not insert:
+            return key.replace("._orig_mod", "").replace("_orig_mod.", "")
+        prefix = next((p for p in prefixes if key == p or key.startswith(f"{p}.")), None)
+        return key if prefix is None else f"{prefix}._orig_mod{key[len(prefix):]}"
+
+    if insert and not prefixes:
+        return state
+    groups = [{**g, "params": [rename(p) for p in g["params"]]} for g in state.get("param_groups", [])]
+    return {**state, "state": {rename(k): v for k, v in state.get("state", {}).items()}, "param_groups": groups}
 
 
 def _paused(sharded: ShardedOptimizerStates | None) -> contextlib.AbstractContextManager:
@@ -127,7 +155,7 @@ def load_full(model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[st
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(model, checkpoint["state_dict"], options=options)
     for i, (optimizer, state) in enumerate(zip(optimizers, checkpoint.get("optimizer_states", []))):
-        state = _rekey_optimizer_state_if_needed(state, lightning_module)
+        state = _compiled_names(_rekey_optimizer_state_if_needed(state, lightning_module), model, insert=False)
         set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
         if i < len(sharded) and sharded[i] is not None:
             sharded[i].drop_unowned_state(optimizer)  # the file holds every state: keep the owned ones

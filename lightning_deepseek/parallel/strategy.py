@@ -360,7 +360,7 @@ class HybridParallelStrategy(DDPStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         return _checkpoint_io.optimizer_state(self.model, optimizer, full=not self._save_distributed_checkpoint,
-                                              sharded=self._zero_of(optimizer))
+                                              sharded=self._zero_of(optimizer), module=self.lightning_module)
 
     def _zero_of(self, optimizer: Optimizer) -> ShardedOptimizerStates | None:
         """The ZeRO-1 state of ``optimizer`` (a torch optimizer), if its states are sharded."""

@@ -690,8 +690,6 @@ def test_single_file_checkpoints_load_across_strategies(contract: list[dict], ta
             assert _ok(rank["interchange"][target]) == {"model_len": 0, "optimizer_len": 0}
 
 
-@pytest.mark.xfail(reason="optimizer_state(full) keys states by parameter name (torch's get_optimizer_state_dict); "
-                          "Lightning's DDP and ModelParallelStrategy files key them by index", strict=True)
 def test_single_file_optimizer_states_are_keyed_by_index_as_lightnings(contract: list[dict]) -> None:
     runs = contract[0]["interchange"]
     indices = [str(i) for i in range(6)]
@@ -756,9 +754,6 @@ def test_compiled_submodule_single_file_checkpoint(contract: list[dict]) -> None
         np.testing.assert_array_equal(value, run["saved"][key], err_msg=key)
 
 
-@pytest.mark.xfail(reason="optimizer_state(full) keys states by parameter name; Lightning's ModelParallelStrategy "
-                          "keys a compiled submodule's by index too (after _align_compiled_param_names_with_module)",
-                   strict=True)
 def test_compiled_submodule_optimizer_states_are_keyed_by_index(contract: list[dict]) -> None:
     assert _ok(contract[0]["compiled"])["optimizer_keys"] == [str(i) for i in range(6)]
 
