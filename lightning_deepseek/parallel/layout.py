@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_deepseek.moe.protocol import find_expert_layers
@@ -168,6 +169,17 @@ def resolve_dims(module: nn.Module, settings: LayoutSettings, dims: ParallelDims
     else:
         ep = settings.ep
     return ParallelDims(dims.world_size, tp=tp, ep=ep, dp_shard=dims.dp_shard)
+
+
+def warn_user_parallelised(settings: LayoutSettings, dims: ParallelDims) -> None:
+    """Warn about the settings a LightningModule that parallelised itself in ``configure_model`` makes moot."""
+    settings_and_off = (("data_parallel_shard_size", settings.dp_shard, 1), ("expert_parallel_size", settings.ep, 1),
+                        ("activation_checkpointing", settings.activation_checkpointing, "none"))
+    moot = [f"{name}={value!r}" for name, value, off in settings_and_off if value != off]
+    if moot:
+        rank_zero_warn(f"HybridParallelStrategy: the model was parallelised in configure_model (its parameters are "
+                       f"DTensors), so the strategy applies nothing more and {', '.join(moot)} has no effect; apply "
+                       "it there, or leave the model to the strategy.")
 
 
 def why_untimed(meta: bool, dims: ParallelDims, fitting: bool) -> str | None:
