@@ -1,0 +1,275 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``: the stages of one rank and the schedule that runs them.
+
+``PipelineRunner.build(model, loss_fn, group, schedule=..., num_microbatches=M)`` plans the split
+(:mod:`.pipeline_split`), builds this rank's stage modules (copies of ``model`` holding only what each stage owns),
+wraps them in torch's ``PipelineStage`` and builds the schedule. ``step(inputs, targets)`` runs one forward and
+backward of the whole batch, cut into ``M`` equal micro-batches, and returns the mean micro-batch loss on every rank;
+``eval_step`` runs the forwards only; ``clip_grad_norm_`` clips by the norm of all stages' gradients together.
+
+Supports: the schedules ``1F1B``, ``Interleaved1F1B`` (two stages per rank), ``ZBVZeroBubble`` and ``DualPipeV`` (two
+stages per rank in V order), on gloo (CPU) and NCCL; gradient accumulation across calls (``step`` adds to ``.grad``;
+``grad_scale`` weights a call, e.g. ``1 / accumulate_grad_batches``); stages holding DTensors (tensor or expert
+parallel blocks: the clip reduces their shards too).
+
+Gradient scaling: the schedule divides the gradients by ``M`` after each step (torch's ``scale_grads=True``), so
+gradients injected inside the forward (the MoE layer's auxiliary loss) are averaged over micro-batches like the
+loss. Since torch divides the whole ``.grad``, a call that adds to gradients left by an earlier call first
+multiplies them by ``M`` (one in-place multiply per parameter, only when accumulating); ``grad_scale`` multiplies
+each micro-batch's loss.
+
+Costs: one broadcast of the loss per call (from the rank holding the last stage), one all-reduce of a scalar per clip;
+activations of up to ``P`` micro-batches per stage in flight (1F1B), ``P + 1`` for DualPipeV; V and interleaved
+schedules hold two stage copies' worth of modules per rank (each a different half of the rank's blocks, not duplicates).
+``ScheduleDualPipeV`` orders forwards and backwards as DualPipe does but runs them one after the other: it does not
+overlap one micro-batch's communication with another's compute (DeepSeek's overlapped forward-backward is not built).
+
+``eval_step`` does not run the schedule: it sends each micro-batch through the stages in stage order (see its
+docstring), so it takes any batch shape; its bubble is that of a forward-only pass (GPipe's, or worse on V orders).
+
+Does not support: training micro-batches of different shapes between calls (the stages infer their input shapes on the
+first ``step`` and keep them), a schedule of the user's own, more than two stages per rank, outputs other than one
+tensor per stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from lightning_deepseek.parallel.clipping import total_grad_norm
+from lightning_deepseek.parallel.pipeline_split import (
+    SCHEDULES,
+    PipelineSplit,
+    build_stage_module,
+    plan_pipeline_split,
+)
+
+__all__ = ["SCHEDULES", "PipelineRunner", "check_pipeline_settings", "min_microbatches"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+_SCHEDULE_CLASSES = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
+                     "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
+
+
+def min_microbatches(schedule: str, pp_size: int) -> int:
+    """The fewest micro-batches ``schedule`` runs at ``pp_size`` ranks (torch's own checks, made before any
+    collective): 1F1B, Interleaved1F1B and ZBVZeroBubble need ``pp_size``, DualPipeV ``2 * pp_size`` (its stages)."""
+    return 2 * pp_size if schedule == "DualPipeV" else pp_size
+
+
+def check_pipeline_settings(world_size: int, pp_size: int, schedule: str, num_microbatches: int,
+                            batch_size: int | None = None) -> None:
+    """Validate the pipeline settings against the world and the batch; raise before any collective.
+
+    Args:
+        world_size: ranks in the job.
+        pp_size: ``pipeline_parallel_size``.
+        schedule: ``pipeline_schedule``, one of ``SCHEDULES``.
+        num_microbatches: ``pipeline_microbatches``.
+        batch_size: the global batch each ``step`` receives, when known (must split into equal micro-batches).
+
+    Raises:
+        ValueError: naming the setting, the value and the fix.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule={schedule!r} is not supported: use one of {SCHEDULES}.")
+    if pp_size < 1 or world_size % pp_size:
+        raise ValueError(
+            f"pipeline_parallel_size={pp_size} does not divide the world of {world_size} ranks: use a divisor of "
+            f"{world_size} ({', '.join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)}).")
+    needed = min_microbatches(schedule, pp_size)
+    if num_microbatches < needed:
+        raise ValueError(
+            f"pipeline_microbatches={num_microbatches} is too few for pipeline_schedule={schedule!r} at "
+            f"pipeline_parallel_size={pp_size}: it needs at least {needed}. Raise pipeline_microbatches to {needed} "
+            "or more (more micro-batches also shrink the bubble).")
+    if schedule == "Interleaved1F1B":
+        rounds = max(1, num_microbatches // pp_size)
+        if num_microbatches % rounds:
+            raise ValueError(
+                f"pipeline_microbatches={num_microbatches} is not a multiple of its {rounds} rounds of "
+                f"pipeline_parallel_size={pp_size} that 'Interleaved1F1B' runs: use a multiple of {pp_size}.")
+    if batch_size is not None and batch_size % num_microbatches:
+        raise ValueError(
+            f"the batch of {batch_size} samples does not split into pipeline_microbatches={num_microbatches} equal "
+            f"micro-batches: use a batch size that is a multiple of {num_microbatches}.")
+
+
+@dataclass
+class PipelineRunner:
+    """This rank's pipeline stages and the schedule that runs them (build it with :meth:`build`).
+
+    ``modules`` are the stage modules (what the optimizer steps and checkpoints save: their names are the whole
+    model's); ``split`` is the plan every rank shares.
+    """
+
+    split: PipelineSplit
+    modules: list[nn.Module]
+    stages: list[PipelineStage]
+    schedule: object
+    group: dist.ProcessGroup | None
+    num_microbatches: int
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    grad_scale: float = 1.0
+    _losses: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def build(cls, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+              group: dist.ProcessGroup | None = None, schedule: str = "1F1B", num_microbatches: int = 4,
+              split_points: Sequence[str] | None = None, device: torch.device | str = "cpu") -> PipelineRunner:
+        """Split ``model``, build this rank's stages and the schedule.
+
+        Args:
+            model: the whole model (see :mod:`.pipeline_split` for the families supported). Not changed.
+            loss_fn: ``loss_fn(output, target)`` -> the mean loss of one micro-batch (run on the last stage).
+            group: the pipeline process group (default: the whole world).
+            schedule: one of ``SCHEDULES``.
+            num_microbatches: micro-batches per ``step``.
+            split_points: names of the modules where stages begin, instead of the balanced split.
+            device: where the stages run.
+
+        Raises:
+            ValueError: bad settings (see :func:`check_pipeline_settings`, :func:`.plan_pipeline_split`), before any
+                collective.
+        """
+        pp_size, pp_rank = dist.get_world_size(group), dist.get_rank(group)
+        check_pipeline_settings(pp_size, pp_size, schedule, num_microbatches)
+        split = plan_pipeline_split(model, pp_size, schedule, split_points)
+        device = torch.device(device)
+        modules = [build_stage_module(model, split, i).to(device) for i in split.stage_indices(pp_rank)]
+        stages = [PipelineStage(module, i, split.num_stages, device, group=group)
+                  for module, i in zip(modules, split.stage_indices(pp_rank))]
+        runner = cls(split, modules, stages, None, group, num_microbatches, loss_fn)
+        schedule_cls = _SCHEDULE_CLASSES[schedule]
+        runner.schedule = schedule_cls(stages if split.stages_per_rank > 1 else stages[0], num_microbatches,
+                                       loss_fn=runner._scaled_loss(loss_fn))
+        return runner
+
+    def _scaled_loss(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                     ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        def scaled(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(output, target)
+            self._losses.append(loss.detach())
+            return loss * self.grad_scale if self.grad_scale != 1.0 else loss
+        return scaled
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self.split.stage_indices(self._pp_rank)
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.split.num_stages - 1 in self.split.stage_indices(self._pp_rank)
+
+    @property
+    def _pp_rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters of this rank's stages (what its optimizer steps)."""
+        return [p for module in self.modules for p in module.parameters()]
+
+    def _stage_rank(self, stage_index: int) -> int:
+        return self.split.stages[stage_index].rank
+
+    def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.stages[0].device)
+        dist.broadcast(loss, group_src=self._stage_rank(-1), group=self.group)
+        return loss
+
+    def _send(self, tensor: torch.Tensor, stage_index: int) -> None:
+        header = torch.zeros(8, dtype=torch.int64, device=tensor.device)
+        header[:2 + tensor.dim()] = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape])
+        dist.send(header, group_dst=self._stage_rank(stage_index), group=self.group)
+        dist.send(tensor.contiguous(), group_dst=self._stage_rank(stage_index), group=self.group)
+
+    def _recv(self, stage_index: int) -> torch.Tensor:
+        device = self.stages[0].device
+        header = torch.empty(8, dtype=torch.int64, device=device)
+        dist.recv(header, group_src=self._stage_rank(stage_index), group=self.group)
+        dtype, ndim, *shape = header.tolist()
+        tensor = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
+        dist.recv(tensor, group_src=self._stage_rank(stage_index), group=self.group)
+        return tensor
+
+    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, grad_scale: float = 1.0
+             ) -> torch.Tensor:
+        """Forward and backward of one batch through the pipeline; gradients add to ``.grad``.
+
+        Args:
+            inputs: the whole batch's model inputs (read on the rank of the first stage; others may pass ``None``).
+            targets: the whole batch's targets (read on the rank of the last stage; others may pass ``None``).
+            grad_scale: weight of this call's gradients (``1 / k`` when accumulating over ``k`` calls).
+
+        Returns:
+            The mean micro-batch loss (unscaled), the same on every rank of the pipeline group.
+        """
+        self.grad_scale = grad_scale
+        self._losses.clear()
+        with torch.no_grad():  # torch divides the whole .grad by M after the step: keep what earlier calls left
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(self.num_microbatches)
+        for module in self.modules:
+            module.train()
+        args = (inputs,) if self.holds_first_stage else ()
+        self.schedule.step(*args, target=targets if self.holds_last_stage else None)
+        # The first call's shape inference also calls the loss function (on placeholder outputs): keep the last M.
+        return self._broadcast_loss(self._losses[-self.num_microbatches:])
+
+    @torch.no_grad()
+    def eval_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+        """Forwards only (modules in eval mode, no gradients); returns the mean micro-batch loss on every rank.
+
+        Runs the micro-batches through the stages in stage order with plain sends and receives (any batch shape):
+        torch's ``schedule.eval()`` replays the training schedule's actions, whose backward ones fail without a
+        backward on the V schedules ("can't steal_bwd_input if this stage doesn't have backward").
+        """
+        local = dict(zip(self.split.stage_indices(self._pp_rank), self.modules))
+        for module in self.modules:
+            module.eval()
+        num = self.num_microbatches
+        inputs_mb = torch.tensor_split(inputs, num) if self.holds_first_stage else [None] * num
+        targets_mb = torch.tensor_split(targets, num) if self.holds_last_stage else [None] * num
+        last = self.split.num_stages - 1
+        losses = []
+        for hidden, target in zip(inputs_mb, targets_mb):
+            for index, module in sorted(local.items()):
+                if index > 0 and self._stage_rank(index - 1) != self._pp_rank:
+                    hidden = self._recv(index - 1)
+                hidden = module(hidden)
+                if index < last and self._stage_rank(index + 1) != self._pp_rank:
+                    self._send(hidden, index + 1)
+            if self.holds_last_stage:
+                losses.append(self.loss_fn(hidden, target))
+        return self._broadcast_loss(losses)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every stage's gradients so that the norm over all stages is at most ``max_norm``; return that norm.
+
+        Collective over the pipeline group (every rank must call it). DTensor shards inside a stage are reduced over
+        their own meshes first (:func:`.clipping.total_grad_norm`).
+        """
+        parameters = self.parameters()
+        local = total_grad_norm(parameters, norm_type).to(self.stages[0].device)
+        is_inf = norm_type == float("inf")
+        local = local if is_inf else local.pow(norm_type)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=self.group)
+        norm = local if is_inf else local.pow(1.0 / norm_type)
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in parameters:
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.device, p.grad.dtype))
+        return norm
