@@ -1,0 +1,82 @@
+"""``search``: ``layout="auto"`` for a world larger than this machine: every layout the strategy supports, each
+planned (:func:`lightning_deepseek.planning.plan`), those that fit kept and ranked by predicted step time.
+
+Today's axes: ``tensor_parallel_size`` (the divisors of the world size up to the GPUs of a node: a ``tp`` group
+crossing nodes gathers activations over the slow link), ``expert_parallel_size`` (the divisors of the world size
+that divide every MoE layer's expert count; 1 for dense models) and ZeRO-1 on or off; placement is the strategy's
+``"auto"``. A layout the strategy refuses (a ``tp`` dividing no feed-forward width) is listed as rejected with the
+strategy's reason. FSDP2's shard size, activation checkpointing, pipeline stages and their schedule, micro-batches
+and compression each become one more axis of :func:`candidate_layouts` when the strategy has them.
+
+Costs: one plan per candidate (seconds for an 8B model, about a minute for DeepSeek-V3); nothing is cached between
+candidates yet (each sets up its own fake world).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import product
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lightning_deepseek.moe.protocol import find_expert_layers
+from lightning_deepseek.planning.cluster import ClusterSpec
+from lightning_deepseek.planning.layout import PlanLayout, StepShape
+from lightning_deepseek.planning.models import ModelSpec
+from lightning_deepseek.planning.planner import plan
+from lightning_deepseek.planning.report import GIB, PlanReport
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Every candidate's outcome: the plans that fit (fastest first), those that do not (smallest peak first),
+    and the layouts the strategy refused, with its reason."""
+
+    fitting: tuple[PlanReport, ...]
+    not_fitting: tuple[PlanReport, ...]
+    rejected: tuple[tuple[PlanLayout, str], ...]
+
+    def why(self, report: PlanReport) -> str:
+        """One line: where its step time goes, its memory headroom, and how it compares with the fastest."""
+        largest = max(report.traffic, key=lambda t: t.exposed_seconds, default=None)
+        comm = (f"; most exposed: {largest.dim} {largest.op} {largest.exposed_seconds * 1e3:.1f} ms"
+                if largest is not None and largest.exposed_seconds > 0 else "")
+        headroom = (report.memory_capacity - report.memory.peak) / GIB
+        best = self.fitting[0] if self.fitting else report
+        versus = ("fastest" if report is best
+                  else f"{report.step_seconds / best.step_seconds - 1:+.1%} step time vs the fastest")
+        return (f"{versus}; compute {report.compute_seconds:.3f} s, exposed communication "
+                f"{report.comm_seconds:.3f} s{comm}; peak {report.memory.peak / GIB:.1f} GiB, "
+                f"{headroom:.1f} GiB free")
+
+
+def expert_counts(model: ModelSpec) -> list[int]:
+    """The routed-expert count of each MoE layer of ``model`` (built on fake tensors)."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        module = model.build()
+    return [layer.num_experts for layer in find_expert_layers(module)]
+
+
+def candidate_layouts(world_size: int, gpus_per_node: int, experts: list[int]) -> list[PlanLayout]:
+    """Every layout of today's axes (see the module docstring)."""
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    tps = [d for d in divisors if d <= gpus_per_node]
+    eps = [d for d in divisors if experts and math.gcd(*experts) % d == 0] or [1]
+    return [PlanLayout(tp, ep, zero) for tp, ep, zero in product(tps, eps, (False, True))]
+
+
+def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepShape,
+           layouts: list[PlanLayout] | None = None) -> SearchResult:
+    """Plan every candidate layout (default: :func:`candidate_layouts`) and rank them."""
+    if layouts is None:
+        layouts = candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model))
+    reports, rejected = [], []
+    for layout in layouts:
+        try:
+            reports.append(plan(model, world_size, layout, cluster, step))
+        except ValueError as exc:
+            rejected.append((layout, str(exc)))
+    fitting = sorted((r for r in reports if r.fits), key=lambda r: r.step_seconds)
+    not_fitting = sorted((r for r in reports if not r.fits), key=lambda r: r.memory.peak)
+    return SearchResult(tuple(fitting), tuple(not_fitting), tuple(rejected))
