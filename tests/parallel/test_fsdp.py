@@ -2,7 +2,7 @@
 
 - FSDP over 2 ranks and HSDP (2 shards x 2 replicas) over 4 train as one process on the global batch (losses and
   final weights, fp32, 1e-5), with gradient clipping; each rank holds half of every parameter;
-- full activation checkpointing under FSDP is bitwise equal to none;
+- full activation checkpointing under FSDP is bitwise equal to none; staged precision runs each stage under FSDP;
 - a model built under ``trainer.init_module(empty_init=True)`` (meta device) trains with sharding: no rank holds a
   full parameter, and loading the same weights gives the eager run's losses;
 - FSDP x tensor parallelism (the feed-forward shards over ``tp=2``, sharded over their ``dp=2`` replicas; the rest
@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_deepseek import GradientCompression, HybridParallelStrategy
+from lightning_deepseek import GradientCompression, HybridParallelStrategy, StagedPrecision
 from lightning_deepseek.models import GPT, GPTConfig
 from tests.helpers import run_distributed
 from tests.parallel.common import (
@@ -85,7 +86,12 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
         compression = "no error"
     except ValueError as exc:
         compression = str(exc)
-    return {"fsdp": fsdp, "checkpointed": checkpointed, "meta": meta, "compression": compression}
+    pl.seed_everything(0, verbose=False)
+    staged, plugin = TinyLM(), StagedPrecision(schedule=[("32-true", 2), ("16-mixed", 3), ("bf16-mixed", None)])
+    make_trainer(world_size, HybridParallelStrategy(tensor_parallel_size=1, data_parallel_shard_size=2),
+                 max_steps=STEPS, plugins=[plugin], gradient_clip_val=0.5).fit(staged, loader(token_data(64), MICRO))
+    return {"fsdp": fsdp, "checkpointed": checkpointed, "meta": meta, "compression": compression,
+            "staged": {"losses": staged.losses, **plugin.summary()}}
 
 
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
@@ -144,6 +150,14 @@ def test_hsdp_and_no_reshard_over_four_ranks_train_as_one_process() -> None:
     _check(runs[0]["no_reshard"], 4)
     _check(runs[0]["moe"], 4, **MOE)  # experts: ep=2, FSDP over their edp=2 replicas; the rest HSDP 2 x 2
     _check(runs[0]["tp"], 4, clip=0.5)  # feed-forward tp=2, FSDP over its dp=2 replicas; the rest over all 4
+
+
+def test_staged_precision_runs_every_stage_on_sharded_parameters(two_rank_runs: list[dict]) -> None:
+    # Autocast over FSDP's FP32 parameters (FSDP's own mixed-precision policy is not set by the stage).
+    for rank in two_rank_runs:
+        run = rank["staged"]
+        assert run["precision_final"] == "bf16-mixed" and run["precision_fallbacks"] == "none"
+        assert all(map(math.isfinite, run["losses"])) and run["losses"][-1] < run["losses"][0]
 
 
 def test_compression_with_parameter_sharding_is_a_clear_error(two_rank_runs: list[dict]) -> None:
