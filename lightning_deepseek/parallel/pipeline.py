@@ -2,14 +2,17 @@
 
 ``PipelineRunner.build(model, loss_fn, group, schedule=..., num_microbatches=M)`` plans the split
 (:mod:`.pipeline_split`), builds this rank's stage modules (copies of ``model`` holding only what each stage owns),
-wraps them in torch's ``PipelineStage`` and builds the schedule. ``step(inputs, targets)`` runs one forward and
-backward of the whole batch, cut into ``M`` equal micro-batches, and returns the mean micro-batch loss on every rank;
-``eval_step`` runs the forwards only; ``clip_grad_norm_`` clips by the norm of all stages' gradients together.
+wraps them in torch's ``PipelineStage`` and builds the schedule; ``PipelineRunner.from_stage_modules`` does the last
+two for stage modules the caller built and prepared itself (materialised from the meta device, parallelised).
+``step(inputs, targets)`` runs one forward and backward of the whole batch, cut into ``M`` equal micro-batches, and
+returns the mean micro-batch loss on every rank; ``eval_step`` runs the forwards only; ``clip_grad_norm_`` clips by
+the norm of all stages' gradients together.
 
 Supports: the schedules ``1F1B``, ``Interleaved1F1B`` (two stages per rank), ``ZBVZeroBubble`` and ``DualPipeV`` (two
-stages per rank in V order), on gloo (CPU) and NCCL; gradient accumulation across calls (``step`` adds to ``.grad``;
-``grad_scale`` weights a call, e.g. ``1 / accumulate_grad_batches``); stages holding DTensors (tensor or expert
-parallel blocks: the clip reduces their shards too).
+stages per rank in V order), tested on gloo (CPU; NCCL runs the same torch code, untested here); gradient
+accumulation across calls (``step`` adds to ``.grad``; ``grad_scale`` weights a call, e.g.
+``1 / accumulate_grad_batches``). The clip reduces DTensor shards inside a stage over their meshes first (the
+shared :func:`.clipping.total_grad_norm`); stages holding tensor- or expert-parallel DTensors are not tested yet.
 
 Gradient scaling: the schedule divides the gradients by ``M`` after each step (torch's ``scale_grads=True``), so
 gradients injected inside the forward (the MoE layer's auxiliary loss) are averaged over micro-batches like the
@@ -63,8 +66,10 @@ _SCHEDULE_CLASSES = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleave
 
 
 def min_microbatches(schedule: str, pp_size: int) -> int:
-    """The fewest micro-batches ``schedule`` runs at ``pp_size`` ranks (torch's own checks, made before any
-    collective): 1F1B, Interleaved1F1B and ZBVZeroBubble need ``pp_size``, DualPipeV ``2 * pp_size`` (its stages)."""
+    """The fewest micro-batches accepted for ``schedule`` at ``pp_size`` ranks: torch's own minimum for 1F1B
+    (``pp_size``) and DualPipeV (``2 * pp_size``, its stages), checked before any collective; ``pp_size`` for
+    Interleaved1F1B and ZBVZeroBubble, ours: torch pads fewer with idle slots (a step that is mostly bubble), untested.
+    """
     return 2 * pp_size if schedule == "DualPipeV" else pp_size
 
 
@@ -146,14 +151,36 @@ class PipelineRunner:
         pp_size, pp_rank = dist.get_world_size(group), dist.get_rank(group)
         check_pipeline_settings(pp_size, pp_size, schedule, num_microbatches)
         split = plan_pipeline_split(model, pp_size, schedule, split_points)
-        device = torch.device(device)
         modules = [build_stage_module(model, split, i).to(device) for i in split.stage_indices(pp_rank)]
+        return cls.from_stage_modules(split, modules, loss_fn, group, num_microbatches, device)
+
+    @classmethod
+    def from_stage_modules(cls, split: PipelineSplit, modules: list[nn.Module],
+                           loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                           group: dist.ProcessGroup | None, num_microbatches: int,
+                           device: torch.device | str = "cpu") -> PipelineRunner:
+        """Wrap stage modules built and prepared by the caller (materialised from meta, tensor-parallel, sharded).
+
+        Args:
+            split: the split the modules were built from (:func:`.plan_pipeline_split`).
+            modules: this rank's stage modules, in the order of ``split.stage_indices(pp_rank)``.
+            loss_fn: ``loss_fn(output, target)`` -> the mean loss of one micro-batch.
+            group: the pipeline process group (default: the whole world).
+            num_microbatches: micro-batches per ``step``.
+            device: where the stages run.
+        """
+        pp_rank = dist.get_rank(group)
+        check_pipeline_settings(split.pp_size, split.pp_size, split.schedule, num_microbatches)
+        device = torch.device(device)
+        indices = split.stage_indices(pp_rank)
+        if len(modules) != len(indices):
+            raise ValueError(f"pipeline rank {pp_rank} runs stages {indices} of the split, but {len(modules)} stage "
+                             "modules were given: pass one module per stage, in that order.")
         stages = [PipelineStage(module, i, split.num_stages, device, group=group)
-                  for module, i in zip(modules, split.stage_indices(pp_rank))]
+                  for module, i in zip(modules, indices)]
         runner = cls(split, modules, stages, None, group, num_microbatches, loss_fn)
-        schedule_cls = _SCHEDULE_CLASSES[schedule]
-        runner.schedule = schedule_cls(stages if split.stages_per_rank > 1 else stages[0], num_microbatches,
-                                       loss_fn=runner._scaled_loss(loss_fn))
+        runner.schedule = _SCHEDULE_CLASSES[split.schedule](stages if split.stages_per_rank > 1 else stages[0],
+                                                            num_microbatches, loss_fn=runner._scaled_loss(loss_fn))
         return runner
 
     def _scaled_loss(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -30,6 +30,9 @@ embedding joins the first stage, the final norm and head the last.
 Virtual stages: ``1F1B`` has one stage per rank; ``Interleaved1F1B`` two per rank in loop order (stage s on rank
 s mod P); ``ZBVZeroBubble`` and ``DualPipeV`` two per rank in V order (rank r holds stages r and 2P-1-r).
 
+Costs: ``build_stage_module`` deep-copies the whole model before deleting what the stage does not own: on the meta
+device that is free, on a real device it holds a second whole model for a moment (build large models on meta).
+
 Does not support: tied input and output embeddings (the two stages would share one parameter; untie them), blocks
 that need more than the hidden states (a key/value cache, cross-attention inputs, HF attention masks with padding),
 encoder-decoder models, more than two virtual stages per rank.
