@@ -28,7 +28,8 @@ except its last bucket, the shard reductions and ZeRO-1's broadcasts after backw
 nodes runs at the across-nodes link, each GPU with its own NIC (no sharing). Memory is what the step's tensors
 hold (no CUDA context, allocator caching or fragmentation: real peaks run higher).
 
-Costs: a few seconds to a minute, dominated by the fake step's op count (layers x ops); no device, no weights.
+Costs: seconds for a few layers, minutes for the largest presets (benchmarks/planning/REPORT.md), growing with
+the fake step's op count (layers x ops); no device, no weights.
 Not supported: FSDP2 sharding, activation checkpointing, pipelines, gradient accumulation, compression (the
 strategy does not yet have the first three); uneven routing; optimizers other than torch's AdamW.
 """

@@ -8,8 +8,8 @@ that divide every MoE layer's expert count; 1 for dense models) and ZeRO-1 on or
 strategy's reason. FSDP2's shard size, activation checkpointing, pipeline stages and their schedule, micro-batches
 and compression each become one more axis of :func:`candidate_layouts` when the strategy has them.
 
-Costs: one plan per candidate (seconds for an 8B model, about a minute for DeepSeek-V3); nothing is cached between
-candidates yet (each sets up its own fake world).
+Costs: one plan per candidate (see :mod:`.planner`); nothing is cached between candidates yet (each builds its
+model and fake world again).
 """
 
 from __future__ import annotations
