@@ -3,8 +3,9 @@
 One spawn per world size (2 and 4 ranks) runs every scenario: for our GPT, its MoE preset and HF Llama from a tiny
 config, every schedule trains 20 AdamW steps (FP32, global-norm clipping at 1.0) on the same global batches as the
 reference (one process, the whole model); losses, clip norms, final weights and an evaluation loss must agree within
-1e-5. Also on the spawn: gradient accumulation across two calls, torch's batched point-to-point on gloo (mixed
-sends and receives, every handle waited on), and the split's errors raised before any collective.
+1e-5. Also on the spawn: gradient accumulation across two calls, stages of a meta-device model materialised one by
+one, torch's batched point-to-point on gloo (mixed sends and receives, every handle waited on), and the split's errors
+raised before any collective.
 
 The GPT models have no biases: the key projection's bias has a zero gradient in exact arithmetic, and AdamW turns
 the rounding noise left in it (different between one process and micro-batches) into steps of the learning rate's
@@ -111,6 +112,22 @@ def _accumulate() -> dict[str, Any]:
     return {"losses": losses, "grads": {k: v.grad.tolist() for m in runner.modules for k, v in m.named_parameters()}}
 
 
+def _meta_stages() -> float:
+    """The split of a meta-device model, each stage materialised on its own (``to_empty`` + the reference weights),
+    wrapped by ``from_stage_modules``: the first step's loss."""
+    with torch.device("meta"):
+        meta = make_model("gpt")
+    split = plan_pipeline_split(meta, dist.get_world_size(), "1F1B")
+    weights = make_model("gpt").state_dict()
+    modules = []
+    for index in split.stage_indices(dist.get_rank()):
+        module = build_stage_module(meta, split, index).to_empty(device="cpu")
+        module.load_state_dict({k: weights[k] for k in module.state_dict()})
+        modules.append(module)
+    runner = PipelineRunner.from_stage_modules(split, modules, loss_fn, None, _microbatches())
+    return runner.step(*batches(1)[0]).item()
+
+
 def _batched_p2p(rank: int, world_size: int) -> list[float]:
     """A ring of mixed isend/irecv through ``batch_isend_irecv``, every handle waited on (as torch's schedules do)."""
     send = torch.full((4,), float(rank))
@@ -145,6 +162,7 @@ def pipeline_scenarios(rank: int, world_size: int) -> dict[str, Any]:
         for schedule in SCHEDULES:
             out[name, schedule] = _train(name, schedule)
     out["accumulate"] = _accumulate()
+    out["meta"] = _meta_stages()
     return out
 
 
@@ -192,6 +210,12 @@ def test_gradient_accumulation(spawn: Any) -> None:
         assert _close(got["losses"], [loss0.item(), loss1.item()]) < TOL
         for key, grad in got["grads"].items():
             assert _close(grad, model.get_parameter(key).grad.tolist()) < TOL, key
+
+
+def test_stages_materialised_from_meta(spawn: Any, references: Any) -> None:
+    _, results = spawn
+    for result in results:
+        assert abs(result["meta"] - references["gpt"]["losses"][0]) < TOL
 
 
 def test_batched_point_to_point_completes_on_gloo(spawn: Any) -> None:
