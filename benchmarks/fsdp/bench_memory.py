@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -263,6 +264,7 @@ def launch(configs: list[str], size: tuple, steps: int, timeout: float, cap_gib:
         outcome = f"exit {codes}"
         sys.stderr.write(stderr_tails[codes.index(next(c for c in codes if c))])
     results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)] if outcome == "ok" else []
+    shutil.rmtree(out, ignore_errors=True)
     return outcome, results, peak_kib / 2 ** 20
 
 
