@@ -171,7 +171,7 @@ def resolve_dims(module: nn.Module, settings: LayoutSettings, dims: ParallelDims
     return ParallelDims(dims.world_size, tp=tp, ep=ep, dp_shard=dims.dp_shard)
 
 
-def warn_user_parallelised(settings: LayoutSettings, dims: ParallelDims) -> None:
+def warn_user_parallelised(settings: LayoutSettings) -> None:
     """Warn about the settings a LightningModule that parallelised itself in ``configure_model`` makes moot."""
     settings_and_off = (("data_parallel_shard_size", settings.dp_shard, 1), ("expert_parallel_size", settings.ep, 1),
                         ("activation_checkpointing", settings.activation_checkpointing, "none"))

@@ -259,7 +259,7 @@ class HybridParallelStrategy(DDPStrategy):
             self._parallelize(module, trainer, meta)
         elif self.layout is None:  # the user's own parallelisation in configure_model: kept as it is
             self.layout = Layout(self.parallel_dims, "user", self.world_mesh.order)
-            warn_user_parallelised(self._settings, self.parallel_dims)
+            warn_user_parallelised(self._settings)
         materialize(module, self.root_device)  # a meta model: each rank allocates and initialises its shards
         self.model_to_device()
         # Unsharded, each step is DDPStrategy's own; FSDP reduces its parameters' gradients itself.
