@@ -58,7 +58,7 @@ from lightning_deepseek.parallel.pipeline_split import (
     plan_pipeline_split,
 )
 
-__all__ = ["SCHEDULES", "PipelineRunner", "check_pipeline_settings", "min_microbatches"]
+__all__ = ["SCHEDULES", "PipelineRunner", "check_pipeline_composition", "check_pipeline_settings", "min_microbatches"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
 _SCHEDULE_CLASSES = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
@@ -109,6 +109,39 @@ def check_pipeline_settings(world_size: int, pp_size: int, schedule: str, num_mi
         raise ValueError(
             f"the batch of {batch_size} samples does not split into pipeline_microbatches={num_microbatches} equal "
             f"micro-batches: use a batch size that is a multiple of {num_microbatches}.")
+
+
+def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: int | None,
+                               **settings: object) -> None:
+    """Validate ``HybridParallelStrategy``'s pipeline arguments on their own (no world size yet) and the other
+    settings they compose with: inside a pipeline stage, parameters are replicated over ``dp`` only.
+
+    Args:
+        pp_size, schedule, num_microbatches: ``pipeline_parallel_size``, ``pipeline_schedule``,
+            ``pipeline_microbatches`` (None: the schedule's least).
+        settings: the strategy's other arguments by name (``tensor_parallel_size=...``); those not yet composed with
+            a pipeline must be at their off value.
+
+    Raises:
+        ValueError: naming the setting, the value and the fix.
+    """
+    if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size < 1:
+        raise ValueError(f"pipeline_parallel_size={pp_size!r} must be a positive integer (1: no pipeline).")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule={schedule!r} is not supported: use one of {SCHEDULES}.")
+    if num_microbatches is not None and (not isinstance(num_microbatches, int) or num_microbatches < 1):
+        raise ValueError(f"pipeline_microbatches={num_microbatches!r} must be a positive integer or None (the "
+                         "schedule's least).")
+    if pp_size == 1:
+        return
+    check_pipeline_settings(pp_size, pp_size, schedule, num_microbatches or min_microbatches(schedule, pp_size))
+    off = {"tensor_parallel_size": (1, "auto"), "expert_parallel_size": (1, "auto"), "data_parallel_shard_size": (1,),
+           "shard_optimizer_states": (False,), "activation_checkpointing": ("none",)}
+    for name, value in settings.items():
+        if value not in off[name]:
+            raise ValueError(
+                f"pipeline_parallel_size={pp_size} with {name}={value!r} is not supported yet: a pipeline stage "
+                f"composes with data parallelism only. Set {name}={off[name][0]!r}, or pipeline_parallel_size=1.")
 
 
 @dataclass

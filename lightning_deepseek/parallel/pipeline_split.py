@@ -3,7 +3,8 @@
 ``plan_pipeline_split(model, pp_size, schedule)`` returns a frozen ``PipelineSplit`` (no process group needed; the
 model may be on the meta device); ``build_stage_module(model, split, stage_index)`` copies the model and deletes every
 module the stage does not own (torchtitan's way), so parameter names and ``state_dict`` keys stay those of the whole
-model (``blocks.5.attn.qkv.weight`` on the stage that owns block 5).
+model (``blocks.5.attn.qkv.weight`` on the stage that owns block 5); ``build_rank_module`` does it once for all stages
+of one rank and gives each stage a view sharing those modules (what the strategy's LightningModule holds).
 
 Supported models (found by structure, never by importing them):
 
@@ -54,8 +55,8 @@ SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
 _STAGES_PER_RANK = {"1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2, "DualPipeV": 2}
 _V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 
-__all__ = ["SCHEDULES", "PipelineSplit", "StageSpec", "build_stage_module", "plan_pipeline_split",
-           "stage_to_rank"]
+__all__ = ["SCHEDULES", "PipelineSplit", "StageSpec", "build_rank_module", "build_stage_module",
+           "plan_pipeline_split", "stage_to_rank"]
 
 
 @dataclass(frozen=True)
@@ -337,8 +338,51 @@ def build_stage_module(model: nn.Module, split: PipelineSplit, stage_index: int)
         split: the split from :func:`plan_pipeline_split`.
         stage_index: which stage to build.
     """
+    return _build(model, split, split.stages[stage_index].modules)
+
+
+def build_rank_module(model: nn.Module, split: PipelineSplit, pp_rank: int) -> tuple[nn.Module, list[nn.Module]]:
+    """One copy of ``model`` holding the modules of every stage pipeline rank ``pp_rank`` runs (what its optimizer
+    steps and its checkpoint saves, under the whole model's names), and one module per stage, in
+    ``split.stage_indices(pp_rank)`` order, made of the same submodule objects (what each ``PipelineStage`` runs:
+    no parameter is copied). With one stage per rank the two are the same module."""
+    indices = split.stage_indices(pp_rank)
+    rank_module = _build(model, split, [name for i in indices for name in split.stages[i].modules])
+    if len(indices) == 1:
+        return rank_module, [rank_module]
+    return rank_module, [_view(rank_module, [n for j in indices if j != i for n in split.stages[j].modules],
+                               split.stages[i].modules) for i in indices]
+
+
+def _view(root: nn.Module, drop: Sequence[str], keep: Sequence[str]) -> nn.Module:
+    """A shallow copy of ``root`` without the modules ``drop`` (the containers on their paths are copied, every
+    other submodule is shared); a chain runs the modules ``keep``."""
+    def shallow(module: nn.Module) -> nn.Module:
+        clone = copy.copy(module)
+        clone.__dict__["_modules"] = dict(module._modules)
+        return clone
+
+    view, copied = shallow(root), {}
+    for name in drop:
+        parent, path = view, ""
+        for part in name.split(".")[:-1]:
+            path = f"{path}.{part}"
+            if path not in copied:
+                copied[path] = parent._modules[part] = shallow(parent._modules[part])
+            parent = copied[path]
+        leaf = name.rpartition(".")[2]
+        if isinstance(parent, nn.ModuleDict):
+            del parent._modules[leaf]
+        else:
+            parent._modules[leaf] = None
+    if "_pipeline_chain" in root.__dict__:
+        view._pipeline_chain = list(keep)
+    return view
+
+
+def _build(model: nn.Module, split: PipelineSplit, owned_names: Sequence[str]) -> nn.Module:
     stage = copy.deepcopy(model)
-    owned = set(split.stages[stage_index].modules)
+    owned = set(owned_names)
     all_owned = [name for spec in split.stages for name in spec.modules]
     for container in {name.rpartition(".")[0] for name in all_owned}:
         holder = stage.get_submodule(container) if container else stage
@@ -350,6 +394,6 @@ def build_stage_module(model: nn.Module, split: PipelineSplit, stage_index: int)
         if name not in owned:
             _delete(stage, name)
     if split.family == "chain":
-        stage._pipeline_chain = [name for name in all_owned if name in owned]
+        stage._pipeline_chain = list(owned_names)
     stage.__class__ = _stage_class(type(stage), split.family)
     return stage

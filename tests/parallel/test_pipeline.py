@@ -24,7 +24,12 @@ import torch.nn.functional as F
 
 from lightning_deepseek.models.gpt import GPT, GPTConfig
 from lightning_deepseek.parallel.pipeline import PipelineRunner, check_pipeline_settings
-from lightning_deepseek.parallel.pipeline_split import SCHEDULES, build_stage_module, plan_pipeline_split
+from lightning_deepseek.parallel.pipeline_split import (
+    SCHEDULES,
+    build_rank_module,
+    build_stage_module,
+    plan_pipeline_split,
+)
 from tests.helpers import run_distributed
 
 STEPS, BATCH, SEQ, VOCAB, LAYERS = 20, 8, 16, 64, 8
@@ -258,6 +263,32 @@ def test_stage_modules_chain_to_the_whole_model() -> None:
         hidden = x
         for index in range(split.num_stages):
             hidden = build_stage_module(model, split, index)(hidden)
+        torch.testing.assert_close(hidden, logits_of(model, x), atol=1e-6, rtol=0)
+
+
+def test_rank_module_holds_its_stages_and_the_stage_views_share_it() -> None:
+    """``build_rank_module``: one module with every stage of a rank (the whole model's names), and per stage a view
+    made of the same parameters that computes what ``build_stage_module`` does."""
+    for name in MODELS:
+        model = make_model(name).eval()
+        x = batches(1)[0][0]
+        split = plan_pipeline_split(model, 2, "DualPipeV")
+        stages = [build_stage_module(model, split, index) for index in range(split.num_stages)]
+        hidden = x
+        for pp_rank in (0, 1):
+            rank_module, views = build_rank_module(model, split, pp_rank)
+            owned = {id(p) for p in rank_module.parameters()}
+            names = dict(rank_module.named_parameters())
+            for index, view in zip(split.stage_indices(pp_rank), views):
+                assert {id(p) for p in view.parameters()} <= owned
+                assert [n for n, _ in view.named_parameters()] == [n for n, _ in stages[index].named_parameters()]
+                assert all(names[n] is p for n, p in view.named_parameters())
+            assert sum(p.numel() for p in rank_module.parameters()) == sum(
+                split.stages[i].num_parameters for i in split.stage_indices(pp_rank))
+        for index in range(split.num_stages):
+            view = build_rank_module(model, split, split.stages[index].rank)[1][
+                split.stage_indices(split.stages[index].rank).index(index)]
+            hidden = view(hidden)
         torch.testing.assert_close(hidden, logits_of(model, x), atol=1e-6, rtol=0)
 
 
