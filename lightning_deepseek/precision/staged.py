@@ -36,6 +36,11 @@ internally (fused Adam with a scaler), true half-precision weights (``16-true``)
 FP8: ``Stage("fp8")`` converts the model's ``nn.Linear`` layers to torchao's float8 training at the stage boundary
 (and back after it); see :mod:`lightning_deepseek.precision.float8`.
 
+Sharded parameters (FSDP2, ``HybridParallelStrategy(data_parallel_shard_size=N)``): at each stage change the FSDP
+units' mixed-precision policy follows the stage (parameters all-gathered in FP16 or BF16, gradients reduce-scattered
+in ``fsdp_reduce_dtype``; no policy in FP32 stages), see :mod:`lightning_deepseek.parallel.fsdp_precision`. FP8
+stages with FSDP are refused at setup.
+
 Why our own plugin: Lightning's ``MixedPrecision`` fixes one dtype for the run and uses ``torch.amp.GradScaler``,
 whose limits are listed in :mod:`lightning_deepseek.precision.loss_scaler`.
 """
@@ -53,10 +58,12 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_deepseek.parallel import fsdp_precision
 from lightning_deepseek.precision import float8
 from lightning_deepseek.precision.float8 import DEFAULT_EXCLUDE, Float8Training
 from lightning_deepseek.precision.loss_scaler import DynamicLossScaler
@@ -114,6 +121,8 @@ class StagedPrecision(Precision):
             ``"rowwise_with_gw_hp"`` or a ``torchao.float8.Float8LinearConfig``.
         fp8_exclude: module names whose ``nn.Linear`` layers FP8 stages leave alone (default: head and routers).
         fp8_emulate: emulate FP8 GEMMs; ``None`` emulates on CPU only.
+        fsdp_reduce_dtype: dtype of FSDP's gradient reduce-scatter in FP16/BF16 stages when the model is sharded
+            (``None``: the stage's dtype).
     """
 
     def __init__(
@@ -130,6 +139,7 @@ class StagedPrecision(Precision):
         fp8_recipe: Any = "tensorwise",
         fp8_exclude: Sequence[str] = DEFAULT_EXCLUDE,
         fp8_emulate: bool | None = None,
+        fsdp_reduce_dtype: torch.dtype | None = torch.float32,
     ) -> None:
         self.schedule = PrecisionSchedule(default_schedule() if schedule is None else schedule)
         uses_fp8 = any(stage.precision == "fp8-mixed" for stage in self.schedule.stages)
@@ -155,6 +165,9 @@ class StagedPrecision(Precision):
         self._trainer: pl.Trainer | None = None
         self.float8_layers: list[str] = []  # paths of the layers the last FP8 stage converted
         self._float8_active = False  # whether the model holds converted layers now
+        self.fsdp_reduce_dtype = fsdp_reduce_dtype
+        self._fsdp_units: list[FSDPModule] = []  # the model's FSDP units, found at connect
+        self._fsdp_precision: str | None = None  # the precision whose policy they hold
 
     def __repr__(self) -> str:
         return f"StagedPrecision(schedule={self.schedule!r})"
@@ -199,7 +212,12 @@ class StagedPrecision(Precision):
             self._resolve_schedule(trainer)
             if self.skip_lr_scheduler_on_skipped_step:
                 SkippedStepSchedulerGuard.install(module, self, lr_schedulers)
-        self._sync_float8(module)
+        self._fsdp_units = fsdp_precision.fsdp_units(module)
+        if self._fsdp_units and self.float8 is not None:
+            raise StagedPrecisionError("Stage('fp8') is not supported with sharded parameters (FSDP2 units found in "
+                                       f"{type(module).__name__}). Use 'bf16-mixed' for this stage, or train without "
+                                       "data_parallel_shard_size (ZeRO-1: shard_optimizer_states=True).")
+        self._sync_model(module)
         return model, optimizers, lr_schedulers
 
     @override
@@ -210,6 +228,9 @@ class StagedPrecision(Precision):
             if self._float8_active:  # the model leaves the run with the nn.Linear layers it came with
                 float8.revert(module)
                 self._float8_active = False
+            if self._fsdp_precision not in (None, "32-true"):  # and with FSDP's FP32 all-gathers
+                fsdp_precision.set_mixed_precision(self._fsdp_units, fsdp_precision.stage_policy("32-true"))
+        self._fsdp_units, self._fsdp_precision = [], None
         super().teardown()
 
     def check_device(self, strategy_device: str) -> str:
@@ -316,9 +337,14 @@ class StagedPrecision(Precision):
         if index != self.stage_index:
             after = self.fallbacks.get(index, self.schedule.stages[index].precision)
             self._events.append(_Event(trainer.global_step, f"{self.precision} -> {after}", index))
-        self._sync_float8(trainer.lightning_module)
+        self._sync_model(trainer.lightning_module)
 
-    def _sync_float8(self, module: pl.LightningModule) -> None:
+    def _sync_model(self, module: pl.LightningModule) -> None:
+        """Bring the model in line with the current stage: FSDP's policy, the FP8 layers."""
+        if self._fsdp_units and self._fsdp_precision != self.precision:  # FSDP's policy follows the stage
+            policy = fsdp_precision.stage_policy(self.precision, self.fsdp_reduce_dtype)
+            fsdp_precision.set_mixed_precision(self._fsdp_units, policy)
+            self._fsdp_precision = self.precision
         # Converts at the boundary into an FP8 stage (also the first step after a resume mid-FP8), reverts after it.
         in_fp8 = self.precision == "fp8-mixed"
         if in_fp8 and not self._float8_active:
