@@ -178,7 +178,8 @@ def load(model: nn.Module, optimizers: list[Optimizer], path: Path, module: Any,
     optimizers; return the checkpoint's other entries for Lightning."""
     strict = module.strict_loading
     if path.is_file():
-        loaded = checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        # Lightning < 2.6's CheckpointIO takes no weights_only (and loads everything); Trainer.fit passes None there
+        loaded = checkpoint_io.load_checkpoint(path, **({} if weights_only is None else {"weights_only": weights_only}))
         load_full(model, optimizers, loaded, strict, module, sharded)
         return loaded
     if is_distributed_checkpoint(path):

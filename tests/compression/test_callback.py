@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import shutil
 import warnings
 from pathlib import Path
@@ -19,6 +20,9 @@ from lightning_deepseek.compression import CompressionConfig
 from lightning_deepseek.compression.callback import CompressionStrategyError, find_ddp_module
 from lightning_deepseek.models import GPTConfig, LightningGPT
 from tests.helpers import run_distributed
+
+# Trainer.fit(weights_only=False) lets Lightning >= 2.6 load the GPTConfig hyperparameter; older ones load all.
+FULL_LOAD = {"weights_only": False} if "weights_only" in inspect.signature(pl.Trainer.fit).parameters else {}
 
 STEPS = 12
 
@@ -93,7 +97,7 @@ def _train_and_resume(rank: int, ws: int, root: str) -> dict:
     trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, default_root_dir=root, callbacks=[second, _Spy()])
-    trainer.fit(model, train_dataloaders=_loader(), ckpt_path=ckpt, weights_only=False)  # GPTConfig hparam
+    trainer.fit(model, train_dataloaders=_loader(), ckpt_path=ckpt, **FULL_LOAD)
     out["residuals_restored"] = saved.keys() == resumed_state.keys() and all(
         torch.equal(saved[k], resumed_state[k]) for k in saved)
     out["residuals_nonzero"] = any(bool(v.abs().max() > 0) for v in saved.values())
@@ -120,7 +124,7 @@ def _train_and_resume(rank: int, ws: int, root: str) -> dict:
     trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_steps=STEPS // 2 + 2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, default_root_dir=root, callbacks=[resumed, _LightSpy()])
-    trainer.fit(model, train_dataloaders=_loader(), ckpt_path=light_ckpt, weights_only=False)
+    trainer.fit(model, train_dataloaders=_loader(), ckpt_path=light_ckpt, **FULL_LOAD)
     out["light_resumed_step"] = seen["step"]
     out["light_resumed_residuals"] = len(seen["residuals"])
     return out
