@@ -87,7 +87,8 @@ def run_plan(cfg: DictConfig) -> int:
     step = StepShape(**OmegaConf.to_container(cfg.step), min_shard_params=s.min_shard_params,
                      bucket_cap_mb=s.bucket_cap_mb)
     if cfg.layout == "manual":
-        layout = PlanLayout(s.tensor_parallel_size, s.expert_parallel_size, s.shard_optimizer_states, s.placement)
+        layout = PlanLayout(s.tensor_parallel_size, s.expert_parallel_size, s.shard_optimizer_states, s.placement,
+                            s.data_parallel_shard_size, s.reshard_after_forward, s.activation_checkpointing)
         report = plan(model, cfg.world_size, layout, cluster, step)
         print(json.dumps(report.to_dict(), indent=1) if cfg.output == "json" else report.table())
         return 0

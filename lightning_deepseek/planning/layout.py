@@ -1,9 +1,10 @@
 """``PlanLayout`` and ``StepShape``: the settings a plan is made for, each one validated value.
 
-``PlanLayout`` holds the strategy's layout settings that exist today: ``tensor_parallel_size``,
-``expert_parallel_size``, ``shard_optimizer_states`` (ZeRO-1) and ``placement``; the data-parallel size is what is
-left of the world. Each setting the strategy gains (FSDP2's ``data_parallel_shard_size``, activation checkpointing,
-pipeline stages and schedule, micro-batches) is one more field here, one more axis of
+``PlanLayout`` holds the strategy's layout settings: ``tensor_parallel_size``, ``expert_parallel_size``,
+``shard_optimizer_states`` (ZeRO-1), ``placement``, FSDP2's ``data_parallel_shard_size`` and
+``reshard_after_forward``, and ``activation_checkpointing``; the data-parallel size is what is left of the world.
+They are validated by the strategy's own ``LayoutSettings``. Each setting the strategy gains (pipeline stages and
+schedule, micro-batches) is one more field here, one more axis of
 :func:`lightning_deepseek.planning.search.candidate_layouts`, and one more argument handed to the strategy's own
 code by the planner.
 """
@@ -11,8 +12,9 @@ code by the planner.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from lightning_deepseek.parallel.placement import POLICIES
+from lightning_deepseek.parallel.layout import LayoutSettings
 
 DTYPES = ("fp32", "bf16")
 
@@ -26,24 +28,40 @@ class PlanLayout:
         ep: ``expert_parallel_size``.
         shard_optimizer_states: ZeRO-1.
         placement: the rank-order policy (``"auto"``: the strategy's estimate over the cluster's link figures).
+        dp_shard: ``data_parallel_shard_size`` (FSDP2; the other data-parallel ranks replicate the shards: HSDP).
+        reshard_after_forward: FSDP2's: free each block's gathered parameters after its forward.
+        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` per transformer block.
     """
 
     tp: int = 1
     ep: int = 1
     shard_optimizer_states: bool = False
     placement: str = "auto"
+    dp_shard: int = 1
+    reshard_after_forward: bool = True
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
 
     def __post_init__(self) -> None:
         for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep)):
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"{name}={size!r} must be a positive integer.")
-        if self.placement not in POLICIES:
-            raise ValueError(f"placement={self.placement!r} must be one of {POLICIES}.")
+        if self.dp_shard == "auto":
+            raise ValueError("data_parallel_shard_size='auto' is the processes per node: give the number for a plan "
+                             "(the cluster's gpus_per_node).")
+        LayoutSettings(self.tp, self.ep, self.dp_shard, placement=self.placement,  # the strategy's own checks
+                       reshard_after_forward=self.reshard_after_forward,
+                       activation_checkpointing=self.activation_checkpointing,
+                       shard_optimizer_states=self.shard_optimizer_states)
 
     def describe(self, world_size: int) -> str:
         parts = [f"dp={world_size // self.tp}", f"tp={self.tp}"]
         parts += [f"ep={self.ep}"] if self.ep > 1 else []
         parts += ["zero1"] if self.shard_optimizer_states else []
+        if self.dp_shard > 1:
+            replicas = world_size // self.dp_shard if world_size else 0
+            parts += [f"fsdp={self.dp_shard}" + (f"x{replicas}" if replicas > 1 else "")]
+            parts += [] if self.reshard_after_forward else ["no-reshard"]
+        parts += [f"ac={self.activation_checkpointing}"] if self.activation_checkpointing != "none" else []
         return " ".join(parts)
 
 

@@ -6,17 +6,20 @@ The steps, the strategy's own code for each (:mod:`lightning_deepseek.parallel`)
 1. the model is built under ``FakeTensorMode`` (:mod:`.models`): shapes only;
 2. the sizes (``ParallelDims``), the tensor-parallel plan (``decide_plan``), the rank order (``place``, with the
    cluster's islands and link figures: nothing probed), every mesh (``build_mesh``), tensor parallelism
-   (``apply_tensor_parallel``), expert parallelism (``setup_expert_parallel``), the optimizer (torch's AdamW) and
-   ZeRO-1's partition and hooks (``setup_optimizer_states``);
-3. one step under torch's ``MemTracker`` (memory by kind), ``FlopCounterMode`` and a ``CollectiveCounter``
+   (``apply_tensor_parallel``), expert parallelism (``setup_expert_parallel``), activation checkpointing
+   (``apply_activation_checkpointing``), FSDP2's ``fully_shard`` (``apply_fsdp``, on the fake process group's
+   meshes: its all-gathers and reduce-scatters run and are counted), the optimizer (torch's AdamW) and ZeRO-1's
+   partition and hooks (``setup_optimizer_states``);
+3. one step under torch's ``MemTracker`` (memory by kind), a ``FlopCounter`` and a ``CollectiveCounter``
    (:mod:`.counting`): forward and backward (BF16 autocast where ``dtype="bf16"``), the strategy's reductions of
-   the tensor- and expert-parallel gradients, the optimizer step (ZeRO-1's broadcasts in its hooks);
+   the tensor- and expert-parallel gradients (FSDP2 reduces its shards in backward), the optimizer step (ZeRO-1's
+   broadcasts in its hooks);
 4. DDP's gradient all-reduce, which the fake step does not run (DDP's reducer calls the process group from C++), is
    added from DDP's buckets: the replicated trainable parameters in reverse order, a first bucket of 1 MiB, then
    ``bucket_cap_mb`` (DDP's rule); its buckets are also memory (``gradient_as_bucket_view=False``, the default);
    with it, DDP's broadcast of the module's buffers before forward (``broadcast_buffers=True``, its default).
 
-Only rank 0 is stepped: in today's layouts (dp, tp, ep, ZeRO-1) every rank holds the same shapes but ZeRO-1's
+Only rank 0 is stepped: in today's layouts (dp, tp, ep, ZeRO-1, FSDP2) every rank holds the same shapes but ZeRO-1's
 owned states, whose maximum over ranks comes from the partition (``memory_per_rank``, the strategy's own table).
 Pipeline stages will make ranks differ: one step per distinct stage, a loop here.
 
@@ -30,8 +33,7 @@ hold (no CUDA context, allocator caching or fragmentation: real peaks run higher
 
 Costs: seconds for a few layers, minutes for the largest presets (benchmarks/planning/REPORT.md), growing with
 the fake step's op count (layers x ops); no device, no weights.
-Not supported: FSDP2 sharding, activation checkpointing, pipelines, gradient accumulation, compression (the
-strategy does not yet have the first three); uneven routing; optimizers other than torch's AdamW.
+Not supported: pipelines, gradient accumulation, compression; uneven routing; optimizers other than torch's AdamW.
 """
 
 from __future__ import annotations
@@ -44,24 +46,27 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop, sdpa_flop
+from torch.utils.flop_counter import sdpa_backward_flop, sdpa_flop
 
 from lightning_deepseek.moe.protocol import find_expert_layers
+from lightning_deepseek.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_deepseek.parallel.dims import ParallelDims, WorldMesh
 from lightning_deepseek.parallel.expert import reduce_expert_gradients
 from lightning_deepseek.parallel.expert_plan import setup_expert_parallel
 from lightning_deepseek.parallel.expert_routing import ExpertRouting
+from lightning_deepseek.parallel.fsdp import apply_fsdp
 from lightning_deepseek.parallel.memory import memory_per_rank, setup_optimizer_states
 from lightning_deepseek.parallel.placement import comm_volume, place
 from lightning_deepseek.parallel.plan import decide_plan
 from lightning_deepseek.parallel.styles import apply_tensor_parallel, reduce_tensor_parallel_gradients
 from lightning_deepseek.parallel.topology import Topology
 from lightning_deepseek.planning.cluster import ClusterSpec
-from lightning_deepseek.planning.counting import CollectiveCall, CollectiveCounter, LocalOpsOnly
+from lightning_deepseek.planning.counting import CollectiveCall, CollectiveCounter, FlopCounter, LocalOpsOnly
 from lightning_deepseek.planning.estimate import GroupInfo, StepMeasurement, estimate
 from lightning_deepseek.planning.fake_world import fake_world
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
@@ -72,8 +77,8 @@ from lightning_deepseek.planning.routing import uniform_routing
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                      "lightning_utilities.core.rank_zero")
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
-# The CPU's fused attention has no formula in FlopCounterMode's registry; it does what the GPU kernels do.
-# (FlopCounterMode wraps a custom formula itself: hand it the unwrapped ones.)
+# The CPU's fused attention has no formula in torch's FLOP registry; it does what the GPU kernels do.
+# (FlopCounter wraps a custom formula itself: hand it the unwrapped ones.)
 CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop.__wrapped__,
             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop.__wrapped__}
 
@@ -133,8 +138,16 @@ def _quiet_set_up() -> Iterator[None]:
 def mesh_groups(mesh: WorldMesh, dims: ParallelDims, topology: Topology) -> dict[str, GroupInfo]:
     """Every group this rank is in, by process-group name: its mesh dimensions (``"tp/world"`` where the ``tp``
     group is the whole world), size and link class."""
-    named = [(dim, mesh[dim].get_group()) for dim in ("dp", "tp")]
-    named += [(dim, mesh[dim].get_group()) for dim in ("edp", "ep")] if dims.ep_enabled else []
+    wanted = ["dp", "tp"] + (["edp", "ep"] if dims.ep_enabled else [])
+    if dims.fsdp_enabled:
+        wanted += ["dp_shard", "dp_replicate"] + (["dp_shard_tp", "dp_replicate_tp"] if dims.tp_enabled else [])
+        wanted += ["edp_shard", "edp_replicate"] if dims.ep_enabled else []
+    named = []
+    for dim in wanted:
+        try:
+            named.append((dim, mesh[dim].get_group()))
+        except KeyError:  # a view this version of the strategy's meshes does not have
+            continue
     named.append(("world", dist.group.WORLD))
     labels: dict[str, list[str]] = {}
     for dim, group in named:
@@ -159,7 +172,7 @@ def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         module = model.build()
-    dims = ParallelDims(world_size, tp=layout.tp, ep=layout.ep)
+    dims = ParallelDims(world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard)
     layers = find_expert_layers(module)
     dims.check_experts(layers)
     tp_plan = decide_plan(module, "auto", world_size, dims.tp, False, step.min_shard_params)
@@ -171,11 +184,14 @@ def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape
     # Outside the fake mode too: the set-up reads mesh coordinates (real tensors); the fake parameters carry it.
     apply_tensor_parallel(module, tp_plan.styles, mesh["dp", "tp"]["tp"])
     expert_plan = setup_expert_parallel(module, mesh, topology, ExpertRouting(dispatch="flat"))
+    apply_activation_checkpointing(module, layout.activation_checkpointing)
+    if dims.fsdp_enabled:  # held as a LightningModule holds it: the model is the root unit, as in a real run
+        apply_fsdp(nn.ModuleDict({"model": module}), mesh, layout.reshard_after_forward)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     zero = setup_optimizer_states([optimizer], 0, world_size, mesh, layout.shard_optimizer_states)
     tracker, counter = MemTracker(), CollectiveCounter()
-    flops = FlopCounterMode(display=False, custom_mapping=CPU_SDPA)
+    flops = FlopCounter(CPU_SDPA)
     tracker.track_external(module, optimizer)
     autocast = torch.autocast("cpu", torch.bfloat16) if step.dtype == "bf16" else contextlib.nullcontext()
     with mode:
@@ -189,7 +205,8 @@ def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape
         grad_bytes = local_bytes([p.grad for p in params if p.grad is not None])
         counter.phase = "gradients"
         with LocalOpsOnly(mode):
-            _reduce_and_step(params, mesh, expert_plan.mesh, optimizer, counter)
+            _reduce_and_step(params, mesh, None if dims.fsdp_enabled else expert_plan.mesh, optimizer, counter,
+                             reduce_shards=not dims.fsdp_enabled)
     replicated = [p for p in params if not isinstance(p, DTensor)]
     buckets = ddp_buckets(replicated, int(step.bucket_cap_mb * 2**20)) if world_size > 1 else []
     ddp_calls = [CollectiveCall("all_reduce", dist.group.WORLD.group_name, b, "ddp") for b in buckets]
@@ -197,7 +214,7 @@ def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape
     if buckets and buffers:  # DDP's broadcast_buffers (its default): rank 0's buffers before every forward
         ddp_calls.insert(0, CollectiveCall("broadcast", dist.group.WORLD.group_name, buffers))
     snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    peak = _kind(snapshot, "Total")
+    peak = snapshot_bytes(snapshot, "Total")
     partitions = [z.partition for z in zero] or None
     states_max = (memory_per_rank([optimizer], partitions, world_size)["this layout + ZeRO-1"].states
                   if partitions else None)
@@ -205,24 +222,27 @@ def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape
                       for s in optimizer.state.values())
     memory = RankMemory(params=local_bytes(list(module.parameters())), grads=grad_bytes, states=state_bytes,
                         states_max=max(states_max or 0, state_bytes),  # the estimate leaves out step counters
-                        activations=_kind(saved, "Activation") + _kind(saved, "Temp"), ddp_buckets=sum(buckets),
+                        activations=snapshot_bytes(saved, "Activation") + snapshot_bytes(saved, "Temp"),
+                        ddp_buckets=sum(buckets),
                         peak=peak + sum(buckets))
-    return StepMeasurement(memory=memory, flops=flops.get_total_flops(), calls=tuple(counter.calls) + tuple(ddp_calls),
+    return StepMeasurement(memory=memory, flops=flops.total, calls=tuple(counter.calls) + tuple(ddp_calls),
                            groups=mesh_groups(mesh, dims, topology), num_sharded_layers=len(tp_plan),
                            placement=placed.policy, owned_state_elements=_owned_elements(optimizer))
 
 
 def _reduce_and_step(params: list[torch.Tensor], mesh: WorldMesh, expert_mesh: DeviceMesh | None,
-                     optimizer: torch.optim.Optimizer, counter: CollectiveCounter) -> None:
-    """What the strategy's ``optimizer_step`` does after the closure: the shard reductions, then the step."""
-    reduce_tensor_parallel_gradients(params, mesh["dp", "tp"])
+                     optimizer: torch.optim.Optimizer, counter: CollectiveCounter, reduce_shards: bool) -> None:
+    """What the strategy's ``optimizer_step`` does after the closure: the shard reductions (not under FSDP2, which
+    reduces every shard in backward), then the step."""
+    if reduce_shards:
+        reduce_tensor_parallel_gradients(params, mesh["dp", "tp"])
     if expert_mesh is not None:
         reduce_expert_gradients(params, expert_mesh)
     counter.phase = "optimizer"
     optimizer.step()
 
 
-def _kind(snapshot: dict, name: str) -> int:
+def snapshot_bytes(snapshot: dict, name: str) -> int:
     """Bytes of one kind (``_MemRefType`` value, or ``"Total"``) in a ``MemTracker`` snapshot."""
     return sum(v for k, v in snapshot.items() if getattr(k, "value", k) == name)
 

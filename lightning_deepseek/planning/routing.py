@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd  # the strategy's own call
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_deepseek.moe.protocol import ExpertLayer
 from lightning_deepseek.parallel.expert import ExpertParallel
@@ -85,9 +86,8 @@ def uniform_routing(layers: list[ExpertLayer]) -> Iterator[None]:
     """Inside: the experts of ``layers`` and the expert-parallel dispatch route evenly (see the module docstring)."""
     classes = {}
     for layer in layers:
-        base = type(layer.experts)
-        if isinstance(layer.experts, ExpertParallel):
-            base = next(c for c in base.__mro__[1:] if not issubclass(c, ExpertParallel))
+        # The experts' own class, under the classes expert parallelism and FSDP2 swap in
+        base = next(c for c in type(layer.experts).__mro__ if not issubclass(c, (ExpertParallel, FSDPModule)))
         if layer.convention != "top_k":
             raise NotImplementedError(f"planning {layer.name}: only the 'top_k' experts convention is supported, "
                                       f"not {layer.convention!r}.")

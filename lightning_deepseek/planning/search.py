@@ -1,12 +1,13 @@
 """``search``: ``layout="auto"`` for a world larger than this machine: every layout the strategy supports, each
 planned (:func:`lightning_deepseek.planning.plan`), those that fit kept and ranked by predicted step time.
 
-Today's axes: ``tensor_parallel_size`` (the divisors of the world size up to the GPUs of a node: a ``tp`` group
+The axes: ``tensor_parallel_size`` (the divisors of the world size up to the GPUs of a node: a ``tp`` group
 crossing nodes gathers activations over the slow link), ``expert_parallel_size`` (the divisors of the world size
-that divide every MoE layer's expert count; 1 for dense models) and ZeRO-1 on or off; placement is the strategy's
-``"auto"``. A layout the strategy refuses (a ``tp`` dividing no feed-forward width) is listed as rejected with the
-strategy's reason. FSDP2's shard size, activation checkpointing, pipeline stages and their schedule, micro-batches
-and compression each become one more axis of :func:`candidate_layouts` when the strategy has them.
+that divide every MoE layer's expert count; 1 for dense models), the sharding (none, ZeRO-1, FSDP2 over a node with
+replicas across nodes (HSDP), FSDP2 over the world) and activation checkpointing (none, selective, full);
+placement is the strategy's ``"auto"``. A layout the strategy refuses (a ``tp`` dividing no feed-forward width) is
+listed as rejected with the strategy's reason. Pipeline stages and their schedule, micro-batches and compression
+each become one more axis of :func:`candidate_layouts` when the strategy has them.
 
 Costs: one plan per candidate (see :mod:`.planner`); nothing is cached between candidates yet (each builds its
 model and fake world again).
@@ -21,6 +22,7 @@ from itertools import product
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_deepseek.moe.protocol import find_expert_layers
+from lightning_deepseek.parallel.activation_checkpointing import MODES as AC_MODES
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
@@ -59,11 +61,14 @@ def expert_counts(model: ModelSpec) -> list[int]:
 
 
 def candidate_layouts(world_size: int, gpus_per_node: int, experts: list[int]) -> list[PlanLayout]:
-    """Every layout of today's axes (see the module docstring)."""
+    """Every layout of the axes the strategy has (see the module docstring)."""
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     tps = [d for d in divisors if d <= gpus_per_node]
     eps = [d for d in divisors if experts and math.gcd(*experts) % d == 0] or [1]
-    return [PlanLayout(tp, ep, zero) for tp, ep, zero in product(tps, eps, (False, True))]
+    shards = sorted({d for d in (min(gpus_per_node, world_size), world_size) if d > 1 and world_size % d == 0})
+    sharding = [(False, 1), (True, 1)] + [(False, d) for d in shards]  # ZeRO-1 and FSDP2 exclude each other
+    return [PlanLayout(tp, ep, zero, dp_shard=shard, activation_checkpointing=ac)
+            for tp, ep, (zero, shard), ac in product(tps, eps, sharding, AC_MODES)]
 
 
 def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepShape,

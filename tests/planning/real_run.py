@@ -1,6 +1,8 @@
 """What a real run of ``HybridParallelStrategy`` holds and sends in one training step, counted the way a plan counts
 it: the model states from the real sharded tensors, the bytes at the real collectives (``CollectiveCounter`` on the
-dispatcher, DDP's buckets through a comm hook). Each rank returns plain numbers for the parent to compare."""
+dispatcher, DDP's buckets through a comm hook), and the peak of the step's allocations as torch's ``MemTracker`` sees
+them (DDP's buckets, allocated when DDP wraps the model, from the reducer's first copy of gradients into them on).
+Each rank returns plain numbers for the parent to compare."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
@@ -17,7 +20,7 @@ from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.parallel import Cluster
 from lightning_deepseek.planning import ModelSpec, PlanLayout
 from lightning_deepseek.planning.counting import CollectiveCounter, LocalOpsOnly
-from lightning_deepseek.planning.planner import cluster_topology, local_bytes, mesh_groups
+from lightning_deepseek.planning.planner import cluster_topology, local_bytes, mesh_groups, snapshot_bytes
 
 
 class PlannedModule(pl.LightningModule):
@@ -42,6 +45,7 @@ class StepCounter(pl.Callback):
     def __init__(self, gpus_per_node: int) -> None:
         self.gpus_per_node = gpus_per_node
         self.counter = CollectiveCounter()
+        self.tracker = MemTracker()
         self.local_ops = LocalOpsOnly()
         self.ddp_bytes: list[int] = []
         self.result: dict[str, Any] = {}
@@ -59,6 +63,8 @@ class StepCounter(pl.Callback):
             ddp.register_comm_hook(None, counting)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.tracker.track_external(pl_module, *trainer.strategy.optimizers)
+        self.tracker.__enter__()
         self.counter.__enter__()
         self.local_ops.__enter__()
 
@@ -69,6 +75,8 @@ class StepCounter(pl.Callback):
                            idx: int) -> None:
         self.local_ops.__exit__(None, None, None)
         self.counter.__exit__(None, None, None)
+        self.tracker.__exit__(None, None, None)
+        peak = self.tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
         strategy = trainer.strategy
         optimizer = strategy.optimizers[0]
         states = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
@@ -82,7 +90,8 @@ class StepCounter(pl.Callback):
             traffic["ddp (world)", "all_reduce"] = sum(self.ddp_bytes)
         self.result.update(params=local_bytes(list(pl_module.parameters())),
                            states=local_bytes(states),
-                           traffic=traffic, sharded=any(isinstance(p, DTensor) for p in pl_module.parameters()))
+                           traffic=traffic, peak=snapshot_bytes(peak, "Total"),
+                           sharded=any(isinstance(p, DTensor) for p in pl_module.parameters()))
 
 
 def real_step(spec: ModelSpec, layout: PlanLayout, world_size: int, micro_batch_size: int, seq_len: int,
@@ -94,6 +103,9 @@ def real_step(spec: ModelSpec, layout: PlanLayout, world_size: int, micro_batch_
     cluster = Cluster(topology=topology, link_costs={"intra": {"bandwidth_gbit": 16}, "inter": {"bandwidth_gbit": 1}})
     strategy = HybridParallelStrategy(tensor_parallel_size=layout.tp, expert_parallel_size=layout.ep,
                                       shard_optimizer_states=layout.shard_optimizer_states, min_shard_params=0,
+                                      data_parallel_shard_size=layout.dp_shard,
+                                      reshard_after_forward=layout.reshard_after_forward,
+                                      activation_checkpointing=layout.activation_checkpointing,
                                       placement=layout.placement, cluster=cluster)
     counter = StepCounter(gpus_per_node)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=1, logger=False,

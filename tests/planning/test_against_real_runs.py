@@ -1,7 +1,9 @@
-"""The plan of each layout the strategy supports today against one real step on 2 and 4 gloo processes: the
-model-state bytes per rank (parameters, gradients, optimizer states, from the sharded tensors) exactly, and the
-bytes per step of every (mesh dimension, collective) exactly, except the expert all-to-all's token rows, which
-follow the real router's choices (the plan assumes uniform routing): their relative error is reported and bounded.
+"""The plan of each layout the strategy supports against one real step on 2 and 4 gloo processes (DDP, tensor and
+expert parallelism, ZeRO-1, FSDP2, HSDP, activation checkpointing): the model-state bytes per rank (parameters,
+gradients, optimizer states, from the sharded tensors) exactly; the bytes per step of every (mesh dimension,
+collective) exactly, except the expert all-to-all's token rows, which follow the real router's choices (the plan
+assumes uniform routing): their relative error is bounded; and the peak of the step's allocations as torch's
+``MemTracker`` sees them within ``PEAK_TOLERANCE`` (the issue's target: 10%).
 """
 
 from __future__ import annotations
@@ -28,12 +30,18 @@ CLUSTER = ClusterSpec.from_mapping(dict(name="two-per-node", gpus_per_node=2, pe
 MICRO, SEQ = 2, 32
 CASES = {
     2: [("ddp", DENSE, PlanLayout()), ("tp=2", DENSE, PlanLayout(tp=2)),
-        ("zero1", DENSE, PlanLayout(shard_optimizer_states=True)), ("ep=2", MOE, PlanLayout(ep=2))],
+        ("zero1", DENSE, PlanLayout(shard_optimizer_states=True)), ("ep=2", MOE, PlanLayout(ep=2)),
+        ("fsdp=2", DENSE, PlanLayout(dp_shard=2)),
+        ("fsdp=2 ac=full", DENSE, PlanLayout(dp_shard=2, activation_checkpointing="full"))],
     4: [("ddp", DENSE, PlanLayout()), ("tp=2", DENSE, PlanLayout(tp=2)),
         ("tp=2 zero1", DENSE, PlanLayout(tp=2, shard_optimizer_states=True)),
-        ("ep=2 zero1", MOE, PlanLayout(ep=2, shard_optimizer_states=True))],
+        ("ep=2 zero1", MOE, PlanLayout(ep=2, shard_optimizer_states=True)),
+        ("fsdp=4", DENSE, PlanLayout(dp_shard=4)), ("hsdp=2x2", DENSE, PlanLayout(dp_shard=2)),
+        ("fsdp=4 ac=full", DENSE, PlanLayout(dp_shard=4, activation_checkpointing="full")),
+        ("fsdp=2 ep=2 ac=selective", MOE, PlanLayout(ep=2, dp_shard=2, activation_checkpointing="selective"))],
 }
 ALL_TO_ALL_TOLERANCE = 0.5  # routing of a freshly initialised router on random tokens is far from uniform
+PEAK_TOLERANCE = 0.10  # the peak's error is reported in benchmarks/planning/REPORT.md (0.0% bar the all-to-all's)
 
 
 def _real_steps(rank: int, world_size: int) -> list[dict[str, Any]]:
@@ -43,7 +51,8 @@ def _real_steps(rank: int, world_size: int) -> list[dict[str, Any]]:
 
 def _planned(spec: ModelSpec, layout: PlanLayout, world_size: int) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
     report = plan(spec, world_size, layout, CLUSTER, StepShape(MICRO, SEQ, "fp32", min_shard_params=0))
-    memory = {"params": report.memory.params, "grads": report.memory.grads, "states": report.memory.states}
+    memory = {"params": report.memory.params, "grads": report.memory.grads, "states": report.memory.states,
+              "peak": report.memory.peak}
     traffic: dict[tuple[str, str], int] = {}
     for row in report.traffic:  # a (dimension, op) can appear in two phases of the step
         traffic[row.dim, row.op] = traffic.get((row.dim, row.op), 0) + row.num_bytes
@@ -55,7 +64,9 @@ def test_plan_equals_real_step(world_size: int) -> None:
     real = run_distributed(_real_steps, world_size, timeout=600)[0]  # rank 0: the rank the plan steps
     for (name, spec, layout), measured in zip(CASES[world_size], real):
         memory, traffic = _planned(spec, layout, world_size)
-        assert memory == {key: measured[key] for key in memory}, (name, memory, measured)
+        states = ("params", "grads", "states")
+        assert {k: memory[k] for k in states} == {k: measured[k] for k in states}, (name, memory, measured)
+        assert abs(memory["peak"] - measured["peak"]) <= PEAK_TOLERANCE * measured["peak"], (name, memory, measured)
         assert set(traffic) == set(measured["traffic"]), (name, traffic, measured["traffic"])
         for key, planned in traffic.items():
             got = measured["traffic"][key]
