@@ -12,12 +12,14 @@ OLDEST := .venv-oldest
 # torchtitan 0.3 is a test dependency only (tests/parallel/test_expert_conventions.py builds its MoE): its own
 # dependencies are training tools the tests do not import, so it comes without them, with what its import needs.
 TORCHTITAN := torchtitan==0.3.0 spmd-types==0.2.3 triton==3.9.0
-# One fast test of each component and the tests that depend on the versions (transformers' plans, Hydra, Optuna).
+# One fast test of each component and the tests that depend on the versions (transformers' plans, Hydra, Optuna,
+# Lightning's checkpoint and model-parallel contract, torch's pipelining and fake process group).
 OLDEST_TESTS := tests/test_versions.py tests/moe tests/parallel/test_hf_families.py tests/parallel/test_expert.py \
-	tests/parallel/test_activation_checkpointing.py tests/parallel/test_fsdp.py \
-	tests/parallel/test_plan.py tests/hpo/test_upstream_sweeper.py tests/hpo/test_search.py tests/precision \
-	tests/compression/test_hook.py tests/elastic/test_components.py tests/optim tests/data tests/models \
-	--ignore=tests/precision/test_cli.py  # lds-train imports Lightning 2.6's _RICH_AVAILABLE (the app's to mend)
+	tests/parallel/test_activation_checkpointing.py tests/parallel/test_fsdp.py tests/parallel/test_plan.py \
+	tests/parallel/test_lightning_contract.py tests/parallel/test_checkpoint.py tests/hpo/test_upstream_sweeper.py \
+	tests/hpo/test_search.py tests/precision tests/compression/test_hook.py tests/compression/test_callback.py \
+	tests/elastic/test_components.py tests/optim tests/data tests/models tests/autotune/test_decision.py \
+	tests/planning/test_fake_world.py tests/app/test_cli.py tests/app/test_summary.py
 
 .PHONY: demo test test-oldest lint bench clean
 
