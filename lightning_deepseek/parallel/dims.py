@@ -12,6 +12,11 @@ The strategy builds the sizes when the world size is known and the meshes once p
 - ``("dp_replicate", "dp_shard")``: parameter sharding (FSDP2). ``dp_shard`` consecutive ranks of the order shard
   each replicated parameter between them (inside a node where placement keeps consecutive ranks together); the
   ``dp_replicate`` groups hold replicas of the same shards (HSDP).
+- ``("dp_replicate_tp", "dp_shard_tp")`` and ``("edp_replicate", "edp_shard")``: the same sharding for the shards
+  of a model-parallel dimension, ``dp`` and ``edp`` split in two (:meth:`ParallelDims.shard_split`): each
+  tensor-parallel shard (expert slice) is sharded over its replicas inside one ``dp_shard`` group and replicated
+  across the groups, so every parameter has the same ``dp_replicate`` replicas. Cut from the dense and expert
+  meshes, as FSDP2 requires of a DTensor's mesh and its own.
 
 A new dimension (parameter sharding, pipeline stages) is one more named size here and one more view. Meshes are
 made through :func:`~lightning_deepseek.parallel.groups.reused`, so a later fit in the same processes gets the
@@ -35,6 +40,8 @@ if TYPE_CHECKING:
 DENSE_DIMS = ("dp", "tp")
 EXPERT_DIMS = ("edp", "ep")
 SHARD_DIMS = ("dp_replicate", "dp_shard")
+TP_SHARD_DIMS = ("dp_replicate_tp", "dp_shard_tp")
+EXPERT_SHARD_DIMS = ("edp_replicate", "edp_shard")
 
 
 class ParallelSizeError(ValueError, RuntimeError):
@@ -73,6 +80,19 @@ class ParallelDims:
             if self.world_size % size:
                 raise ParallelSizeError(f"{name}={size} does not divide the world size {self.world_size}. "
                                  f"Choose one of {_divisors(self.world_size)}.")
+        self._check_shard_groups()
+
+    def _check_shard_groups(self) -> None:
+        """Each tp and ep group lies inside one ``dp_shard`` group or spans whole ones (else a shard group would
+        hold parts of some model-parallel shards and not others)."""
+        for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep)):
+            if self.dp_shard > 1 and self.dp_shard % size and size % self.dp_shard:
+                sizes = [d for d in _divisors(self.world_size)
+                         if all(d % m == 0 or m % d == 0 for m in (self.tp, self.ep))]
+                raise ParallelSizeError(
+                    f"data_parallel_shard_size={self.dp_shard} with {name}={size}: one must divide the other (each "
+                    f"{name.split('_')[0]}-parallel group lies inside one shard group, or spans whole ones). Choose "
+                    f"data_parallel_shard_size among {sizes}, or change {name}.")
 
     @property
     def dp(self) -> int:
@@ -88,6 +108,16 @@ class ParallelDims:
     def dp_replicate(self) -> int:
         """Size of the ``dp_replicate`` mesh dimension: the replicas of each parameter shard."""
         return self.world_size // self.dp_shard
+
+    def shard_split(self, model_parallel: int) -> tuple[int, int]:
+        """``(replicate, shard)``: how parameter sharding splits the ``world_size / model_parallel`` replicas of one
+        shard of a model-parallel dimension of that size (``tp``, ``ep``). Sharded over the
+        ``dp_shard / model_parallel`` replicas inside one ``dp_shard`` group, so that a rank holds ``1 / dp_shard`` of
+        it as of every other parameter, and replicated over the ``dp_replicate`` groups; where the dimension spans
+        whole shard groups (``dp_shard`` divides it), replicated only (shard 1)."""
+        replicas = self.world_size // model_parallel
+        shard = self.dp_shard // model_parallel if self.dp_shard % model_parallel == 0 else 1
+        return replicas // shard, shard
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -124,8 +154,9 @@ class ParallelDims:
 @dataclass(frozen=True)
 class WorldMesh:
     """The run's device meshes over one rank order, fetched by name: ``mesh["tp"]``, ``mesh["dp", "tp"]``,
-    ``mesh["ep"]``, ``mesh["edp", "ep"]``, ``mesh["dp_shard"]``, ``mesh["dp_replicate", "dp_shard"]`` (the expert
-    and sharding views are made on first use: collective, every rank asks)."""
+    ``mesh["ep"]``, ``mesh["edp", "ep"]``, ``mesh["dp_shard"]``, ``mesh["dp_replicate", "dp_shard"]``,
+    ``mesh["dp_replicate_tp", "dp_shard_tp"]``, ``mesh["edp_replicate", "edp_shard"]`` (the expert and sharding views
+    are made on first use: collective, every rank asks)."""
 
     dims: ParallelDims
     device_type: str
@@ -146,11 +177,25 @@ class WorldMesh:
         return reused(("mesh", EXPERT_DIMS, self.dims.ep, self.device_type, self.order),
                       lambda: DeviceMesh(self.device_type, ranks, mesh_dim_names=EXPERT_DIMS))
 
+    def split(self, source: str, names: tuple[str, str]) -> DeviceMesh:
+        """``mesh[source]`` (``"dp"`` or ``"edp"``) split into ``names`` = (replicate, shard) by
+        :meth:`ParallelDims.shard_split`, over the same root mesh (the tp or ep shards' DTensors live on it)."""
+        parent, model_parallel = (self.dense, self.dims.tp) if source == "dp" else (self.expert, self.dims.ep)
+        sizes = self.dims.shard_split(model_parallel)
+        # torch has no public way to split one mesh dimension in two over the same root: DeviceMesh._unflatten
+        # (by index: torch 2.11 refuses a dimension given by name)
+        dim = parent.mesh_dim_names.index(source)
+        return reused(("mesh", names, model_parallel, sizes, self.device_type, self.order),
+                      lambda: parent._unflatten(dim, sizes, names)[names])
+
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         wanted = (names,) if isinstance(names, str) else tuple(names)
         for dims, make in ((DENSE_DIMS, lambda: self.dense), (EXPERT_DIMS, lambda: self.expert),
-                           (SHARD_DIMS, lambda: self.sharding)):
+                           (SHARD_DIMS, lambda: self.sharding),
+                           (TP_SHARD_DIMS, lambda: self.split("dp", TP_SHARD_DIMS)),
+                           (EXPERT_SHARD_DIMS, lambda: self.split("edp", EXPERT_SHARD_DIMS))):
             if set(wanted) <= set(dims):
                 mesh = make()
                 return mesh if wanted == dims else mesh[wanted if len(wanted) > 1 else wanted[0]]
-        raise KeyError(f"no mesh dimension {names!r}: the meshes have {DENSE_DIMS + EXPERT_DIMS + SHARD_DIMS}.")
+        known = DENSE_DIMS + EXPERT_DIMS + SHARD_DIMS + TP_SHARD_DIMS + EXPERT_SHARD_DIMS
+        raise KeyError(f"no mesh dimension {names!r}: the meshes have {known}.")

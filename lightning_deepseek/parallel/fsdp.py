@@ -1,20 +1,29 @@
 """Sharded parameters on the data-parallel dimension (ZeRO-3) through torch's FSDP2 ``fully_shard``, and the
 materialisation of a model built on the meta device.
 
-``HybridParallelStrategy(data_parallel_shard_size=N)`` shards every parameter that is replicated over the world
-(attention, embeddings, norms, dense feed-forward layers left unsharded) over the ``dp_shard`` view of the run's
-mesh: ``N`` consecutive ranks of placement's order, so inside a node where placement keeps them together; the
-``world / N`` groups of such ranks replicate the shards (HSDP: reduce-scatter inside a group, all-reduce across
-groups). Each transformer block is one FSDP unit (its parameters all-gathered just before its forward and its
-backward, and its gradients reduce-scattered right after its backward, overlapped with the next block's by FSDP's
-streams on CUDA), and each child of the LightningModule (the modules its steps call: embeddings, final norm and
-head) a last one; ``reshard_after_forward=False`` keeps a block's gathered parameters
-from forward to backward (ZeRO-2-like: less communication, more memory). Routed experts under expert parallelism
-are FSDP units of their own over the ``edp`` ranks that replicate each expert slice, as torchtitan shards them;
-their gradient, already summed over the ``ep`` group by the all-to-all's backward, is divided by the world size
-(``set_gradient_divide_factor``), which is DDP's mean; tensor-parallel layers likewise, each an FSDP unit over the
-``dp`` ranks that replicate its ``tp`` shard. Parameters, gradients and optimizer states per rank shrink to ``1/N``
-of the replicated parameters' (to ``1/edp`` of the experts', ``1/dp`` of the tensor-parallel shards').
+``HybridParallelStrategy(data_parallel_shard_size=N)`` shards every parameter over ``N`` consecutive ranks of
+placement's order (inside a node where placement keeps them together), and the ``world / N`` groups of such ranks
+(``dp_replicate``) replicate the shards (HSDP: reduce-scatter inside a group, all-reduce across groups). ``N``
+means the same for every parameter: each rank holds ``1/N`` of it, and every parameter has the same
+``dp_replicate`` replicas:
+
+- parameters replicated over the world (attention, embeddings, norms, dense feed-forward layers left unsharded):
+  over the ``(dp_replicate, dp_shard)`` view of the run's mesh;
+- tensor-parallel shards: over the ``N / tp`` of their ``dp`` replicas inside a shard group, replicated across the
+  groups (the ``(dp_replicate_tp, dp_shard_tp)`` split of ``dp``); routed experts under expert parallelism
+  likewise over ``N / ep`` of their ``edp`` replicas (``(edp_replicate, edp_shard)``), as torchtitan shards them.
+  Where a tp or ep group spans whole shard groups (``N`` divides its size) its shards are replicated only; a size
+  neither dividing nor divided by ``N`` is refused (``ParallelSizeError`` naming ``data_parallel_shard_size`` and
+  the sizes that work): a shard group would hold parts of some shards and not of others. Such a shard's gradient,
+  already summed over its model-parallel group's micro-batches, is summed over all its replicas and divided by the
+  world size once (``set_gradient_divide_factor``): DDP's mean.
+
+Each transformer block is one FSDP unit (its parameters all-gathered just before its forward and its backward, its
+gradients reduce-scattered right after its backward, overlapped with the next block's by FSDP's streams on CUDA),
+each child of the LightningModule (the modules its steps call: embeddings, final norm and head) a last one, each
+model-parallel module one of its own; ``reshard_after_forward=False`` keeps a block's gathered parameters from
+forward to backward (ZeRO-2-like: less communication, more memory). Parameters, gradients and optimizer states per
+rank shrink to ``1/N`` (to ``1/tp`` or ``1/ep`` of a shard replicated only).
 
 Why FSDP2 and not our own: it is torch's maintained ZeRO-3 (DTensor parameters that DCP, the state-dict helpers
 and the mesh-aware clipping already handle); what it leaves to the caller, and this module does, is choosing the
@@ -25,9 +34,8 @@ Meta-device models (:func:`materialize`): ``to_empty`` on the strategy's device,
 module's ``reset_parameters()``; a module with parameters or buffers and neither is named in an error. Each rank
 allocates only its shards.
 
-Not supported: replicating the tensor-parallel or expert shards in groups (HSDP) — they are sharded over all the
-ranks that replicate them; ZeRO-1 (``shard_optimizer_states``) on top of parameter sharding (FSDP already shards
-the optimizer states); CPU offload.
+Not supported: ZeRO-1 (``shard_optimizer_states``) on top of parameter sharding (FSDP already shards the optimizer
+states); CPU offload.
 """
 
 from __future__ import annotations
@@ -37,25 +45,28 @@ import itertools
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_deepseek.moe.protocol import find_expert_layers
 from lightning_deepseek.parallel.activation_checkpointing import find_transformer_blocks
-from lightning_deepseek.parallel.dims import WorldMesh
+from lightning_deepseek.parallel.dims import EXPERT_SHARD_DIMS, TP_SHARD_DIMS, WorldMesh
 from lightning_deepseek.parallel.expert import is_expert_param
 
 
-def apply_fsdp(model: nn.Module, mesh: WorldMesh, reshard_after_forward: bool = True) -> list[str]:
+def apply_fsdp(model: nn.Module, mesh: WorldMesh, reshard_after_forward: bool = True, announce: bool = True
+               ) -> list[str]:
     """Shard ``model``'s parameters over ``mesh["dp_shard"]`` (replicated over ``dp_replicate``): the experts of
-    each MoE layer (over ``edp`` under expert parallelism), each block, then each child of ``model`` (a
-    LightningModule: the modules its steps call). Returns the units' names.
+    each MoE layer and the tensor-parallel modules (over their replicas, split alike), each block, then each child
+    of ``model`` (a LightningModule: the modules its steps call). Returns the units' names.
 
     Args:
         model: the model, after tensor and expert parallelism and activation checkpointing.
         mesh: the run's meshes (``mesh.dims.dp_shard`` > 1).
         reshard_after_forward: free a block's gathered parameters after its forward (False: keep them until its
             backward).
+        announce: print the units on rank 0.
     """
     dims = mesh.dims
     shard_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
@@ -65,14 +76,18 @@ def apply_fsdp(model: nn.Module, mesh: WorldMesh, reshard_after_forward: bool = 
     # requires it): their gradients are sums over their group's micro-batches, so divided by the world size.
     sharded = []
     if dims.ep_enabled:
-        sharded += [(layer.experts, mesh["edp"]) for layer in find_expert_layers(model)]
+        experts = replicas_mesh(mesh, "edp", EXPERT_SHARD_DIMS)
+        sharded += [(layer.experts, experts) for layer in find_expert_layers(model)]
     if dims.tp_enabled:
-        sharded += [(m, mesh["dp"]) for m in model.modules()
+        tp_replicas = replicas_mesh(mesh, "dp", TP_SHARD_DIMS)
+        sharded += [(m, tp_replicas) for m in model.modules()
                     if any(isinstance(p, DTensor) for p in m.parameters(recurse=False)) and not is_expert_module(m)]
     for module, replicas in sharded:
         fully_shard(module, mesh=replicas, reshard_after_forward=reshard_after_forward)
         module.set_gradient_divide_factor(float(dims.world_size))
-        module.set_force_sum_reduction_for_comms(True)  # sum, then divide: gloo has no PREMUL_SUM
+        # Sum, then divide: gloo has no PREMUL_SUM. Not over one shard rank: there torch (2.11 to 2.13) divides
+        # once in place of the reduce-scatter and again after the all-reduce when sums are forced.
+        module.set_force_sum_reduction_for_comms(replicas.size(replicas.ndim - 1) > 1)
         units.append(names[id(module)])
     modules = dict(model.named_modules())
     for name in find_transformer_blocks(model):
@@ -84,10 +99,22 @@ def apply_fsdp(model: nn.Module, mesh: WorldMesh, reshard_after_forward: bool = 
         if any(not isinstance(p, DTensor) for p in child.parameters()):
             fully_shard(child, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
             units.append(name)
-    rank_zero_info(f"HybridParallelStrategy: parameters sharded over dp_shard={dims.dp_shard} x "
-                   f"dp_replicate={dims.dp_replicate} (FSDP2), {len(units)} units: {', '.join(units[:4])}"
-                   + (", ..." if len(units) > 4 else ""))
+    if announce:
+        splits = [f"{name} shards over {shard} x {replicate} replicas" for name, on, size in
+                  (("tp", dims.tp_enabled, dims.tp), ("expert", dims.ep_enabled, dims.ep)) if on
+                  for replicate, shard in [dims.shard_split(size)]]
+        rank_zero_info(f"HybridParallelStrategy: parameters sharded over dp_shard={dims.dp_shard} x "
+                       f"dp_replicate={dims.dp_replicate} (FSDP2{'; ' if splits else ''}{'; '.join(splits)}), "
+                       f"{len(units)} units: {', '.join(units[:4])}" + (", ..." if len(units) > 4 else ""))
     return units
+
+
+def replicas_mesh(mesh: WorldMesh, replicas: str, split: tuple[str, str]) -> DeviceMesh:
+    """FSDP's mesh for the shards of a model-parallel dimension: their ``replicas`` (``"dp"``, ``"edp"``) alone
+    where they are sharded over all of them, else split into ``(replicate, shard)`` (HSDP)."""
+    model_parallel = mesh.dims.tp if replicas == "dp" else mesh.dims.ep
+    replicate, _ = mesh.dims.shard_split(model_parallel)
+    return mesh[replicas] if replicate == 1 else mesh[split]
 
 
 def is_expert_module(module: nn.Module) -> bool:

@@ -64,3 +64,36 @@ def test_an_unknown_view_names_the_dimensions() -> None:
 
     with pytest.raises(KeyError, match="no mesh dimension 'pp'"):
         WorldMesh(ParallelDims(1), "cpu", (0,), dense=None)["pp"]  # type: ignore[arg-type]
+
+
+def test_shard_split_gives_every_parameter_the_same_replicas() -> None:
+    # 8 ranks, shard groups of 4: a tp=2 shard over 2 of its 4 replicas, replicated across the 2 groups
+    dims = ParallelDims(world_size=8, tp=2, ep=4, dp_shard=4)
+    assert (dims.dp_replicate, dims.shard_split(2), dims.shard_split(4)) == (2, (2, 2), (2, 1))
+    assert ParallelDims(world_size=8, tp=4, dp_shard=2).shard_split(4) == (2, 1)  # tp spans whole shard groups
+    assert ParallelDims(world_size=8, tp=2, dp_shard=8).shard_split(2) == (1, 4)  # FSDP over all: no replication
+
+
+def test_a_shard_size_that_cuts_a_model_parallel_group_names_the_setting_and_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"data_parallel_shard_size=6 with expert_parallel_size=4: one must divide "
+                       r"the other .* Choose data_parallel_shard_size among \[1, 2, 4, 12\]"):
+        ParallelDims(world_size=12, ep=4, dp_shard=6)
+
+
+def _shard_views(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = ParallelDims(world_size, tp=2, ep=2, dp_shard=2).build_mesh("cpu", [0, 2, 1, 3])
+
+    def ranks(names: Any) -> list[int]:
+        return sorted(dist.get_process_group_ranks(mesh[names].get_group()))
+    return {"tp_split": mesh["dp_replicate_tp", "dp_shard_tp"].mesh.tolist(),
+            "ep_split": mesh["edp_replicate", "edp_shard"].mesh.tolist(),
+            "tp_replicate": ranks("dp_replicate_tp"), "edp_shard": ranks("edp_shard"),
+            "same_root": mesh["dp_replicate_tp", "dp_shard_tp"]._get_root_mesh() is mesh.dense._get_root_mesh()}
+
+
+def test_the_model_parallel_shards_split_views_share_the_dense_and_expert_roots_on_real_processes() -> None:
+    results = run_distributed(_shard_views, 4)
+    for rank, views in enumerate(results):
+        column = [[0], [1]] if rank in (0, 1) else [[2], [3]]  # the rank's tp coordinate's replicas, (2, 1)
+        assert views["tp_split"] == views["ep_split"] == column and views["same_root"]
+        assert views["tp_replicate"] == sorted(sum(column, [])) and views["edp_shard"] == [rank]

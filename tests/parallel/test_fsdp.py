@@ -7,8 +7,12 @@
   full parameter, and loading the same weights gives the eager run's losses;
 - FSDP x tensor parallelism (the feed-forward shards over ``tp=2``, sharded over their ``dp=2`` replicas; the rest
   over all 4 ranks), with clipping, equals one process;
-- FSDP x expert parallelism on the MoE model (experts over ``ep=2``, sharded over their ``edp=2`` replicas; the
-  rest HSDP 2 x 2) equals one process;
+- FSDP x expert parallelism on the MoE model (experts over ``ep=2``, replicated over their ``edp=2`` replicas as
+  the rest is across its 2 x 2 HSDP groups) equals one process;
+- HSDP x tensor parallelism and HSDP x expert parallelism against DDP over 20 steps, on 4 ranks (shard 2: the tp
+  and ep shards replicated across the two shard groups, FSDP's (2, 1) mesh) and 8 (shard 4: each tp or ep shard
+  sharded over 2 of its replicas and replicated across the groups, 2 x 2); each rank holds exactly the parameter,
+  gradient and momentum bytes the layout says;
 - bad settings: clear errors before training.
 """
 
@@ -38,6 +42,7 @@ from tests.parallel.common import (
 )
 
 STEPS, MICRO, TOL = 8, 2, 1e-5
+HSDP_STEPS = 20
 MOE = dict(n_routed_experts=4, moe_top_k=2, n_shared_experts=1, moe_hidden=32, n_dense_layers=1, mlp_ratio=4)
 
 
@@ -54,10 +59,10 @@ class MetaLM(TinyLM):
 
 
 def _fit(world_size: int, module: pl.LightningModule, meta: bool = False, clip: float | None = None, tp: int = 1,
-         **strategy_kwargs: Any) -> dict[str, Any]:
-    dataset = token_data(STEPS * world_size * MICRO)
+         steps: int = STEPS, **strategy_kwargs: Any) -> dict[str, Any]:
+    dataset = token_data(steps * world_size * MICRO)
     strategy = HybridParallelStrategy(tensor_parallel_size=tp, min_shard_params=0, **strategy_kwargs)
-    trainer = make_trainer(world_size, strategy, max_steps=STEPS, gradient_clip_val=clip)
+    trainer = make_trainer(world_size, strategy, max_steps=steps, gradient_clip_val=clip)
     if meta:
         with trainer.init_module(empty_init=True):
             module.configure_model()
@@ -68,6 +73,8 @@ def _fit(world_size: int, module: pl.LightningModule, meta: bool = False, clip: 
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters())
     full = sum(p.numel() for p in module.parameters())
     return {"losses": losses, "state": full_state(module), "local_fraction": local / full,
+            "layout_bytes": 4 * _layout_numel(module, strategy),
+            "model_state_bytes": strategy.summary().get("hybrid_model_state_bytes"),
             "all_dtensor": all(isinstance(p, DTensor) for p in module.parameters()),
             "meta_built": meta_built if meta else None, "ddp_module": strategy.ddp_module is not None}
 
@@ -104,6 +111,33 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     tp = _fit(world_size, TinyLM(), tp=2, data_parallel_shard_size=4, clip=0.5)
     return {"hsdp": hsdp, "no_reshard": no_reshard, "moe": moe, "tp": tp}
+
+
+def _layout_numel(module: pl.LightningModule, strategy: HybridParallelStrategy) -> int:
+    """The parameter elements one rank holds by the layout: a tp shard (a rowwise bias is replicated over tp) and an
+    expert slice split over their FSDP shard ranks (``ParallelDims.shard_split``), the rest over ``dp_shard``."""
+    dims, styles = strategy.parallel_dims, {e.name: e.style for e in strategy.plan}
+    total = 0
+    for name, param in module.named_parameters():
+        owner, _, kind = name.rpartition(".")
+        if ".experts." in name:
+            divisor = dims.ep * dims.shard_split(dims.ep)[1]
+        elif owner in styles:
+            divisor = (dims.tp if styles[owner] == "colwise" or kind == "weight" else 1) * dims.shard_split(dims.tp)[1]
+        else:
+            divisor = dims.dp_shard
+        total += param.numel() // divisor
+    return total
+
+
+def _hsdp_model_parallel(rank: int, world_size: int, shard: int) -> dict[str, Any]:
+    runs = {}
+    for name, config, kwargs in (("ddp", {}, {}), ("ddp_moe", MOE, {}),
+                                 ("tp", {}, dict(tp=2, data_parallel_shard_size=shard)),
+                                 ("ep", MOE, dict(expert_parallel_size=2, data_parallel_shard_size=shard))):
+        pl.seed_everything(0, verbose=False)
+        runs[name] = _fit(world_size, TinyLM(**config), steps=HSDP_STEPS, **kwargs)
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +184,23 @@ def test_hsdp_and_no_reshard_over_four_ranks_train_as_one_process() -> None:
     _check(runs[0]["no_reshard"], 4)
     _check(runs[0]["moe"], 4, **MOE)  # experts: ep=2, FSDP over their edp=2 replicas; the rest HSDP 2 x 2
     _check(runs[0]["tp"], 4, clip=0.5)  # feed-forward tp=2, FSDP over its dp=2 replicas; the rest over all 4
+
+
+@pytest.mark.parametrize(("world_size", "shard"), [(4, 2), (8, 4)])
+def test_hsdp_of_tensor_and_expert_shards_trains_as_ddp_with_the_bytes_the_layout_says(world_size: int,
+                                                                                       shard: int) -> None:
+    # 4 ranks, shard 2: the tp and ep shards replicated over their 2 replicas (FSDP's (2, 1) mesh); 8 ranks, shard
+    # 4: each sharded over 2 of its 4 replicas inside a shard group and replicated across the two groups (2 x 2).
+    runs = run_distributed(_hsdp_model_parallel, world_size, shard, timeout=300)
+    for run, ddp in (("tp", "ddp"), ("ep", "ddp_moe")):
+        got, want = runs[0][run], runs[0][ddp]
+        mean = [[sum(r[i] for r in losses) / world_size for i in range(HSDP_STEPS)]
+                for losses in (got["losses"], want["losses"])]
+        assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(*mean)), (run, mean)
+        assert relative_error(got["state"], want["state"]) <= TOL, run
+        for rank in runs:  # parameters, gradients and SGD momentum, exactly; about 1/shard of the model
+            assert rank[run]["all_dtensor"] and rank[run]["local_fraction"] == pytest.approx(1 / shard, abs=0.01)
+            assert rank[run]["model_state_bytes"] == 3 * rank[run]["layout_bytes"], run
 
 
 def test_staged_precision_runs_every_stage_on_sharded_parameters(two_rank_runs: list[dict]) -> None:
