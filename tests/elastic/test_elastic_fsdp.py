@@ -9,6 +9,11 @@ gives every step the same samples at any world size, so each step's mean loss ov
 computation as in the uninterrupted FSDP-2 run of 8 steps, summed in another order: within 1e-5 (relative) at every
 step, and the final weights within 1e-5 (measured: 1e-7 to 5e-7); the stopped run's own steps equal the
 reference's bitwise at the same world size. Each rank holds 1/shard of the parameters before and after the resize.
+
+With ``StagedPrecision`` (FP32 for 2 steps, then BF16), stopped mid-BF16 at 2 ranks and resumed at 4: the resumed
+run's FSDP all-gathers BF16 weights from its first step (the stage comes back with the checkpoint, the policy with
+the stage), and its losses and final weights are within the same 1e-5 of the uninterrupted staged run (measured:
+bitwise equal here).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_deepseek import HybridParallelStrategy
+from lightning_deepseek import HybridParallelStrategy, StagedPrecision
 from lightning_deepseek.data import TextDataModule
 from lightning_deepseek.elastic import ElasticTraining
 from lightning_deepseek.models import GPTConfig, LightningGPT
@@ -32,6 +37,7 @@ from tests.helpers import run_distributed
 from tests.parallel.common import full_state, make_trainer, relative_error
 
 STEPS, STOP, GLOBAL_BATCH, TOL = 8, 4, 8, 1e-5
+SCHEDULE = [("32-true", 2), ("bf16-mixed",)]
 
 
 class RecordingGPT(LightningGPT):
@@ -59,32 +65,38 @@ class SignalAfter(pl.Callback):
             next(c for c in trainer.callbacks if isinstance(c, ElasticTraining))._sigterm = True
 
 
-def _run(world_size: int, run_dir: Path, shard: int, stop: int | None = None) -> dict[str, Any]:
+def _run(world_size: int, run_dir: Path, shard: int, stop: int | None = None, staged: bool = False) -> dict[str, Any]:
     """Train (or resume) the FSDP job of ``run_dir`` to ``STEPS``, or until the stop after step ``stop``; return
     each step's mean loss over the global batch (the steps this launch trained), the fraction of the parameters
-    this rank holds and the full weights."""
+    this rank holds, the full weights and the dtype of the weights each step's forward saw."""
     if dist.get_rank() == 0 and not (run_dir / "corpus.txt").exists():
         write_corpus(run_dir / "corpus.txt")
     dist.barrier()
     pl.seed_everything(0, verbose=False)
     data = TextDataModule(path=str(run_dir / "corpus.txt"), block_size=16, batch_size=2, cache_dir=run_dir)
     model = RecordingGPT()
+    gathered: dict[int, str] = {}
+    model.model.blocks[0].mlp.fc1.register_forward_pre_hook(
+        lambda fc1, args: gathered.setdefault(model.trainer.global_step + 1, str(fc1.weight.dtype)) and None)
     callbacks: list[pl.Callback] = [SignalAfter(stop)] if stop is not None else []  # before ElasticTraining looks
     callbacks.append(ElasticTraining(run_dir / "ckpt", GLOBAL_BATCH, checkpoint_every_n_steps=100, async_save=False))
     strategy = HybridParallelStrategy(tensor_parallel_size=1, data_parallel_shard_size=shard)
-    trainer = make_trainer(world_size, strategy, max_steps=STEPS, callbacks=callbacks, limit_val_batches=0)
+    plugins = [StagedPrecision(SCHEDULE)] if staged else None
+    trainer = make_trainer(world_size, strategy, max_steps=STEPS, callbacks=callbacks, limit_val_batches=0,
+                           plugins=plugins)
     try:
         trainer.fit(model, datamodule=data)
     except SystemExit as stop_for_resize:  # ElasticStop: the checkpoint of step `stop` is written
         assert stop_for_resize.code == 75
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, model.step_losses)
+    per_rank: list[Any] = [None] * world_size
+    dist.all_gather_object(per_rank, model.step_losses)
     by_step: dict[int, list[float]] = {}
-    for step, loss in (entry for rank in gathered for entry in rank):
+    for step, loss in (entry for rank in per_rank for entry in rank):
         by_step.setdefault(step + 1, []).append(loss)
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     return {"losses": {step: sum(losses) / len(losses) for step, losses in sorted(by_step.items())},
-            "local_fraction": local / sum(p.numel() for p in model.parameters()), "state": full_state(model)}
+            "local_fraction": local / sum(p.numel() for p in model.parameters()), "state": full_state(model),
+            "gathered": gathered}
 
 
 def _resumes(run_dir: Path) -> list[tuple[int, int]]:
@@ -95,13 +107,16 @@ def _resumes(run_dir: Path) -> list[tuple[int, int]]:
 def _first_launch(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     root = Path(folder)
     return {"reference": _run(world_size, root / "reference", shard=2),
-            "grow": _run(world_size, root / "grow", shard=2, stop=STOP)}
+            "grow": _run(world_size, root / "grow", shard=2, stop=STOP),
+            "staged_reference": _run(world_size, root / "staged_reference", shard=2, staged=True),
+            "staged": _run(world_size, root / "staged", shard=2, stop=STOP, staged=True)}
 
 
 def _second_launch(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     root = Path(folder)
     return {"grow": _run(world_size, root / "grow", shard=4), "shrink": _run(world_size, root / "shrink", shard=4,
-                                                                               stop=STOP)}
+                                                                               stop=STOP),
+            "staged": _run(world_size, root / "staged", shard=4, staged=True)}
 
 
 def _third_launch(rank: int, world_size: int, folder: str) -> dict[str, Any]:
@@ -115,6 +130,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     second = run_distributed(_second_launch, 4, folder, timeout=280)[0]
     third = run_distributed(_third_launch, 2, folder, timeout=240)[0]
     return {"reference": first["reference"], "grow": (first["grow"], second["grow"]),
+            "staged_reference": first["staged_reference"], "staged": (first["staged"], second["staged"]),
             "shrink": (second["shrink"], third["shrink"]), "folder": Path(folder)}
 
 
@@ -140,3 +156,14 @@ def test_fsdp_job_grows_from_two_to_four_ranks(launches: dict[str, Any]) -> None
 def test_fsdp_job_shrinks_from_four_to_two_ranks(launches: dict[str, Any]) -> None:
     _assert_continues(*launches["shrink"], launches["reference"], shards=(4, 2))
     assert _resumes(launches["folder"] / "shrink") == [(STOP, 4)]
+
+
+def test_staged_fsdp_job_resumed_mid_bf16_gathers_bf16_from_its_first_step(launches: dict[str, Any]) -> None:
+    stopped, resumed = launches["staged"]
+    reference = launches["staged_reference"]
+    assert reference["gathered"] == {s: "torch.float32" if s <= 2 else "torch.bfloat16" for s in range(1, STEPS + 1)}
+    assert stopped["gathered"] == {s: reference["gathered"][s] for s in range(1, STOP + 1)}
+    assert resumed["gathered"] == {s: "torch.bfloat16" for s in range(STOP + 1, STEPS + 1)}
+    assert stopped["losses"] == {step: reference["losses"][step] for step in range(1, STOP + 1)}
+    _assert_continues(stopped, resumed, reference, shards=(2, 4))
+    assert _resumes(launches["folder"] / "staged") == [(STOP, 2)]
