@@ -15,8 +15,12 @@ where fp32 wins). Under ``HybridParallelStrategy`` with an ``"auto"`` size, the 
 (``strategy.request_compression``) to decide the bits with the sizes, in the same comparison, and reads them from
 ``strategy.layout`` (:mod:`lightning_deepseek.parallel.layout`).
 
-Does not support: DeepSpeed, FSDP and ``ModelParallelStrategy`` (they reduce-scatter sharded gradients
-themselves, with no DDP comm hook): a clear error. One device: a warning, nothing to compress.
+Parameter sharding: under ``HybridParallelStrategy(data_parallel_shard_size>1)`` every FSDP2 unit's gradient
+reduce-scatter is compressed instead (:mod:`lightning_deepseek.compression.reduce_scatter`; a DDP wrapper of
+parameters left unsharded stays fp32). Does not support: HSDP (``data_parallel_replicate`` > 1: FSDP's replicate
+all-reduce, the inter-node one, is issued by FSDP itself, uncompressed), ``bits="auto"`` with sharding (the timed
+copies do not shard), and Lightning's DeepSpeed, FSDP and ``ModelParallelStrategy`` (their own sharded exchanges):
+clear errors. One device: a warning, nothing to compress.
 
 Checkpoints: the callback's state (every rank's residuals, the step counter, the stochastic-rounding generators)
 is gathered to rank 0 when the checkpoint is written, over a gloo group of its own (so that, on NCCL, every rank's
@@ -45,6 +49,7 @@ from typing_extensions import override
 from lightning_deepseek.compression import fused, native
 from lightning_deepseek.compression.config import CompressionConfig
 from lightning_deepseek.compression.hook import register_compression_hook
+from lightning_deepseek.compression.reduce_scatter import FSDPCompressionState, install_fsdp_compression
 from lightning_deepseek.compression.state import CompressionState
 from lightning_deepseek.parallel.groups import reused
 from lightning_deepseek.parallel.topology import discover_topology
@@ -68,12 +73,6 @@ def find_ddp_module(strategy: Strategy) -> DistributedDataParallel | None:
         raise CompressionStrategyError(
             f"GradientCompression does not support strategy={name}: it reduce-scatters sharded gradients itself "
             "and has no DDP communication hook. Use strategy='ddp' or 'hybrid', or remove GradientCompression.")
-    layout = getattr(strategy, "layout", None)
-    if layout is not None and layout.dims.fsdp_enabled:
-        raise CompressionStrategyError(
-            f"GradientCompression compresses DDP's gradient all-reduce, and with data_parallel_shard_size="
-            f"{layout.dims.dp_shard} FSDP reduce-scatters the gradients itself (compressing that is not supported "
-            "yet). Remove GradientCompression, or set data_parallel_shard_size=1.")
     module = getattr(strategy, "ddp_module", None) or strategy.model
     is_ddp = isinstance(module, DistributedDataParallel)
     # Lightning wraps even one device in DDP (strategy='ddp', devices=1), and a pure tensor-parallel run has one
@@ -90,6 +89,30 @@ def find_ddp_module(strategy: Strategy) -> DistributedDataParallel | None:
         f"GradientCompression found no DistributedDataParallel module on strategy={name} "
         f"(world_size={strategy.world_size}; strategy.model is {type(module).__name__}). Use strategy='ddp' or "
         "'hybrid', or a strategy that exposes its data-parallel DDP module as `strategy.ddp_module`.")
+
+
+def shards_with_fsdp(strategy: Strategy, config: CompressionConfig) -> bool:
+    """Whether ``strategy`` shards parameters with FSDP2, whose reduce-scatter is then compressed.
+
+    Raises:
+        CompressionStrategyError: HSDP (its replicate all-reduce stays uncompressed) or ``bits="auto"``.
+    """
+    layout = getattr(strategy, "layout", None)
+    if layout is None or not layout.dims.fsdp_enabled:
+        return False
+    dims = layout.dims
+    if dims.dp_replicate > 1:
+        raise CompressionStrategyError(
+            f"GradientCompression compresses FSDP's gradient reduce-scatter, but with data_parallel_shard_size="
+            f"{dims.dp_shard} of {dims.dp_shard * dims.dp_replicate} data-parallel ranks the shards are replicated "
+            f"(HSDP, {dims.dp_replicate} replicas) and FSDP all-reduces them across the replicas itself, "
+            "uncompressed: that is the slow, inter-node exchange. Set data_parallel_shard_size="
+            f"{dims.dp_shard * dims.dp_replicate} (FSDP over every data-parallel rank), or remove GradientCompression.")
+    if config.bits == "auto":
+        raise CompressionStrategyError(
+            f"GradientCompression(bits='auto') with data_parallel_shard_size={dims.dp_shard}: the timed copies that "
+            "decide the bits do not shard parameters. Pass bits=8 or bits=4.")
+    return True
 
 
 class GradientCompression(Callback):
@@ -116,7 +139,7 @@ class GradientCompression(Callback):
             raise ValueError(f"GradientCompression checkpoint_residuals={checkpoint_residuals!r} must be True or "
                              "False.")
         self.checkpoint_residuals = checkpoint_residuals
-        self.hook_state: CompressionState | None = None
+        self.hook_state: CompressionState | FSDPCompressionState | None = None
         self._pending: dict[str, Any] | None = None
         self._step_before_backward = 0
         self._log_step = False
@@ -146,19 +169,21 @@ class GradientCompression(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         config = self.config
+        fsdp = shards_with_fsdp(trainer.strategy, config)
         if config.bits == "auto":
             bits = self._decide_bits(trainer, pl_module)
             if bits is None:
                 return
             config = dataclasses.replace(config, bits=bits)
-        ddp_module = find_ddp_module(trainer.strategy)
-        if ddp_module is None:
+        ddp_module = None if fsdp else find_ddp_module(trainer.strategy)
+        if ddp_module is None and not fsdp:
             return
         self._device = pl_module.device
         if self._device.type == "cpu":
             native.library()  # build the CPU kernels (or warn) now, not inside the first compressed step
         try:
-            self.hook_state = register_compression_hook(ddp_module, config)
+            self.hook_state = (install_fsdp_compression(pl_module, config) if ddp_module is None
+                               else register_compression_hook(ddp_module, config))
         except RuntimeError as exc:
             raise CompressionStrategyError(
                 f"GradientCompression could not install its hook ({exc}). A DDP module takes one comm hook: "
@@ -206,7 +231,9 @@ class GradientCompression(Callback):
         state = self.hook_state
         if state is None or state.step == self._step_before_backward:
             return  # no_sync micro-batch: nothing was exchanged
-        if self._device.type == "cuda":
+        if isinstance(state, FSDPCompressionState):  # FSDP calls the comm synchronously: its time is exposed
+            timings = state.timings_ms(self._device)
+        elif self._device.type == "cuda":
             timings = self._gpu_timings(state)
         else:
             # DDP's backward returns only once every bucket's future is done: the time since DDP handed the hook
@@ -271,6 +298,7 @@ class GradientCompression(Callback):
         return {
             **auto,
             "compression": f"int{cfg.bits} block={cfg.block_size} ef={cfg.error_feedback}"
+                           + (" (FSDP reduce-scatter)" if isinstance(state, FSDPCompressionState) else "")
                            + (" (bits='auto')" if self.config.bits == "auto" else ""),
             "compression_kernels": self._kernels(cfg.stochastic_rounding),
             "compression_bytes_ratio": round(state.total_bytes_sent / max(1, state.total_bytes_fp32), 4),
