@@ -1,15 +1,19 @@
 """The ``"auto"`` settings' decision at setup (collective): enumerate, filter by memory, time copies, choose.
 
-``HybridParallelStrategy(tensor_parallel_size="auto")`` / ``expert_parallel_size="auto"`` call
-:func:`decide_parallel` once at setup, before sharding (with ``GradientCompression(bits="auto")`` its bits in the
-same table); under ``"ddp"`` the callback calls :func:`decide_compression` at fit start. Both run the same steps:
-the candidates ``(tp, ep, bits)``; those whose memory per rank fits (the activations measured on one micro-batch);
-a DDP-wrapped copy of each, sharded as the strategy would shard it (unsharded, tensor parallel, expert parallel or
-both) with its exchange, timed in training steps, the slowest rank's figures; the margin rule
-(:mod:`.decision`). Where the copies do not fit beside the model, the model cannot be deep-copied, DDP refuses it
-or ``repeats=0``, nothing is timed: the simplest candidate that fits is kept, and the reason says why. Rank 0 prints
-the table. Not supported: candidates beyond this machine's world (planning for a larger cluster), node-limited
-routing and per-island dispatch in the expert-parallel copies (they time the default all-to-all).
+``HybridParallelStrategy(tensor_parallel_size="auto")`` / ``expert_parallel_size="auto"`` /
+``data_parallel_shard_size="auto"`` call :func:`decide_parallel` once at setup, before sharding (with
+``GradientCompression(bits="auto")`` its bits in the same table); under ``"ddp"`` the callback calls
+:func:`decide_compression` at fit start. Both run the same steps: the candidates ``(tp, ep, dp_shard, bits)``;
+those whose memory per rank fits (the activations measured on one micro-batch); a copy of each, sharded as the
+strategy would shard it (unsharded, tensor parallel, expert parallel, parameters by FSDP2, or several) and wrapped
+in DDP where parameters are left to it, with its exchange, timed in training steps, the slowest rank's figures; the
+margin rule (:mod:`.decision`). Where the copies do not fit beside the model (each is whole until it is sharded),
+the model cannot be deep-copied, DDP refuses it or ``repeats=0``, nothing is timed: the simplest candidate that fits
+is kept, and the reason says why. Where the model cannot run at all here (built on the meta device, or no fit),
+only ``data_parallel_shard_size="auto"`` is decided, by the memory filter alone on the parameters' bytes (no
+activations measured). Rank 0 prints the table. Not supported: candidates beyond this machine's world (planning for
+a larger cluster), node-limited routing and per-island dispatch in the expert-parallel copies (they time the
+default all-to-all), compressed copies with sharded parameters (timed uncompressed).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from lightning_deepseek.autotune.measure import (
 from lightning_deepseek.moe.protocol import find_expert_layers
 from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.expert import apply_expert_parallel, reduce_expert_gradients
+from lightning_deepseek.parallel.fsdp import apply_fsdp
 from lightning_deepseek.parallel.placement import (
     CommVolume,
     LinkCost,
@@ -62,8 +67,9 @@ def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology
                     links: dict[str, LinkCost] | None, plan_for: Callable[[int], Plan], tp_sizes: Iterable[int],
                     ep_sizes: Iterable[int] | None, bits: Iterable[int | None], tokens: int | None,
                     placement: str, bucket_bytes: int, setting: str, repeats: int = 3,
-                    bucket_view: bool = False) -> Decision:
-    """Choose ``(tp, ep, bits)`` for ``HybridParallelStrategy`` (collective; module docstring).
+                    bucket_view: bool = False, shard_sizes: Iterable[int] = (1,), reshard_after_forward: bool = True,
+                    device: torch.device | None = None, untimed: str | None = None) -> Decision:
+    """Choose ``(tp, ep, dp_shard, bits)`` for ``HybridParallelStrategy`` (collective; module docstring).
 
     Args:
         local_size: processes per node (they share a host's memory).
@@ -76,13 +82,17 @@ def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology
         bucket_bytes, bucket_view: DDP's ``bucket_cap_mb`` (in bytes) and ``gradient_as_bucket_view``.
         setting: the user's setting, named in the table and in errors.
         repeats: timed rounds of each copy (0: nothing timed).
+        shard_sizes: the allowed ``data_parallel_shard_size`` values; ``reshard_after_forward``: as the strategy's.
+        device: the device whose memory is the budget (default: the model's).
+        untimed: why the model cannot run here (a meta model...): nothing measured nor timed, the memory filter
+            alone on the parameters' bytes.
     """
     world = topology.world_size
     layers = find_expert_layers(module)
     if ep_sizes is None:
         ep_sizes = [d for d in divisors(world, world) if all(layer.num_experts % d == 0 for layer in layers)]
-    batch = micro_batch(module, trainer)
-    tokens = tokens or batch.tokens
+    batch = micro_batch(module, trainer) if untimed is None else None
+    tokens = tokens or (batch.tokens if batch is not None else 1)
     micro = trainer.accumulate_grad_batches
     plans: dict[int, Plan] = {}
     for tp in tp_sizes:
@@ -101,21 +111,26 @@ def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology
                                                                   for tp, v in volumes.items()}},
                          {tp: v.sharded_grad_bytes for tp, v in volumes.items()},
                          _param_bytes(p for p in module.parameters() if id(p) in expert_ids),
-                         _activation_bytes(module, batch))
-    options = candidates(world, sorted(plans), ep_sizes if layers else [1], bits)
+                         _activation_bytes(module, batch) if batch is not None else 0)
+    options = candidates(world, sorted(plans), ep_sizes if layers else [1], bits, shard_sizes)
     if len(topology.islands) > 1 and links is None and placement == "auto":
         links = probe_links(topology)  # placement ranks the rank orders by them (collective)
     device_type = next(module.parameters()).device.type
 
     def shard(candidate: Candidate) -> Shard:
-        if candidate.tp == candidate.ep == 1:
+        if candidate.tp == candidate.ep == candidate.dp_shard == 1:
             return _unsharded
-        dims = ParallelDims(world, tp=candidate.tp, ep=candidate.ep)
+        dims = ParallelDims(world, tp=candidate.tp, ep=candidate.ep, dp_shard=candidate.dp_shard)
         grid = _grid(topology, placement, links, dims, volumes[candidate.tp])
-        return lambda copy: _shard(copy, dims, plans[candidate.tp], [r for row in grid for r in row], device_type)
+        return lambda copy: _shard(copy, dims, plans[candidate.tp], [r for row in grid for r in row], device_type,
+                                   reshard_after_forward)
 
+    if batch is None:  # nothing can run: the memory filter alone
+        return _decide_by_memory(options, memory, device or next(module.parameters()).device, local_size, setting,
+                                 untimed or "", tokens)
     return _decide(module, batch, options, memory, shard, local_size=local_size, bucket_bytes=bucket_bytes,
-                   bucket_view=bucket_view, micro_batches=micro, repeats=repeats, setting=setting, tokens=tokens)
+                   bucket_view=bucket_view, micro_batches=micro, repeats=repeats, setting=setting, tokens=tokens,
+                   device=device)
 
 
 def decide_compression(module: pl.LightningModule, trainer: pl.Trainer, topology: Topology, dp_size: int,
@@ -131,15 +146,32 @@ def decide_compression(module: pl.LightningModule, trainer: pl.Trainer, topology
                    setting="GradientCompression(bits='auto')", tokens=batch.tokens)
 
 
+def _budget(device: torch.device, local_size: int) -> float:
+    """The smallest rank's usable memory: hosts may differ, and every rank must take the same decision (collective:
+    collectives follow)."""
+    return -agree([-HEADROOM * device_memory_bytes(device, local_size)])[0]
+
+
+def _decide_by_memory(options: Sequence[Candidate], memory: ModelMemory, device: torch.device, local_size: int,
+                      setting: str, untimed: str, tokens: int) -> Decision:
+    """The simplest candidate whose parameters, gradients and optimizer states fit (nothing run), printed."""
+    source = f"nothing timed nor measured: {untimed}; the parameters' bytes only, no activations"
+    decision = decide(options, memory, _budget(device, local_size), {}, setting, untimed=source, tokens=tokens,
+                      source=source)
+    rank_zero_info(f"{setting}: by memory (lightning_deepseek.autotune); {decision.source}\n{decision.table()}")
+    return decision
+
+
 def _decide(module: pl.LightningModule, batch: MicroBatch, options: Sequence[Candidate], memory: ModelMemory,
             shard: Callable[[Candidate], Shard], *, local_size: int, bucket_bytes: int, bucket_view: bool,
-            micro_batches: int, repeats: int, setting: str, tokens: int) -> Decision:
+            micro_batches: int, repeats: int, setting: str, tokens: int, device: torch.device | None = None
+            ) -> Decision:
     """Filter by memory, time a copy of each fitting candidate, choose by the margin rule, print (collective)."""
-    # the smallest rank's memory: hosts may differ, and every rank must time the same copies (collectives follow)
-    budget = -agree([-HEADROOM * device_memory_bytes(next(module.parameters()).device, local_size)])[0]
+    budget = _budget(device or next(module.parameters()).device, local_size)
     fit = fitting(options, memory, budget, setting)
     seconds: dict[Candidate, float] = {}
-    needed = sum(memory.bytes_per_rank(c) for c in fit)
+    whole = memory.bytes_per_rank(Candidate()) - memory.activation_bytes  # a copy before it is sharded
+    needed = sum(max(memory.bytes_per_rank(c), whole) for c in fit)
     room = budget - memory.bytes_per_rank(Candidate())  # the model itself, replicated
     if repeats < 1:
         source = "nothing timed: repeats=0"
@@ -152,7 +184,8 @@ def _decide(module: pl.LightningModule, batch: MicroBatch, options: Sequence[Can
             timed = measure_copy_steps(module, batch, {c: shard(c) for c in fit}, bucket_bytes, micro_batches,
                                        repeats, bucket_view=bucket_view)
             seconds = dict(zip(timed, agree(list(timed.values()))))  # every rank timed the same copies in order
-            source = (f"{len(fit)} DDP-wrapped copies timed, {repeats} rounds of training steps each, the slowest "
+            wrapped = "DDP-wrapped " if all(c.dp_shard == 1 for c in fit) else ""
+            source = (f"{len(fit)} {wrapped}copies timed, {repeats} rounds of training steps each, the slowest "
                       f"rank's median step ({time.perf_counter() - start:.1f} s)")
         except (RuntimeError, CopyError) as exc:  # DDP's own refusal (unused parameters...), alike on every rank
             source = f"nothing timed: {exc}"
@@ -162,14 +195,18 @@ def _decide(module: pl.LightningModule, batch: MicroBatch, options: Sequence[Can
     return decision
 
 
-def _shard(copy: nn.Module, dims: ParallelDims, plan: Plan, order: list[int], device_type: str
-           ) -> Callable[[], None]:
-    """Shard ``copy`` as the strategy would at ``dims`` (its ``tp`` plan, its experts over ``ep``, on the meshes
-    over ``order``); returns the strategy's reduction of the shards' gradients after backward."""
+def _shard(copy: nn.Module, dims: ParallelDims, plan: Plan, order: list[int], device_type: str,
+           reshard_after_forward: bool = True) -> Callable[[], None]:
+    """Shard ``copy`` as the strategy would at ``dims`` (its ``tp`` plan, its experts over ``ep``, its parameters
+    over ``dp_shard``, on the meshes over ``order``); returns the strategy's reduction of the shards' gradients after
+    backward (none under parameter sharding: FSDP reduces them)."""
     mesh = dims.build_mesh(device_type, order)
     apply_tensor_parallel(copy, plan.styles, mesh["tp"])
     if dims.ep_enabled:
         apply_expert_parallel(copy, mesh["edp", "ep"])
+    if dims.fsdp_enabled:
+        apply_fsdp(copy, mesh, reshard_after_forward, announce=False)
+        return lambda: None
 
     def reduce() -> None:
         params = list(copy.parameters())

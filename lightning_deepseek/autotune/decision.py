@@ -1,17 +1,20 @@
 """The decision of the ``"auto"`` settings: the candidates, the memory filter and the margin rule.
 
-A candidate is a tensor-parallel size ``tp``, an expert-parallel size ``ep`` and a gradient compression ``bits``
-(None: fp32, 8 or 4). :func:`decide` drops the candidates whose memory per rank does not fit, then keeps the
-simplest fitting one (plain DDP first: the smallest ``tp``, then ``ep``, then no compression) unless a timed one
+A candidate is a tensor-parallel size ``tp``, an expert-parallel size ``ep``, a parameter-sharding size
+``dp_shard`` (FSDP2; 1: off) and a gradient compression ``bits`` (None: fp32, 8 or 4). :func:`decide` drops the
+candidates whose memory per rank does not fit, then keeps the simplest fitting one (plain DDP first: the smallest
+``tp``, then ``ep``, then ``dp_shard``, then no compression) unless a timed one
 is faster by ``margin`` or more; of those that are, the simplest within ``margin`` of the fastest, so that
 sharding and compression each have to pay on their own. Where nothing was timed it keeps the simplest candidate
 that fits, and its reason says so. Sharding and compressing change numerics and add code paths: they must pay
 clearly.
 
-Memory per rank: parameters and gradients, ``state_factor`` optimizer states per parameter byte (Adam: 2), the
-fp32 error-feedback residual of the exchanged gradients when compressed, and the activations autograd saves for
-backward, against the budget the caller gives (:data:`.auto_parallel.HEADROOM` of the device memory). Not counted:
-communication buffers, the allocator's fragmentation, temporaries outside autograd. No process group is needed
+Memory per rank: parameters and gradients, ``state_factor`` optimizer states per parameter byte (Adam: 2), each
+``1/dp_shard`` under parameter sharding (a tp or ep shard over its shard ranks,
+:meth:`~lightning_deepseek.parallel.dims.ParallelDims.shard_split`), the fp32 error-feedback residual of the
+exchanged gradients when compressed, and the activations autograd saves for backward, against the budget the caller
+gives (:data:`.auto_parallel.HEADROOM` of the device memory). Not counted: communication buffers (FSDP's gathered
+blocks among them), the allocator's fragmentation, temporaries outside autograd. No process group is needed
 here: the measurements come from :mod:`.measure` through :mod:`.auto_parallel`.
 """
 
@@ -29,20 +32,28 @@ class NoCandidateFitsError(ValueError):
 
 @dataclass(frozen=True)
 class Candidate:
-    """One layout: tensor-parallel size, expert-parallel size, compression bits (None: fp32)."""
+    """One layout: tensor-parallel size, expert-parallel size, compression bits (None: fp32), parameter-sharding
+    size (1: parameters replicated)."""
 
     tp: int = 1
     ep: int = 1
     bits: int | None = None
+    dp_shard: int = 1
 
     @property
     def label(self) -> str:
-        return f"tp={self.tp} ep={self.ep} {'fp32' if self.bits is None else f'int{self.bits}'}"
+        shard = f" dp_shard={self.dp_shard}" if self.dp_shard > 1 else ""
+        return f"tp={self.tp} ep={self.ep}{shard} {'fp32' if self.bits is None else f'int{self.bits}'}"
 
     @property
-    def simplicity(self) -> tuple[int, int, int]:
+    def simplicity(self) -> tuple[int, int, int, int]:
         """Sort key: plain DDP first, then the least sharding, then the least compression."""
-        return (self.tp, self.ep, 0 if self.bits is None else 16 - self.bits)
+        return (self.tp, self.ep, self.dp_shard, 0 if self.bits is None else 16 - self.bits)
+
+    def shard_of(self, model_parallel: int) -> int:
+        """The ranks parameter sharding splits one shard of a model-parallel size over (as
+        ``ParallelDims.shard_split``)."""
+        return self.dp_shard // model_parallel if self.dp_shard % model_parallel == 0 else 1
 
 
 @dataclass(frozen=True)
@@ -70,8 +81,9 @@ class ModelMemory:
 
     def bytes_per_rank(self, candidate: Candidate) -> int:
         """Parameters, gradients, optimizer states, error-feedback residual and activations of one rank."""
-        experts = self.expert_bytes // candidate.ep if candidate.ep > 1 else 0
-        params = self.exchanged_bytes(candidate) + experts + self.sharded_bytes.get(candidate.tp, 0)
+        experts = self.expert_bytes // candidate.ep // candidate.shard_of(candidate.ep) if candidate.ep > 1 else 0
+        params = (self.exchanged_bytes(candidate) // candidate.dp_shard + experts
+                  + self.sharded_bytes.get(candidate.tp, 0) // candidate.shard_of(candidate.tp))
         residual = self.exchanged_bytes(candidate) if candidate.bits is not None else 0
         return int(params * (2 + self.state_factor) + residual + self.activation_bytes)
 
@@ -86,11 +98,11 @@ class Entry:
     fits: bool
     seconds: float | None = None
 
-    def row(self) -> str:
+    def row(self, width: int = 16) -> str:
         step = "not timed" if self.seconds is None else f"{self.seconds * 1e3:.1f} ms"
         memory = (f"{self.memory_bytes / _GIB:.2f} GiB" if self.memory_bytes >= _GIB / 10 else
                   f"{self.memory_bytes / 2**20:.1f} MiB") + ("" if self.fits else " (does not fit)")
-        return f"{self.candidate.label:<16} {step:>12}  {memory}"
+        return f"{self.candidate.label:<{width}} {step:>12}  {memory}"
 
 
 @dataclass(frozen=True)
@@ -113,8 +125,9 @@ class Decision:
 
     def table(self) -> str:
         """The lines printed at setup: every candidate's timed step and memory per rank; the choice."""
-        lines = ["candidate        training step  memory per rank"]
-        lines += [e.row() + ("  <- chosen" if e.candidate == self.chosen else "") for e in self.entries]
+        width = max([16] + [len(e.candidate.label) for e in self.entries])
+        lines = [f"{'candidate':<{width}} training step  memory per rank"]
+        lines += [e.row(width) + ("  <- chosen" if e.candidate == self.chosen else "") for e in self.entries]
         lines.append(f"choice: {self.chosen.label}: {self.reason}")
         return "\n".join(lines)
 
@@ -127,16 +140,20 @@ class Decision:
 
 
 def candidates(world_size: int, tp_sizes: Iterable[int] = (1,), ep_sizes: Iterable[int] = (1,),
-               bits: Iterable[int | None] = (None,)) -> list[Candidate]:
-    """Every combination whose sizes divide ``world_size``; with one data-parallel rank there is no exchange to
-    compress, so such a ``tp`` comes uncompressed only."""
+               bits: Iterable[int | None] = (None,), shard_sizes: Iterable[int] = (1,)) -> list[Candidate]:
+    """Every combination whose sizes divide ``world_size`` and whose ``dp_shard`` divides or is divided by its
+    ``tp`` and ``ep`` (``ParallelDims``' rule); with one data-parallel rank there is no exchange to compress, so such
+    a ``tp`` comes uncompressed only, and so does parameter sharding (the copies compress DDP's exchange only)."""
     out: list[Candidate] = []
     for tp in tp_sizes:
         for ep in ep_sizes:
-            for b in bits:
-                candidate = Candidate(tp, ep, b if world_size // max(tp, 1) > 1 else None)
-                if not (world_size % tp or world_size % ep or candidate in out):
-                    out.append(candidate)
+            for shard in shard_sizes:
+                for b in bits:
+                    compressible = world_size // max(tp, 1) > 1 and shard == 1
+                    candidate = Candidate(tp, ep, b if compressible else None, shard)
+                    cuts = shard > 1 and any(shard % m and m % shard for m in (tp, ep))
+                    if not (world_size % tp or world_size % ep or world_size % shard or cuts or candidate in out):
+                        out.append(candidate)
     return out
 
 
@@ -157,7 +174,8 @@ def fitting(options: Iterable[Candidate], memory: ModelMemory, budget_bytes: flo
             f"{memory.bytes_per_rank(smallest) / _GIB:.2f} GiB per rank (parameters, gradients, optimizer states x"
             f"{memory.state_factor:g}, activations {memory.activation_bytes / _GIB:.2f} GiB) against "
             f"{budget_bytes / _GIB:.2f} GiB usable. Train on more devices per node (a larger tensor_parallel_size), "
-            "use a smaller micro-batch, or shard the optimizer states (shard_optimizer_states=True).")
+            "use a smaller micro-batch, shard the parameters (data_parallel_shard_size) or the optimizer states "
+            "(shard_optimizer_states=True).")
     return fit
 
 

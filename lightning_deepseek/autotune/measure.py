@@ -3,11 +3,12 @@
 - one real micro-batch (:func:`micro_batch`) and the bytes autograd saves for backward in one forward of it
   (:func:`measure_activations`, for the memory filter; the random state and buffers are put back);
 - the training step of each candidate layout (:func:`measure_copy_steps`): a deep copy of the model per candidate,
-  sharded as the strategy would shard it, wrapped in DDP as the strategy wraps it, with the candidate's exchange
+  sharded as the strategy would shard it, wrapped in DDP as the strategy wraps it (not where FSDP holds every
+  parameter), with the candidate's exchange
   (fp32 or the compression hook), timed in training steps taking turns: the exchange beside backward, the
   sharding's collectives, the ranks' competition for the cores and the optimizer are all in the figure. Cost: one
   copy of the model per candidate at once (the caller checks the room) and ``(1 + repeats) * steps`` steps of each.
-- the memory one rank may plan for (:func:`device_memory_bytes`).
+- the memory one rank may plan for (:func:`device_memory_bytes`; ``$LDS_DEVICE_MEMORY_GIB`` sets it).
 
 :func:`agree` takes the slowest rank's figures, so that every rank takes the same decision.
 """
@@ -36,6 +37,7 @@ from lightning_deepseek.compression.config import CompressionConfig
 from lightning_deepseek.compression.hook import register_compression_hook
 from lightning_deepseek.parallel.placement import probe_device
 
+MEMORY_VARIABLE = "LDS_DEVICE_MEMORY_GIB"
 BLOCK_SIZE = {8: 128, 4: 64}  # the lds-train presets' block sizes (app/conf/compression/int8.yaml, int4.yaml)
 
 
@@ -198,10 +200,11 @@ class _Forward(nn.Module):
 
 
 def _training_step(module: nn.Module, batch: MicroBatch, candidate: Candidate, shard: Shard, bucket_bytes: int,
-                   bucket_view: bool) -> tuple[DistributedDataParallel, Callable[[int], None]]:
+                   bucket_view: bool) -> tuple[nn.Module, Callable[[int], None]]:
     """``module`` sharded by ``shard`` and wrapped as ``HybridParallelStrategy`` wraps it (DDP over the world, the
-    shards ignored, the candidate's compression hook with no warm-up), and its training step of ``m`` micro-batches:
-    DDP exchanges after the last, then the sharding's reduction and the optimizer."""
+    shards ignored, the candidate's compression hook with no warm-up; no DDP where every trainable parameter is a
+    shard), and its training step of ``m`` micro-batches: DDP exchanges after the last, then the sharding's reduction
+    and the optimizer."""
     device = next(module.parameters()).device
     reduce, optimizer = shard(module), first_optimizer(module)
     if isinstance(module, pl.LightningModule):
@@ -210,6 +213,8 @@ def _training_step(module: nn.Module, batch: MicroBatch, candidate: Candidate, s
     # torch's only way to keep parameters out of DDP's buckets (the strategy leaves the shards to their reduction)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         forward, [name for name, p in forward.named_parameters() if isinstance(p, DTensor)])
+    if not any(p.requires_grad and not isinstance(p, DTensor) for p in forward.parameters()):
+        return forward, _plain_step(forward, reduce, optimizer)  # FSDP holds every parameter (as the strategy)
     ddp = DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda" else None,
                                   bucket_cap_mb=bucket_bytes / 2**20, gradient_as_bucket_view=bucket_view)
     if candidate.bits is not None:
@@ -224,6 +229,19 @@ def _training_step(module: nn.Module, batch: MicroBatch, candidate: Candidate, s
         if optimizer is not None:
             optimizer.step()
     return ddp, step
+
+
+def _plain_step(forward: nn.Module, reduce: Callable[[], None], optimizer: torch.optim.Optimizer | None
+                ) -> Callable[[int], None]:
+    """The training step of a copy with nothing for DDP: every micro-batch's backward reduces its shards (FSDP)."""
+
+    def step(micro_batches: int) -> None:
+        for _ in range(micro_batches):
+            _loss_of(forward()).backward()
+        reduce()
+        if optimizer is not None:
+            optimizer.step()
+    return step
 
 
 def measure_copy_steps(module: pl.LightningModule, batch: MicroBatch, layouts: Mapping[Candidate, Shard],
@@ -266,7 +284,18 @@ def measure_copy_steps(module: pl.LightningModule, batch: MicroBatch, layouts: M
 
 
 def device_memory_bytes(device: torch.device, processes_per_node: int) -> int:
-    """Memory one rank may plan for: the GPU's, or the host's physical memory over its processes."""
+    """Memory one rank may plan for: ``$LDS_DEVICE_MEMORY_GIB`` GiB where set (a smaller device than this one, a
+    host shared with other jobs), else the GPU's, or the host's physical memory over its processes."""
+    configured = os.environ.get(MEMORY_VARIABLE)
+    if configured:
+        try:
+            gib = float(configured)
+        except ValueError:
+            gib = -1.0
+        if not gib > 0:
+            raise ValueError(f"{MEMORY_VARIABLE}={configured!r} must be a positive number of GiB (the memory one "
+                             "rank may use), e.g. 8 or 0.5; unset it to use the device's.")
+        return int(gib * 2**30)
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -75,7 +75,8 @@ class LayoutSettings:
 
     Args:
         tp, ep: ``tensor_parallel_size``, ``expert_parallel_size`` (a size, ``"auto"`` or ``"per_node"``).
-        dp_shard: ``data_parallel_shard_size`` (a size, or ``"auto"``: the processes per node).
+        dp_shard: ``data_parallel_shard_size`` (a size, or ``"auto"``: 1, the processes per node or the world, by
+            the memory filter and timed copies, :func:`decide_sizes`).
         plan, min_shard_params, placement, micro_batch_tokens, reshard_after_forward, activation_checkpointing,
             shard_optimizer_states: as the strategy's arguments.
         links: the cluster's link figures, or None (probed).
@@ -107,7 +108,8 @@ class LayoutSettings:
         shard = self.dp_shard
         if shard != "auto" and not (isinstance(shard, int) and not isinstance(shard, bool) and shard > 0):
             raise ValueError(f"data_parallel_shard_size={shard!r} must be a positive integer (1: parameters "
-                             "replicated) or 'auto' (shard inside a node, replicate across nodes).")
+                             "replicated) or 'auto' (unsharded, per node or over the world, by the memory filter and "
+                             "timed copies).")
         if shard != 1 and self.shard_optimizer_states:
             raise ValueError(f"shard_optimizer_states=True with data_parallel_shard_size={shard!r}: parameter "
                              "sharding already shards the optimizer states. Set shard_optimizer_states=False (or "
@@ -129,33 +131,40 @@ def provisional_dims(settings: LayoutSettings, world_size: int, local_size: int)
     validated when the world size is known, final after :func:`resolve_dims`."""
     tp = {"auto": 1, "per_node": local_size}.get(settings.tp, settings.tp)
     ep = 1 if settings.ep in ("auto", "per_node") else settings.ep
-    return ParallelDims(world_size, tp=tp, ep=ep, dp_shard=_dp_shard(settings, world_size, local_size))
-
-
-def _dp_shard(settings: LayoutSettings, world_size: int, local_size: int) -> int:
-    """``"auto"``: shard inside a node (its processes), replicate across nodes."""
-    return (local_size if world_size % local_size == 0 else 1) if settings.dp_shard == "auto" else settings.dp_shard
+    dp_shard = 1 if settings.dp_shard == "auto" else settings.dp_shard
+    return ParallelDims(world_size, tp=tp, ep=ep, dp_shard=dp_shard)
 
 
 def decide_sizes(module: nn.Module, trainer: pl.Trainer, settings: LayoutSettings, dims: ParallelDims,
-                 topology: Topology) -> Decision:
+                 topology: Topology, untimed: str | None = None) -> Decision | None:
     """The ``"auto"`` sizes (and ``GradientCompression(bits="auto")``) from timed copies of each candidate layout
-    (collective; :mod:`lightning_deepseek.autotune`). ``dims`` holds the sizes fixed by the arguments."""
+    (collective; :mod:`lightning_deepseek.autotune`); where the model cannot be timed here (``untimed`` says why),
+    ``data_parallel_shard_size="auto"`` alone by the memory filter (``"auto"`` tp and ep sizes then resolve to 1 and
+    ``"per_node"``). ``dims`` holds the sizes fixed by the arguments. None: nothing to decide."""
+    timed = untimed is None
+    if not (settings.dp_shard == "auto" or (timed and "auto" in (settings.tp, settings.ep))):
+        return None
     # Imported here: autotune times copies sharded by this package's plans and hooks.
     from lightning_deepseek.autotune.auto_parallel import AUTO_BITS, decide_parallel, divisors
 
-    local_size = trainer.strategy.num_processes
+    world, local_size = dims.world_size, trainer.strategy.num_processes
+    per_node_ep = resolve_ep_size("per_node", world, local_size, find_expert_layers(module))
     named = [f"{name}='auto'" for name, arg in (("tensor_parallel_size", settings.tp),
-                                                 ("expert_parallel_size", settings.ep)) if arg == "auto"]
-    named += ["GradientCompression(bits='auto')"] if settings.bits == "auto" else []
+                                                 ("expert_parallel_size", settings.ep),
+                                                 ("data_parallel_shard_size", settings.dp_shard))
+             if arg == "auto" and (timed or name == "data_parallel_shard_size")]
+    named += ["GradientCompression(bits='auto')"] if settings.bits == "auto" and timed else []
     return decide_parallel(
         module, trainer, topology=topology, local_size=local_size, links=settings.links,
-        plan_for=lambda tp: decide_plan(module, settings.plan, dims.world_size, tp, False, settings.min_shard_params),
-        tp_sizes=divisors(dims.world_size, local_size) if settings.tp == "auto" else [dims.tp],
-        ep_sizes=None if settings.ep == "auto" else [dims.ep],
-        bits=AUTO_BITS if settings.bits == "auto" else [settings.bits], tokens=settings.micro_batch_tokens,
-        placement=settings.placement, bucket_bytes=settings.bucket_bytes, setting=", ".join(named),
-        bucket_view=settings.bucket_view)
+        plan_for=lambda tp: decide_plan(module, settings.plan, world, tp, False, settings.min_shard_params),
+        tp_sizes=divisors(world, local_size) if settings.tp == "auto" and timed else [dims.tp],
+        ep_sizes=None if settings.ep == "auto" and timed else [per_node_ep if settings.ep in ("auto", "per_node")
+                                                               else dims.ep],
+        bits=AUTO_BITS if settings.bits == "auto" and timed else [None if settings.bits == "auto" else settings.bits],
+        tokens=settings.micro_batch_tokens, placement=settings.placement, bucket_bytes=settings.bucket_bytes,
+        setting=", ".join(named), bucket_view=settings.bucket_view,
+        shard_sizes=sorted({1, local_size, world} if settings.dp_shard == "auto" else {dims.dp_shard}),
+        reshard_after_forward=settings.reshard_after_forward, device=trainer.strategy.root_device, untimed=untimed)
 
 
 def resolve_dims(module: nn.Module, settings: LayoutSettings, dims: ParallelDims, local_size: int,
@@ -168,7 +177,8 @@ def resolve_dims(module: nn.Module, settings: LayoutSettings, dims: ParallelDims
         ep = resolve_ep_size("per_node", dims.world_size, local_size, find_expert_layers(module))
     else:
         ep = settings.ep
-    return ParallelDims(dims.world_size, tp=tp, ep=ep, dp_shard=dims.dp_shard)
+    dp_shard = decision.chosen.dp_shard if decision is not None else dims.dp_shard
+    return ParallelDims(dims.world_size, tp=tp, ep=ep, dp_shard=dp_shard)
 
 
 def warn_user_parallelised(settings: LayoutSettings) -> None:
@@ -182,12 +192,10 @@ def warn_user_parallelised(settings: LayoutSettings) -> None:
                        "it there, or leave the model to the strategy.")
 
 
-def why_untimed(meta: bool, dims: ParallelDims, fitting: bool) -> str | None:
-    """Why the ``"auto"`` sizes cannot be decided by timed copies in this setup (they then resolve to 1), or None."""
+def why_untimed(meta: bool, fitting: bool) -> str | None:
+    """Why the ``"auto"`` sizes cannot be decided by timed copies in this setup, or None."""
     if meta:
         return "a model on the meta device cannot be timed"
-    if dims.fsdp_enabled:
-        return "the timed copies do not shard parameters (data_parallel_shard_size > 1)"
     return None if fitting else "it is decided when fitting; this run only evaluates"
 
 
@@ -195,7 +203,8 @@ def decide_layout_plan(module: nn.Module, settings: LayoutSettings, dims: Parall
                        decision: Decision | None, untimed: str | None = None) -> Plan:
     """The tensor-parallel plan at the decided ``tp`` (empty, saying why, where nothing is sharded)."""
     if settings.tp == "auto" and dims.tp == 1 and dims.world_size > 1:
-        why = f"timing the candidate layouts chose tp=1 ({decision.reason})" if decision is not None else untimed
+        why = (untimed if untimed is not None or decision is None else
+               f"timing the candidate layouts chose tp=1 ({decision.reason})")
         return Plan(reason=f"tensor_parallel_size='auto': {why}, so no layer is tensor-parallel; set "
                     "tensor_parallel_size to shard the feed-forward layers anyway.")
     return decide_plan(module, settings.plan, dims.world_size, dims.tp, settings.tp == "per_node",

@@ -99,9 +99,9 @@ class HybridParallelStrategy(DDPStrategy):
         min_shard_params: ``plan="auto"`` shards a block only from this many parameters on.
         placement: ``"auto"``, ``"tp_intra_node"`` or ``"dp_intra_node"``: the rank order of every mesh
             dimension (:mod:`lightning_deepseek.parallel.placement`).
-        data_parallel_shard_size: ranks sharding each replicated parameter, its gradient and optimizer state
-            (ZeRO-3 by FSDP2, :mod:`lightning_deepseek.parallel.fsdp`); the other data-parallel ranks replicate the
-            shards (HSDP). 1: off. ``"auto"``: the processes per node.
+        data_parallel_shard_size: ranks sharding every parameter, its gradient and optimizer state (ZeRO-3 by
+            FSDP2, :mod:`lightning_deepseek.parallel.fsdp`); the other ranks replicate the shards (HSDP). 1: off.
+            ``"auto"``: 1, the processes per node or the world, by memory and timed copies (with the tp/ep sizes).
         reshard_after_forward: free each block's gathered parameters after forward (False: ZeRO-2-like).
         activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` per transformer block
             (:mod:`lightning_deepseek.parallel.activation_checkpointing`); with or without sharding.
@@ -287,9 +287,9 @@ class HybridParallelStrategy(DDPStrategy):
         assert self._topology is not None
         settings = self._settings
         decision = self.layout.decision if self.layout is not None else None
-        untimed = why_untimed(meta, self.parallel_dims, trainer.state.fn == TrainerFn.FITTING)
-        if self.layout is None and "auto" in (settings.tp, settings.ep) and self.world_size > 1 and untimed is None:
-            decision = decide_sizes(module, trainer, settings, self.parallel_dims, self._topology)
+        untimed = why_untimed(meta, trainer.state.fn == TrainerFn.FITTING)
+        if self.layout is None and self.world_size > 1:
+            decision = decide_sizes(module, trainer, settings, self.parallel_dims, self._topology, untimed)
         self._dims = dims = resolve_dims(module, settings, self.parallel_dims, self.num_processes, decision)
         self._plan = decide_layout_plan(module, settings, dims, decision, untimed)
         if self.layout is None:

@@ -199,3 +199,71 @@ def test_with_nothing_timed_the_simplest_layout_that_fits_is_chosen_and_the_reas
                                                         Candidate(2)}
     assert all(e.seconds is None and e.fits for e in decision.entries)
     assert decision.tokens == module.example_input_array.numel()
+
+
+def _decided(world_size: int, module: pl.LightningModule, meta: bool = False) -> dict[str, Any]:
+    """Fit ``module`` 2 steps under ``data_parallel_shard_size="auto"``: the decision, its printed table, the sizes."""
+    from torch.distributed.tensor import DTensor
+
+    records = LogRecords()
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(records)
+    strategy = HybridParallelStrategy(tensor_parallel_size=1, data_parallel_shard_size="auto", min_shard_params=0)
+    try:
+        pl.seed_everything(0, verbose=False)
+        trainer = make_trainer(world_size, strategy, max_steps=2)
+        if meta:
+            with trainer.init_module(empty_init=True):
+                module.configure_model()
+        trainer.fit(module, loader(token_data(8 * world_size), 4))
+    finally:
+        logger.removeHandler(records)
+    decision = strategy.layout.decision
+    return {"dp_shard": strategy.parallel_dims.dp_shard, "reason": decision.reason,
+            "bytes": {e.candidate.dp_shard: e.memory_bytes for e in decision.entries},
+            "seconds": {e.candidate.dp_shard: e.seconds for e in decision.entries},
+            "tables": [m for m in records.messages if "data_parallel_shard_size='auto': " in m],
+            "sharded": all(isinstance(p, DTensor) for p in module.parameters()),
+            "finite": all(torch.isfinite(torch.tensor(module.losses)))}
+
+
+def _shard_size_auto(rank: int, world_size: int) -> dict[str, Any]:
+    import os
+
+    from lightning_deepseek.autotune.auto_parallel import HEADROOM
+    from tests.parallel.test_fsdp import MetaLM
+
+    fits = _decided(world_size, TinyLM())
+    # a real budget between the unsharded layout's memory per rank and the sharded one's
+    budget = (fits["bytes"][1] + fits["bytes"][2]) / 2 / HEADROOM
+    states = 2 * (fits["bytes"][1] - fits["bytes"][2])  # unsharded parameters, gradients, states: no activations
+    try:
+        os.environ["LDS_DEVICE_MEMORY_GIB"] = repr(budget / 2**30)
+        squeezed = _decided(world_size, TinyLM())
+        os.environ["LDS_DEVICE_MEMORY_GIB"] = repr(0.75 * states / HEADROOM / 2**30)
+        meta = _decided(world_size, MetaLM(), meta=True)
+    finally:
+        del os.environ["LDS_DEVICE_MEMORY_GIB"]
+    return {"fits": fits, "squeezed": squeezed, "meta": meta}
+
+
+def test_data_parallel_shard_size_auto_shards_only_when_memory_requires_it_on_two_processes() -> None:
+    rank0, rank1 = run_distributed(_shard_size_auto, 2, timeout=240)
+    fits, squeezed, meta = rank0["fits"], rank0["squeezed"], rank0["meta"]
+    assert rank1["fits"]["dp_shard"] == fits["dp_shard"] and rank1["squeezed"]["dp_shard"] == 2
+    # both fit: a copy of each timed (the sharded one by FSDP2, without DDP); unsharded unless FSDP paid by 5%
+    assert set(fits["seconds"]) == {1, 2} and all(v > 0 for v in fits["seconds"].values())
+    assert fits["bytes"][2] < fits["bytes"][1]  # half the parameters, gradients and states; the same activations
+    assert fits["dp_shard"] == 1 or fits["seconds"][2] < 0.95 * fits["seconds"][1], fits
+    assert fits["sharded"] == (fits["dp_shard"] == 2) and fits["finite"]
+    (table,) = fits["tables"]
+    assert "2 copies timed" in table and "tp=1 ep=1 dp_shard=2 fp32" in table and "choice: tp=1 ep=1" in table
+    # too small for unsharded: sharded over both ranks, and the table says why
+    assert squeezed["dp_shard"] == 2 and squeezed["sharded"] and squeezed["finite"]
+    assert squeezed["reason"].startswith("memory requires it (tp=1 ep=1 fp32 does not fit)")
+    (table,) = squeezed["tables"]
+    assert "(does not fit)" in table and "choice: tp=1 ep=1 dp_shard=2 fp32" in table
+    # a meta-device model: nothing can run, the memory filter alone on the parameters' bytes
+    assert meta["dp_shard"] == 2 and meta["sharded"] and meta["finite"]
+    assert "a model on the meta device cannot be timed" in meta["reason"]
+    assert "by memory (lightning_deepseek.autotune); nothing timed nor measured" in meta["tables"][0]

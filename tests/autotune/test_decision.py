@@ -135,3 +135,19 @@ def test_bits_auto_on_one_device_is_an_error_naming_the_fix() -> None:
     with pytest.raises(ValueError, match=r"GradientCompression\(bits='auto'\) with 1 data-parallel rank .*Train on 2 "
                                          "or more devices, or remove GradientCompression"):
         trainer.fit(TinyLM(), loader(token_data(4), 2))
+
+
+def test_parameter_sharding_candidates_divide_everything_by_the_shard_size_and_respect_the_groups() -> None:
+    memory = ModelMemory({1: 8 * GIB, 2: 4 * GIB}, {2: 2 * GIB}, expert_bytes=2 * GIB)
+    # 8 GiB replicated: parameters, gradients and two Adam states, 1/4 each over 4 shard ranks
+    assert memory.bytes_per_rank(Candidate(dp_shard=4)) == memory.bytes_per_rank(PLAIN) // 4 == 8 * GIB
+    # tp=2 with shard groups of 4: the replicated 4 GiB over 4, the 2 GiB tp shard over 2 of its replicas
+    assert memory.bytes_per_rank(Candidate(2, dp_shard=4)) == (4 * GIB // 4 + 2 * GIB // 2) * 4
+    # ep=4 spans the shard groups of 2: the experts' slices are replicated, the rest (6 GiB) sharded
+    assert memory.bytes_per_rank(Candidate(1, 4, dp_shard=2)) == (6 * GIB // 2 + 2 * GIB // 4) * 4
+    options = candidates(12, [1, 2], [1, 4], [None, 8], shard_sizes=[1, 6, 12])
+    assert Candidate(1, 4, None, 6) not in options  # 6 ranks would cut an ep=4 group
+    assert {c.bits for c in options if c.dp_shard > 1} == {None}  # the copies compress DDP's exchange only
+    assert Candidate(2, 1, None, 6) in options and Candidate(1, 4, None, 12) in options
+    assert Candidate(1, 1, None, 6).label == "tp=1 ep=1 dp_shard=6 fp32"
+    assert fitting([Candidate(dp_shard=4), PLAIN], memory, 10 * GIB, "x") == [Candidate(dp_shard=4)]
