@@ -1,7 +1,8 @@
 """The ``"auto"`` settings of the library (docs/autotune.md): ``HybridParallelStrategy(tensor_parallel_size="auto")``,
-``expert_parallel_size="auto"`` and ``GradientCompression(bits="auto")`` time a DDP-wrapped copy of each candidate
-layout that fits in memory and keep plain DDP unless another is faster by a margin (``decision``: candidates, memory
-filter, margin rule; ``measure``: the timed copies; ``auto_parallel``: the steps at setup). Imported on first use.
+``expert_parallel_size="auto"``, ``data_parallel_shard_size="auto"`` and ``GradientCompression(bits="auto")`` time a
+copy of each candidate layout that fits in memory (DDP-wrapped, or sharded by FSDP2) and keep plain DDP unless
+another is faster by a margin (``decision``: candidates, memory filter, margin rule; ``measure``: the timed copies;
+``auto_parallel``: the steps at setup). Imported on first use.
 """
 
 import importlib
