@@ -1,6 +1,8 @@
-"""StagedPrecision with sharded parameters (FSDP2) on 2 real gloo processes: FSDP's mixed-precision policy follows
-the stage.
+"""StagedPrecision with sharded parameters (FSDP2) on real gloo processes (2 and 4): FSDP's mixed-precision policy
+follows the stage.
 
+- ``set_mixed_precision`` on a live FSDP2 model (FP32 -> BF16 -> FP32 -> FP16 between steps) gives bitwise the
+  outputs and gradients of a model given each policy by ``fully_shard`` itself;
 - FP32 -> BF16 under ``data_parallel_shard_size=2``: each block's forward sees FP32 weights in the FP32 stage and
   BF16 all-gathered weights in the BF16 stage; the gradients are reduce-scattered in FP32 (the default
   ``fsdp_reduce_dtype``), in BF16 with ``fsdp_reduce_dtype=None``; after ``fit`` the model gathers FP32 again;
@@ -20,13 +22,16 @@ import importlib.util
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # the protocol set_custom_reduce_scatter takes
 
 from lightning_deepseek import HybridParallelStrategy, StagedPrecision
-from lightning_deepseek.parallel.fsdp_precision import fsdp_units
+from lightning_deepseek.parallel.fsdp_precision import fsdp_units, set_mixed_precision, stage_policy
 from tests.helpers import run_distributed
 from tests.parallel.common import TinyLM, loader, make_trainer, token_data
 
@@ -104,8 +109,41 @@ def _fp8_error(world_size: int) -> str:
     return "no error"
 
 
+def _sharded_mlp(policy: MixedPrecisionPolicy) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for module in (model[0], model[2], model):
+        fully_shard(module, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def _step(model: torch.nn.Module) -> list[np.ndarray]:
+    """Output and the gathered gradients of one forward and backward on a fixed batch."""
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = model(x)
+    out.float().square().sum().backward()
+    grads = [p.grad.full_tensor().numpy().copy() for p in model.parameters()]
+    model.zero_grad()
+    return [out.detach().float().numpy().copy(), *grads]
+
+
+def _live_switch_against_fully_shard() -> dict[str, bool]:
+    """One model switched FP32 -> BF16 -> FP32 -> FP16 (FP32 reduce) between steps, against models given each
+    policy by ``fully_shard`` itself: bitwise equal outputs and gradients."""
+    live, equal = _sharded_mlp(MixedPrecisionPolicy()), {}
+    _step(live)
+    for precision in ("bf16-mixed", "32-true", "16-mixed"):
+        policy = stage_policy(precision)
+        set_mixed_precision(fsdp_units(live), policy)
+        got, want = _step(live), _step(_sharded_mlp(policy))
+        equal[precision] = all(np.array_equal(a, b) for a, b in zip(got, want))
+    return equal
+
+
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
-    return {"fsdp": _fit(world_size, SCHEDULE, shard=2), "ddp": _fit(world_size, SCHEDULE, shard=1),
+    return {"live_switch": _live_switch_against_fully_shard(),
+            "fsdp": _fit(world_size, SCHEDULE, shard=2), "ddp": _fit(world_size, SCHEDULE, shard=1),
             "bf16_reduce": _fit(world_size, [("32-true", 1), ("bf16-mixed",)], shard=2, steps=2,
                                 fsdp_reduce_dtype=None),
             "fp8": _fp8_error(world_size)}
@@ -121,6 +159,11 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
     return run_distributed(_worker, 2, timeout=280)
+
+
+def test_live_policy_switch_equals_fully_shard_given_that_policy(ranks: list[dict]) -> None:
+    for result in ranks:
+        assert result["live_switch"] == {"bf16-mixed": True, "32-true": True, "16-mixed": True}
 
 
 def test_fsdp_gathers_parameters_in_the_stage_dtype_and_reduces_in_fp32(ranks: list[dict]) -> None:
