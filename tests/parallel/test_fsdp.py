@@ -12,7 +12,7 @@
 - HSDP x tensor parallelism and HSDP x expert parallelism against DDP over 20 steps, on 4 ranks (shard 2: the tp
   and ep shards replicated across the two shard groups, FSDP's (2, 1) mesh) and 8 (shard 4: each tp or ep shard
   sharded over 2 of its replicas and replicated across the groups, 2 x 2); each rank holds exactly the parameter,
-  gradient and momentum bytes the layout says;
+  gradient and momentum bytes the layout says; their DCP checkpoints resume under DDP with the same weights;
 - GradientCompression trains under FSDP (its numerics: tests/compression/test_fsdp_compression.py);
 - bad settings: clear errors before training.
 """
@@ -60,7 +60,7 @@ class MetaLM(TinyLM):
 
 
 def _fit(world_size: int, module: pl.LightningModule, meta: bool = False, clip: float | None = None, tp: int = 1,
-         steps: int = STEPS, **strategy_kwargs: Any) -> dict[str, Any]:
+         steps: int = STEPS, save: str | None = None, **strategy_kwargs: Any) -> dict[str, Any]:
     dataset = token_data(steps * world_size * MICRO)
     strategy = HybridParallelStrategy(tensor_parallel_size=tp, min_shard_params=0, **strategy_kwargs)
     trainer = make_trainer(world_size, strategy, max_steps=steps, gradient_clip_val=clip)
@@ -69,6 +69,8 @@ def _fit(world_size: int, module: pl.LightningModule, meta: bool = False, clip: 
             module.configure_model()
         meta_built = all(p.is_meta for p in module.parameters())
     trainer.fit(module, loader(dataset, MICRO))
+    if save is not None:
+        trainer.save_checkpoint(save)
     losses: list[Any] = [None] * world_size
     dist.all_gather_object(losses, module.losses)
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters())
@@ -131,13 +133,27 @@ def _layout_numel(module: pl.LightningModule, strategy: HybridParallelStrategy) 
     return total
 
 
-def _hsdp_model_parallel(rank: int, world_size: int, shard: int) -> dict[str, Any]:
-    runs = {}
+class LoadedWeights(pl.Callback):
+    """The full weights as the resumed run starts (after the strategy loaded the checkpoint)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.state = full_state(pl_module)
+
+
+def _hsdp_model_parallel(rank: int, world_size: int, shard: int, folder: str) -> dict[str, Any]:
+    runs: dict[str, Any] = {}
     for name, config, kwargs in (("ddp", {}, {}), ("ddp_moe", MOE, {}),
                                  ("tp", {}, dict(tp=2, data_parallel_shard_size=shard)),
                                  ("ep", MOE, dict(expert_parallel_size=2, data_parallel_shard_size=shard))):
         pl.seed_everything(0, verbose=False)
-        runs[name] = _fit(world_size, TinyLM(**config), steps=HSDP_STEPS, **kwargs)
+        save = f"{folder}/{name}.ckpt" if name in ("tp", "ep") else None
+        runs[name] = _fit(world_size, TinyLM(**config), steps=HSDP_STEPS, save=save, **kwargs)
+        if save is not None:  # the DCP folder resumes under plain DDP with the same weights
+            loaded = LoadedWeights()
+            trainer = make_trainer(world_size, HybridParallelStrategy(tensor_parallel_size=1),
+                                   max_steps=HSDP_STEPS + 1, callbacks=[loaded])
+            trainer.fit(TinyLM(**config), loader(token_data(world_size * MICRO), MICRO), ckpt_path=save)
+            runs[name]["loaded"] = loaded.state
     return runs
 
 
@@ -188,17 +204,18 @@ def test_hsdp_and_no_reshard_over_four_ranks_train_as_one_process() -> None:
 
 
 @pytest.mark.parametrize(("world_size", "shard"), [(4, 2), (8, 4)])
-def test_hsdp_of_tensor_and_expert_shards_trains_as_ddp_with_the_bytes_the_layout_says(world_size: int,
-                                                                                       shard: int) -> None:
+def test_hsdp_of_tensor_and_expert_shards_trains_as_ddp_with_the_bytes_the_layout_says(
+        world_size: int, shard: int, tmp_path: Any) -> None:
     # 4 ranks, shard 2: the tp and ep shards replicated over their 2 replicas (FSDP's (2, 1) mesh); 8 ranks, shard
     # 4: each sharded over 2 of its 4 replicas inside a shard group and replicated across the two groups (2 x 2).
-    runs = run_distributed(_hsdp_model_parallel, world_size, shard, timeout=300)
+    runs = run_distributed(_hsdp_model_parallel, world_size, shard, str(tmp_path), timeout=300)
     for run, ddp in (("tp", "ddp"), ("ep", "ddp_moe")):
         got, want = runs[0][run], runs[0][ddp]
         mean = [[sum(r[i] for r in losses) / world_size for i in range(HSDP_STEPS)]
                 for losses in (got["losses"], want["losses"])]
         assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(*mean)), (run, mean)
         assert relative_error(got["state"], want["state"]) <= TOL, run
+        assert relative_error(got["loaded"], got["state"]) == 0.0, run  # its checkpoint, resumed under DDP
         for rank in runs:  # parameters, gradients and SGD momentum, exactly; about 1/shard of the model
             assert rank[run]["all_dtensor"] and rank[run]["local_fraction"] == pytest.approx(1 / shard, abs=0.01)
             assert rank[run]["model_state_bytes"] == 3 * rank[run]["layout_bytes"], run
