@@ -72,6 +72,8 @@ from lightning_deepseek.compression.quantize import (
     quantize,
 )
 
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # 2.13 / 2.11
+
 
 def _row_bytes(padded: int, bits: int, block_size: int) -> int:
     # An even number of bytes, so that every row's scales stay 2-byte aligned (odd only for int4 with odd blocks/2).
@@ -141,7 +143,7 @@ class CompressedReduceScatter(ReduceScatter):
         if self.calls <= config.warmup_steps or numel < max(config.min_bucket_numel, world_size):
             state.count(fp32_reduce_scatter_bytes(numel, world_size), fp32_reduce_scatter_bytes(numel, world_size))
             start = time.perf_counter()
-            work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            work = _reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
             state.comm_seconds += time.perf_counter() - start
             return work
         scale = _reduce_scale(op, world_size)
