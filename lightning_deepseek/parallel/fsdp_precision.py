@@ -36,11 +36,23 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 STAGE_DTYPES: dict[str, torch.dtype | None] = {"32-true": None, "16-mixed": torch.float16,
                                                "bf16-mixed": torch.bfloat16}
+_REDUCE_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                  "float16": torch.float16, "fp16": torch.float16}
 
 
 def fsdp_units(model: nn.Module) -> list[FSDPModule]:
     """Every module of ``model`` that ``fully_shard`` was applied to (an FSDP unit), in module order."""
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def reduce_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
+    """The reduce-scatter dtype ``fsdp_reduce_dtype`` names (a ``torch.dtype``, or ``"float32"``, ``"bf16"``...
+    as a config file gives it); ``None`` stays ``None``. Raises ``ValueError`` for anything else."""
+    dtype = _REDUCE_DTYPES.get(value, value) if isinstance(value, str) else value
+    if dtype is not None and dtype not in _REDUCE_DTYPES.values():
+        raise ValueError(f"fsdp_reduce_dtype={value!r} is not a gradient reduce dtype. Use torch.float32 (default), "
+                         "torch.bfloat16, torch.float16 (or their names, e.g. 'float32'), or None for the stage's.")
+    return dtype
 
 
 def stage_policy(precision: str, reduce_dtype: torch.dtype | None = torch.float32) -> MixedPrecisionPolicy:

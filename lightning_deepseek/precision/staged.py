@@ -122,7 +122,7 @@ class StagedPrecision(Precision):
         fp8_exclude: module names whose ``nn.Linear`` layers FP8 stages leave alone (default: head and routers).
         fp8_emulate: emulate FP8 GEMMs; ``None`` emulates on CPU only.
         fsdp_reduce_dtype: dtype of FSDP's gradient reduce-scatter in FP16/BF16 stages when the model is sharded
-            (``None``: the stage's dtype).
+            (a ``torch.dtype`` or its name, ``"float32"``, ``"bf16"``...; ``None``: the stage's dtype).
     """
 
     def __init__(
@@ -139,7 +139,7 @@ class StagedPrecision(Precision):
         fp8_recipe: Any = "tensorwise",
         fp8_exclude: Sequence[str] = DEFAULT_EXCLUDE,
         fp8_emulate: bool | None = None,
-        fsdp_reduce_dtype: torch.dtype | None = torch.float32,
+        fsdp_reduce_dtype: torch.dtype | str | None = torch.float32,
     ) -> None:
         self.schedule = PrecisionSchedule(default_schedule() if schedule is None else schedule)
         uses_fp8 = any(stage.precision == "fp8-mixed" for stage in self.schedule.stages)
@@ -165,7 +165,7 @@ class StagedPrecision(Precision):
         self._trainer: pl.Trainer | None = None
         self.float8_layers: list[str] = []  # paths of the layers the last FP8 stage converted
         self._float8_active = False  # whether the model holds converted layers now
-        self.fsdp_reduce_dtype = fsdp_reduce_dtype
+        self.fsdp_reduce_dtype = fsdp_precision.reduce_dtype_of(fsdp_reduce_dtype)
         self._fsdp_units: list[FSDPModule] = []  # the model's FSDP units, found at connect
         self._fsdp_precision: str | None = None  # the precision whose policy they hold
 

@@ -208,3 +208,15 @@ def test_policy_follows_the_stage_under_hsdp_tensor_and_expert_parallelism() -> 
         got, want = runs[0][name]["losses"], runs[0][reference]["losses"]
         errors = [abs(a - b) / abs(b) for a, b in zip(got, want)]
         assert max(errors[:2]) <= FP32_TOL and max(errors[2:]) <= HALF_TOL, (name, errors)
+
+
+@pytest.mark.parametrize(("value", "dtype"), [(torch.float32, torch.float32), ("bf16", torch.bfloat16),
+                                              ("float16", torch.float16), (None, None)])
+def test_fsdp_reduce_dtype_takes_dtypes_and_their_names(value: Any, dtype: torch.dtype | None) -> None:
+    assert StagedPrecision(fsdp_reduce_dtype=value).fsdp_reduce_dtype == dtype
+
+
+@pytest.mark.parametrize("value", ["fp8", torch.int8])
+def test_a_bad_fsdp_reduce_dtype_is_a_clear_error(value: Any) -> None:
+    with pytest.raises(ValueError, match=r"fsdp_reduce_dtype=.* is not a gradient reduce dtype\. Use torch\.float32"):
+        StagedPrecision(fsdp_reduce_dtype=value)
