@@ -102,7 +102,7 @@ def micro_batch(module: pl.LightningModule, trainer: pl.Trainer | None) -> Micro
         shape = f" {tuple(moved.shape)}" if isinstance(moved, torch.Tensor) else ""
         return MicroBatch(moved, True, f"example_input_array{shape}", _tokens(moved))
     fix = ("set the module's example_input_array (one micro-batch), or set the sizes the 'auto' settings would decide "
-           "(tensor_parallel_size, expert_parallel_size, bits) explicitly")
+           "(tensor_parallel_size, expert_parallel_size, data_parallel_shard_size, bits) explicitly")
     if trainer is None or not module.automatic_optimization:
         why = "there is no Trainer" if trainer is None else "training_step steps the optimizer itself (manual)"
         raise ValueError(f"The 'auto' settings time {type(module).__name__} on one micro-batch, but it sets no "
