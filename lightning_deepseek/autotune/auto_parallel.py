@@ -170,7 +170,7 @@ def _decide(module: pl.LightningModule, batch: MicroBatch, options: Sequence[Can
     budget = _budget(device or next(module.parameters()).device, local_size)
     fit = fitting(options, memory, budget, setting)
     seconds: dict[Candidate, float] = {}
-    whole = memory.bytes_per_rank(Candidate()) - memory.activation_bytes  # a copy before it is sharded
+    whole = memory.replicated_bytes[1]  # a copy's parameters before it is sharded
     needed = sum(max(memory.bytes_per_rank(c), whole) for c in fit)
     room = budget - memory.bytes_per_rank(Candidate())  # the model itself, replicated
     if repeats < 1:
