@@ -15,7 +15,8 @@ Why our own: FSDP2 takes the policy only in ``fully_shard`` and offers no public
 module. This module sets it where ``fully_shard`` stored it (each unit's state, its parameter groups and each
 ``FSDPParam``) and re-derives each parameter's dtypes with FSDP's own ``init_dtype_attrs``, the step FSDP itself
 repeats at its lazy initialisation; the buffers FSDP reuses across all-gathers (fixed to the dtype of the first
-one) are dropped so that the next all-gather allocates them in the new dtype. Checked against torch 2.11 and 2.13.
+one) are dropped so that the next all-gather allocates them in the new dtype. The same names in torch 2.11 and
+2.13; on both, a switched module computes bitwise what ``fully_shard`` given that policy computes.
 
 Costs: at a stage change, every unit is resharded (a no-op between steps) and its all-gather buffers are
 reallocated once; nothing per step.
@@ -23,7 +24,9 @@ reallocated once; nothing per step.
 Does not support: FP8 stages under FSDP (``StagedPrecision`` refuses them with an error): the FP8 stage swaps
 ``nn.Linear`` modules for torchao's ``Float8Linear`` mid-run, but FSDP2 binds each sharded parameter to the module
 object it found in ``fully_shard``, and torchao's FP8 all-gather needs the weights wrapped in its tensor subclass
-before ``fully_shard``. A policy the user passed to ``fully_shard`` is replaced by the stage's.
+before ``fully_shard``. Parameters with FSDP all-gather extensions (tensor subclasses defining
+``fsdp_pre_all_gather``, such as torchao's FP8 weights) are not re-derived. A policy the user passed to
+``fully_shard`` is replaced by the stage's. Not checked on CUDA streams yet (tested on CPU with gloo).
 """
 
 from __future__ import annotations
