@@ -6,8 +6,10 @@
 - ``GradientCompression(bits="auto")`` under Lightning's ``"ddp"`` on a transformers Llama from a tiny config (a
   model we did not write, measured through its own ``training_step``);
 - ``expert_parallel_size="auto"`` on a tiny MoE GPT: ep 1 or 2 by their copies, the experts sharded accordingly;
-- ``measure_copy_steps`` on tensor-parallel, expert-parallel and both-ways copies, compressed or not, leaves the
-  model and the random state alone.
+- ``measure_copy_steps`` on tensor-parallel, expert-parallel and both-ways copies, compressed or not, and on
+  tensor- and expert-parallel copies sharded by FSDP2, leaves the model and the random state alone;
+- ``data_parallel_shard_size="auto"``: unsharded when it fits, sharded when ``$LDS_DEVICE_MEMORY_GIB`` is too small
+  for unsharded (a meta-device model by the memory filter alone).
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ def _copy_steps(world_size: int) -> dict[str, Any]:
     layouts = {Candidate(tp, ep, bits): functools.partial(_shard, dims=ParallelDims(world_size, tp=tp, ep=ep),
                                                           plan=plan, order=order, device_type="cpu")
                for tp, ep in ((2, 1), (1, 2), (2, 2)) for bits in (None, 8)}
+    layouts.update({Candidate(tp, ep, None, 2): functools.partial(  # FSDP2 over both ranks: no DDP wrapper
+        _shard, dims=ParallelDims(world_size, tp=tp, ep=ep, dp_shard=2), plan=plan, order=order, device_type="cpu")
+        for tp, ep in ((2, 1), (1, 2))})
     data = token_data(4)[:2]
     rng = torch.get_rng_state()
     seconds = measure_copy_steps(module, MicroBatch(data, False, "two rows", 32), layouts, 25 << 20, repeats=1)
@@ -158,9 +163,10 @@ def test_expert_parallel_size_auto_decides_and_shards_accordingly(ranks) -> None
 
 
 def test_tensor_expert_and_both_ways_copies_are_timed_in_training_steps(ranks) -> None:
-    for rank in ranks:  # fp32 and int8 on DDP-wrapped tp=2, ep=2 and tp=2 x ep=2 copies: positive, no side effects
+    for rank in ranks:  # fp32 and int8 on DDP-wrapped tp=2, ep=2 and tp=2 x ep=2 copies, tp=2 and ep=2 x FSDP-2
         assert set(rank["copy_steps"]["seconds"]) == {Candidate(tp, ep, b) for tp, ep in ((2, 1), (1, 2), (2, 2))
-                                                      for b in (None, 8)}
+                                                      for b in (None, 8)} | {Candidate(2, 1, None, 2),
+                                                                             Candidate(1, 2, None, 2)}
         assert all(0 < v < 5 for v in rank["copy_steps"]["seconds"].values())
         assert all(rank["copy_steps"][k] for k in ("untouched", "grads", "kept_rng"))
 
