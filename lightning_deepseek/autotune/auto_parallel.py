@@ -63,6 +63,15 @@ def divisors(n: int, at_most: int) -> list[int]:
     return [d for d in range(1, min(n, at_most) + 1) if n % d == 0]
 
 
+def shard_sizes(world_size: int, local_size: int, bits: int | str | None) -> list[int]:
+    """``data_parallel_shard_size="auto"``'s candidates: 1, the processes per node (HSDP) and the world. With a
+    ``GradientCompression`` callback (``bits``) only the sizes it compresses: 1 and the world (under HSDP FSDP's
+    all-reduce across the replicas stays uncompressed), and with ``bits="auto"`` 1 alone (the copies that decide the
+    bits compress DDP's exchange only)."""
+    sizes = {1, local_size, world_size} if bits is None else {1} if bits == "auto" else {1, world_size}
+    return sorted(d for d in sizes if world_size % d == 0)
+
+
 def decide_parallel(module: pl.LightningModule, trainer: pl.Trainer, *, topology: Topology, local_size: int,
                     links: dict[str, LinkCost] | None, plan_for: Callable[[int], Plan], tp_sizes: Iterable[int],
                     ep_sizes: Iterable[int] | None, bits: Iterable[int | None], tokens: int | None,
@@ -238,4 +247,4 @@ def _param_bytes(params: Iterable[torch.Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-__all__ = ["AUTO_BITS", "decide_compression", "decide_parallel", "divisors"]
+__all__ = ["AUTO_BITS", "decide_compression", "decide_parallel", "divisors", "shard_sizes"]

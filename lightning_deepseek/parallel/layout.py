@@ -145,7 +145,7 @@ def decide_sizes(module: nn.Module, trainer: pl.Trainer, settings: LayoutSetting
     if not (settings.dp_shard == "auto" or (timed and "auto" in (settings.tp, settings.ep))):
         return None
     # Imported here: autotune times copies sharded by this package's plans and hooks.
-    from lightning_deepseek.autotune.auto_parallel import AUTO_BITS, decide_parallel, divisors
+    from lightning_deepseek.autotune.auto_parallel import AUTO_BITS, decide_parallel, divisors, shard_sizes
 
     world, local_size = dims.world_size, trainer.strategy.num_processes
     per_node_ep = resolve_ep_size("per_node", world, local_size, find_expert_layers(module))
@@ -163,7 +163,7 @@ def decide_sizes(module: nn.Module, trainer: pl.Trainer, settings: LayoutSetting
         bits=AUTO_BITS if settings.bits == "auto" and timed else [None if settings.bits == "auto" else settings.bits],
         tokens=settings.micro_batch_tokens, placement=settings.placement, bucket_bytes=settings.bucket_bytes,
         setting=", ".join(named), bucket_view=settings.bucket_view,
-        shard_sizes=sorted({1, local_size, world} if settings.dp_shard == "auto" else {dims.dp_shard}),
+        shard_sizes=shard_sizes(world, local_size, settings.bits) if settings.dp_shard == "auto" else [dims.dp_shard],
         reshard_after_forward=settings.reshard_after_forward, device=trainer.strategy.root_device, untimed=untimed)
 
 

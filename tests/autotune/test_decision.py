@@ -151,3 +151,11 @@ def test_parameter_sharding_candidates_divide_everything_by_the_shard_size_and_r
     assert Candidate(2, 1, None, 6) in options and Candidate(1, 4, None, 12) in options
     assert Candidate(1, 1, None, 6).label == "tp=1 ep=1 dp_shard=6 fp32"
     assert fitting([Candidate(dp_shard=4), PLAIN], memory, 10 * GIB, "x") == [Candidate(dp_shard=4)]
+
+
+def test_shard_size_candidates_are_those_gradient_compression_can_compress() -> None:
+    from lightning_deepseek.autotune.auto_parallel import shard_sizes
+
+    assert shard_sizes(16, 8, None) == [1, 8, 16] and shard_sizes(6, 4, None) == [1, 6]
+    assert shard_sizes(16, 8, 8) == [1, 16]  # HSDP's all-reduce across the replicas would stay uncompressed
+    assert shard_sizes(16, 8, "auto") == [1]  # the copies deciding the bits compress DDP's exchange only
