@@ -89,10 +89,10 @@ def run_plan(cfg: DictConfig) -> int:
     if cfg.layout == "manual":
         layout = PlanLayout(s.tensor_parallel_size, s.expert_parallel_size, s.shard_optimizer_states, s.placement,
                             s.data_parallel_shard_size, s.reshard_after_forward, s.activation_checkpointing)
-        report = plan(model, cfg.world_size, layout, cluster, step)
+        report = plan(model, cfg.world_size, layout, cluster, step, cfg.depth)
         print(json.dumps(report.to_dict(), indent=1) if cfg.output == "json" else report.table())
         return 0
-    result = search(model, cfg.world_size, cluster, step)
+    result = search(model, cfg.world_size, cluster, step, depth=cfg.depth)
     if cfg.output == "json":
         print(json.dumps({"fitting": [r.to_dict() for r in result.fitting],
                           "not_fitting": [r.to_dict() for r in result.not_fitting],

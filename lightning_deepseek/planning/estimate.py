@@ -40,7 +40,9 @@ class GroupInfo:
 
 @dataclass(frozen=True)
 class StepMeasurement:
-    """What the fake step measured at rank 0."""
+    """What the fake step measured at rank 0; ``phase_peaks`` are the peaks of forward, backward and the optimizer
+    step, ``param_sizes`` each replicated trainable parameter's bytes with the position of its block (``-1``: none)
+    in the stepped copy (DDP's buckets are cut from them), ``buffer_bytes`` the buffers DDP broadcasts."""
 
     memory: RankMemory
     flops: float
@@ -49,6 +51,9 @@ class StepMeasurement:
     num_sharded_layers: int
     placement: str
     owned_state_elements: int
+    phase_peaks: tuple[int, ...] = ()
+    param_sizes: tuple[tuple[int, int], ...] = ()
+    buffer_bytes: int = 0
 
 
 def collective_seconds(op: str, num_bytes: int, n: int, link: LinkCost) -> float:

@@ -39,6 +39,7 @@ Not supported: pipelines, gradient accumulation, compression; uneven routing; op
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import warnings
@@ -48,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _ModState  # module peaks: no public name
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import sdpa_backward_flop, sdpa_flop
@@ -61,12 +62,13 @@ from lightning_deepseek.parallel.expert_plan import setup_expert_parallel
 from lightning_deepseek.parallel.expert_routing import ExpertRouting
 from lightning_deepseek.parallel.fsdp import apply_fsdp
 from lightning_deepseek.parallel.memory import memory_per_rank, setup_optimizer_states
-from lightning_deepseek.parallel.placement import comm_volume, place
+from lightning_deepseek.parallel.placement import Placement, comm_volume, place
 from lightning_deepseek.parallel.plan import decide_plan
 from lightning_deepseek.parallel.styles import apply_tensor_parallel, reduce_tensor_parallel_gradients
 from lightning_deepseek.parallel.topology import Topology
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.counting import CollectiveCall, CollectiveCounter, FlopCounter, LocalOpsOnly
+from lightning_deepseek.planning.depth import check_depth, extrapolate, full_sizes, keep_blocks, layer_kinds
 from lightning_deepseek.planning.estimate import GroupInfo, StepMeasurement, estimate
 from lightning_deepseek.planning.fake_world import fake_world
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
@@ -76,6 +78,7 @@ from lightning_deepseek.planning.routing import uniform_routing
 
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                      "lightning_utilities.core.rank_zero")
+CPU = torch.device("cpu")
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
 # The CPU's fused attention has no formula in torch's FLOP registry; it does what the GPU kernels do.
 # (FlopCounter wraps a custom formula itself: hand it the unwrapped ones.)
@@ -94,11 +97,12 @@ def local_bytes(tensors: list[torch.Tensor]) -> int:
     return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
 
 
-def ddp_buckets(params: list[torch.Tensor], bucket_cap_bytes: int) -> list[int]:
-    """Bytes of each DDP bucket of the replicated trainable ``params`` (DDP's rule: reverse order, 1 MiB first)."""
+def ddp_buckets(sizes: list[int], bucket_cap_bytes: int) -> list[int]:
+    """Bytes of each DDP bucket of the replicated trainable parameters of ``sizes`` bytes, in the model's order
+    (DDP's rule: reverse order, 1 MiB first)."""
     buckets, current, cap = [], 0, FIRST_BUCKET_BYTES
-    for param in reversed(params):
-        current += param.numel() * param.element_size()
+    for size in reversed(sizes):
+        current += size
         if current >= cap:
             buckets.append(current)
             current, cap = 0, bucket_cap_bytes
@@ -106,19 +110,68 @@ def ddp_buckets(params: list[torch.Tensor], bucket_cap_bytes: int) -> list[int]:
 
 
 def plan(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: ClusterSpec,
-         step: StepShape | None = None) -> PlanReport:
+         step: StepShape | None = None, depth: str = "representative") -> PlanReport:
     """Set up the strategy's layout for rank 0 of a fake world and step once; the report (see the module docstring).
+
+    Args:
+        depth: ``"representative"``: step copies with three or four blocks of each kind and extrapolate
+            (:mod:`.depth`: model states, FLOPs and bytes exact; the peak approximate); ``"full"``: step every block.
 
     Raises:
         ValueError: a size does not divide the world size or an expert count (the strategy's own messages).
     """
+    check_depth(depth)
     step = step or StepShape()
     started = time.perf_counter()
     topology = cluster_topology(world_size, cluster.gpus_per_node)
     with fake_world(world_size), warnings.catch_warnings(), _quiet_set_up():
         warnings.simplefilter("ignore")  # the strategy's and torch's set-up warnings are for real runs
-        measured = _step(model, world_size, layout, step, topology, cluster)
+        measured = _measure(model, world_size, layout, step, topology, cluster, depth)
     return estimate(model.name, world_size, layout, cluster, step, measured, time.perf_counter() - started)
+
+
+def _measure(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
+             cluster: ClusterSpec, depth: str) -> StepMeasurement:
+    """The whole model's step, or its representative copies' extrapolated (:mod:`.depth`); then DDP's buckets."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        module = model.build()
+    kinds = layer_kinds(module) if depth == "representative" else None
+    if kinds is None or not kinds.worth_it:
+        measured = _step(model, world_size, layout, step, topology, cluster)
+        sizes = [size for _, size in measured.param_sizes]
+    else:  # the placement the whole model's tensor-parallel traffic decides, for every copy
+        placement = _placement(module, world_size, layout, step, topology, cluster).policy
+        base = _step(model, world_size, layout, step, topology, cluster, kinds.base, placement)
+        extras = {kind: _step(model, world_size, layout, step, topology, cluster, kinds.with_one_more(kind),
+                              placement) for kind in kinds.extended}
+        measured = extrapolate(base, extras, kinds)
+        sizes = full_sizes(list(base.param_sizes), kinds)
+        if layout.shard_optimizer_states:  # ZeRO-1 deals the owners over every parameter: its step on the whole
+            whole = _step(model, world_size, layout, step, topology, cluster, placement=placement, optimizer_only=True)
+            measured = _with_optimizer_of(measured, whole)
+    buckets = ddp_buckets(sizes, int(step.bucket_cap_mb * 2**20)) if world_size > 1 else []
+    calls = [CollectiveCall("all_reduce", dist.group.WORLD.group_name, b, "ddp") for b in buckets]
+    if buckets and measured.buffer_bytes:  # DDP's broadcast_buffers (its default): rank 0's buffers before forward
+        calls.insert(0, CollectiveCall("broadcast", dist.group.WORLD.group_name, measured.buffer_bytes))
+    memory = dataclasses.replace(measured.memory, ddp_buckets=sum(buckets), peak=measured.memory.peak + sum(buckets))
+    return dataclasses.replace(measured, memory=memory, calls=measured.calls + tuple(calls))
+
+
+def _with_optimizer_of(measured: StepMeasurement, whole: StepMeasurement) -> StepMeasurement:
+    """``measured`` with the optimizer states and the optimizer step's collectives of ``whole``."""
+    memory = dataclasses.replace(measured.memory, states=whole.memory.states, states_max=whole.memory.states_max)
+    calls = [c for c in measured.calls if c.phase != "optimizer"] + [c for c in whole.calls if c.phase == "optimizer"]
+    return dataclasses.replace(measured, memory=memory, calls=tuple(calls),
+                               owned_state_elements=whole.owned_state_elements)
+
+
+def _placement(module: nn.Module, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
+               cluster: ClusterSpec) -> Placement:
+    """The strategy's rank order for ``layout`` (its ``"auto"`` policy weighs ``module``'s tensor-parallel traffic)."""
+    dims = ParallelDims(world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard)
+    tp_plan = decide_plan(module, "auto", world_size, dims.tp, False, step.min_shard_params)
+    return place(layout.placement, topology, dims.dp, dims.tp, cluster.links,
+                 lambda: comm_volume(module, tp_plan, dims.tp, step.tokens, 1))
 
 
 @contextlib.contextmanager
@@ -168,16 +221,20 @@ def mesh_groups(mesh: WorldMesh, dims: ParallelDims, topology: Topology) -> dict
 
 
 def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
-          cluster: ClusterSpec) -> StepMeasurement:
+          cluster: ClusterSpec, keep: tuple[int, ...] | None = None, placement: str | None = None,
+          optimizer_only: bool = False) -> StepMeasurement:
+    """One step of the model (of the copy keeping the blocks at positions ``keep``), without DDP's buckets;
+    ``optimizer_only``: zero gradients in place of forward and backward (the optimizer's states and collectives)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         module = model.build()
+    positions = keep_blocks(module, keep) if keep is not None else {}
     dims = ParallelDims(world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard)
     layers = find_expert_layers(module)
     dims.check_experts(layers)
     tp_plan = decide_plan(module, "auto", world_size, dims.tp, False, step.min_shard_params)
-    placed = place(layout.placement, topology, dims.dp, dims.tp, cluster.links,
-                   lambda: comm_volume(module, tp_plan, dims.tp, step.tokens, 1))
+    placed = _placement(module, world_size, dataclasses.replace(layout, placement=placement or layout.placement),
+                        step, topology, cluster)
     mesh = dims.build_mesh("cpu", [rank for row in placed.grid for rank in row])
     if dims.ep_enabled:
         mesh["edp", "ep"]  # made outside the fake mode: DeviceMesh reads the values of its rank tensor
@@ -199,22 +256,25 @@ def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape
     with mode, uniform_routing(layers), tracker, counter:
         with flops, LocalOpsOnly(mode):
             with autocast:
-                loss = model.loss(module, input_ids)
-            saved = tracker.get_tracker_snapshot("current")[torch.device("cpu")]
-            loss.backward()
+                loss = model.loss(module, input_ids) if not optimizer_only else None
+            saved = tracker.get_tracker_snapshot("current")[CPU]
+            forward_peak = snapshot_bytes(tracker.get_tracker_snapshot("peak")[CPU], "Total")
+            if loss is not None:
+                loss.backward()
+            for param in params if optimizer_only else []:
+                param.grad = torch.zeros_like(param)
+        stats = tracker.memory_tracking.get(module)  # the model's own peak in backward (none without one)
+        backward_peak = max((snapshot_bytes(s[CPU], "Total")
+                             for s in (stats.snapshots.get(_ModState.PEAK_BW, []) if stats else [])), default=0)
         grad_bytes = local_bytes([p.grad for p in params if p.grad is not None])
         counter.phase = "gradients"
         with LocalOpsOnly(mode):
             _reduce_and_step(params, mesh, None if dims.fsdp_enabled else expert_plan.mesh, optimizer, counter,
                              reduce_shards=not dims.fsdp_enabled)
-    replicated = [p for p in params if not isinstance(p, DTensor)]
-    buckets = ddp_buckets(replicated, int(step.bucket_cap_mb * 2**20)) if world_size > 1 else []
-    ddp_calls = [CollectiveCall("all_reduce", dist.group.WORLD.group_name, b, "ddp") for b in buckets]
-    buffers = local_bytes(list(module.buffers()))
-    if buckets and buffers:  # DDP's broadcast_buffers (its default): rank 0's buffers before every forward
-        ddp_calls.insert(0, CollectiveCall("broadcast", dist.group.WORLD.group_name, buffers))
-    snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    peak = snapshot_bytes(snapshot, "Total")
+    peak = snapshot_bytes(tracker.get_tracker_snapshot("peak")[CPU], "Total")
+    # The optimizer step's own peak where it set the step's; else what it leaves (a lower bound of its peak)
+    optimizer_peak = peak if peak > max(forward_peak, backward_peak) else snapshot_bytes(
+        tracker.get_tracker_snapshot("current")[CPU], "Total")
     partitions = [z.partition for z in zero] or None
     states_max = (memory_per_rank([optimizer], partitions, world_size)["this layout + ZeRO-1"].states
                   if partitions else None)
@@ -223,11 +283,14 @@ def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape
     memory = RankMemory(params=local_bytes(list(module.parameters())), grads=grad_bytes, states=state_bytes,
                         states_max=max(states_max or 0, state_bytes),  # the estimate leaves out step counters
                         activations=snapshot_bytes(saved, "Activation") + snapshot_bytes(saved, "Temp"),
-                        ddp_buckets=sum(buckets),
-                        peak=peak + sum(buckets))
-    return StepMeasurement(memory=memory, flops=flops.total, calls=tuple(counter.calls) + tuple(ddp_calls),
+                        ddp_buckets=0, peak=peak)
+    sizes = tuple((positions.get(name, -1), local_bytes([p])) for name, p in module.named_parameters()
+                  if p.requires_grad and not isinstance(p, DTensor))
+    return StepMeasurement(memory=memory, flops=flops.total, calls=tuple(counter.calls),
                            groups=mesh_groups(mesh, dims, topology), num_sharded_layers=len(tp_plan),
-                           placement=placed.policy, owned_state_elements=_owned_elements(optimizer))
+                           placement=placed.policy, owned_state_elements=_owned_elements(optimizer),
+                           phase_peaks=(forward_peak, backward_peak, optimizer_peak), param_sizes=sizes,
+                           buffer_bytes=local_bytes(list(module.buffers())))
 
 
 def _reduce_and_step(params: list[torch.Tensor], mesh: WorldMesh, expert_mesh: DeviceMesh | None,

@@ -9,8 +9,8 @@ placement is the strategy's ``"auto"``. A layout the strategy refuses (a ``tp`` 
 listed as rejected with the strategy's reason. Pipeline stages and their schedule, micro-batches and compression
 each become one more axis of :func:`candidate_layouts` when the strategy has them.
 
-Costs: one plan per candidate (see :mod:`.planner`); nothing is cached between candidates yet (each builds its
-model and fake world again).
+Costs: one plan per candidate (see :mod:`.planner`), each of a few representative blocks (:mod:`.depth`); nothing
+is cached between candidates yet (each builds its model and fake world again).
 """
 
 from __future__ import annotations
@@ -72,14 +72,14 @@ def candidate_layouts(world_size: int, gpus_per_node: int, experts: list[int]) -
 
 
 def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepShape,
-           layouts: list[PlanLayout] | None = None) -> SearchResult:
-    """Plan every candidate layout (default: :func:`candidate_layouts`) and rank them."""
+           layouts: list[PlanLayout] | None = None, depth: str = "representative") -> SearchResult:
+    """Plan every candidate layout (default: :func:`candidate_layouts`; ``depth`` as :func:`plan`'s) and rank them."""
     if layouts is None:
         layouts = candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model))
     reports, rejected = [], []
     for layout in layouts:
         try:
-            reports.append(plan(model, world_size, layout, cluster, step))
+            reports.append(plan(model, world_size, layout, cluster, step, depth))
         except ValueError as exc:
             rejected.append((layout, str(exc)))
     fitting = sorted((r for r in reports if r.fits), key=lambda r: r.step_seconds)
