@@ -7,7 +7,8 @@
   exact sum (the residual carried), while without feedback the error grows with the steps;
 - training: GradientCompression under HybridParallelStrategy(data_parallel_shard_size=2 and 4) over 20 steps of our
   GPT against uncompressed FSDP (int8: losses within 1e-3, relative; int4: 1e-2); the fp32 path through the comm
-  (every step a warm-up step) is bitwise plain FSDP; a checkpoint gives every rank its residuals and step back;
+  (every step a warm-up step) is bitwise plain FSDP; FSDP x TP on 4 ranks (int8, the same bound); a checkpoint gives
+  every rank its residuals and step back;
 - HSDP and bits='auto' with sharding: clear errors.
 """
 
@@ -130,10 +131,10 @@ def test_error_feedback_keeps_the_accumulated_sum_within_one_step() -> None:
 
 
 def _fit(world: int, callbacks: list[pl.Callback], shard: int, steps: int = STEPS, root: str | None = None,
-         ckpt_path: str | None = None, save: str | None = None) -> dict[str, Any]:
+         ckpt_path: str | None = None, save: str | None = None, tp: int = 1) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     module = TinyLM(adam=True, lr=3e-3)
-    strategy = HybridParallelStrategy(tensor_parallel_size=1, data_parallel_shard_size=shard)
+    strategy = HybridParallelStrategy(tensor_parallel_size=tp, data_parallel_shard_size=shard, min_shard_params=0)
     trainer = make_trainer(world, strategy, max_steps=steps, callbacks=callbacks, default_root_dir=root)
     # two epochs of 10 steps: the checkpoint of the resume test falls on an epoch boundary
     trainer.fit(module, loader(token_data(STEPS // 2 * world * MICRO), MICRO), ckpt_path=ckpt_path)
@@ -171,7 +172,9 @@ def _training(rank: int, world: int, root: str) -> dict[str, Any]:
         _fit(world, [second, spy], world, steps=STEPS // 2 + 1, root=root, ckpt_path=ckpt)
         runs["resumed"] = {"saved": _residuals(saved), "restored": _residuals(restored),
                            "steps": (saved["step"], restored["step"])}
-    else:
+    else:  # FSDP x TP: the tp shards' units reduce-scatter over their 2 replicas, summed then divided by FSDP
+        runs["tp_plain"] = _fit(world, [], world, tp=2)
+        runs["tp_int8"] = _fit(world, [_compression(8)], world, tp=2)
         for name, kwargs in (("hsdp", dict(shard=2, callbacks=[_compression(8)])),
                              ("auto", dict(shard=4, callbacks=[GradientCompression(bits="auto")]))):
             try:
@@ -204,6 +207,14 @@ def test_compressed_fsdp_training_tracks_uncompressed_fsdp(training: tuple[int, 
     summary = runs[f"int{bits}"]["summary"]
     assert summary["compression"].endswith("(FSDP reduce-scatter)")
     assert summary["compression_bytes_ratio"] <= (0.26 if bits == 8 else 0.14), summary
+
+
+def test_compressed_fsdp_with_tensor_parallelism_tracks_uncompressed(training: tuple[int, dict]) -> None:
+    world, runs = training
+    if world != 4:
+        pytest.skip("FSDP x TP is checked on 4 ranks")
+    plain, compressed = runs["tp_plain"]["losses"], runs["tp_int8"]["losses"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(compressed, plain)) <= LOSS_TOL[8], (compressed, plain)
 
 
 def test_resume_restores_the_residuals(training: tuple[int, dict]) -> None:
