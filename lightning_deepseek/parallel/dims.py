@@ -17,6 +17,9 @@ The strategy builds the sizes when the world size is known and the meshes once p
   tensor-parallel shard (expert slice) is sharded over its replicas inside one ``dp_shard`` group and replicated
   across the groups, so every parameter has the same ``dp_replicate`` replicas. Cut from the dense and expert
   meshes, as FSDP2 requires of a DTensor's mesh and its own.
+- ``("pp", "dp", "tp")``: pipeline stages, only where ``pp > 1``; ``pp`` outermost as in torchtitan (the order
+  reshaped ``pp x dp x tp``): a ``pp`` group takes one rank from each block of ``dp * tp`` consecutive ranks, and
+  ``("dp", "tp")`` is then the slice of the rank's own pipeline stage.
 
 A new dimension (parameter sharding, pipeline stages) is one more named size here and one more view. Meshes are
 made through :func:`~lightning_deepseek.parallel.groups.reused`, so a later fit in the same processes gets the
@@ -42,6 +45,7 @@ EXPERT_DIMS = ("edp", "ep")
 SHARD_DIMS = ("dp_replicate", "dp_shard")
 TP_SHARD_DIMS = ("dp_replicate_tp", "dp_shard_tp")
 EXPERT_SHARD_DIMS = ("edp_replicate", "edp_shard")
+PIPELINE_DIMS = ("pp", "dp", "tp")
 
 
 class ParallelSizeError(ValueError, RuntimeError):
@@ -55,7 +59,8 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """World, tensor-parallel, expert-parallel and parameter-sharding sizes; the data-parallel sizes are derived.
+    """World, tensor-parallel, expert-parallel, parameter-sharding and pipeline sizes; the data-parallel sizes are
+    derived.
 
     Args:
         world_size: number of processes.
@@ -63,18 +68,20 @@ class ParallelDims:
         ep: size of the ``ep`` mesh dimension (routed experts sharded over it); divides ``world_size``. 1: off.
         dp_shard: ranks sharding each replicated parameter, its gradient and optimizer state (FSDP2); divides
             ``world_size``. 1: off.
+        pp: pipeline ranks (:mod:`~lightning_deepseek.parallel.pipeline`); ``pp * tp`` divides ``world_size``. 1: off.
     """
 
     world_size: int
     tp: int = 1
     ep: int = 1
     dp_shard: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size={self.world_size!r} must be a positive integer.")
         for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep),
-                           ("data_parallel_shard_size", self.dp_shard)):
+                           ("data_parallel_shard_size", self.dp_shard), ("pipeline_parallel_size", self.pp)):
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"{name}={size!r} must be a positive integer.")
             if self.world_size % size:
@@ -93,11 +100,14 @@ class ParallelDims:
                     f"data_parallel_shard_size={self.dp_shard} with {name}={size}: one must divide the other (each "
                     f"{name.split('_')[0]}-parallel group lies inside one shard group, or spans whole ones). Choose "
                     f"data_parallel_shard_size among {sizes}, or change {name}.")
+        if self.world_size % (self.pp * self.tp):
+            raise ParallelSizeError(f"pipeline_parallel_size={self.pp} x tensor_parallel_size={self.tp} does not "
+                                    f"divide the world size {self.world_size}: choose sizes whose product does.")
 
     @property
     def dp(self) -> int:
-        """Size of the ``dp`` mesh dimension: the number of tensor-parallel groups."""
-        return self.world_size // self.tp
+        """Size of the ``dp`` mesh dimension: the number of tensor-parallel groups (of one pipeline stage)."""
+        return self.world_size // (self.pp * self.tp)
 
     @property
     def edp(self) -> int:
@@ -124,6 +134,10 @@ class ParallelDims:
         return self.dp_shard > 1
 
     @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
@@ -146,8 +160,10 @@ class ParallelDims:
         ranks = torch.tensor(list(range(self.world_size)) if order is None else list(order))
         if sorted(ranks.tolist()) != list(range(self.world_size)):
             raise ValueError(f"rank order {ranks.tolist()} is not a permutation of the {self.world_size} ranks.")
-        dense = reused(("mesh", DENSE_DIMS, self.tp, device_type, tuple(ranks.tolist())),
-                       lambda: DeviceMesh(device_type, ranks.view(self.dp, self.tp), mesh_dim_names=DENSE_DIMS))
+        names, shape = (PIPELINE_DIMS, (self.pp, self.dp, self.tp)) if self.pp_enabled else (DENSE_DIMS,
+                                                                                           (self.dp, self.tp))
+        dense = reused(("mesh", names, shape[-1] if len(shape) == 2 else shape, device_type, tuple(ranks.tolist())),
+                       lambda: DeviceMesh(device_type, ranks.view(shape), mesh_dim_names=names))
         return WorldMesh(self, device_type, tuple(ranks.tolist()), dense)
 
 
@@ -155,8 +171,8 @@ class ParallelDims:
 class WorldMesh:
     """The run's device meshes over one rank order, fetched by name: ``mesh["tp"]``, ``mesh["dp", "tp"]``,
     ``mesh["ep"]``, ``mesh["edp", "ep"]``, ``mesh["dp_shard"]``, ``mesh["dp_replicate", "dp_shard"]``,
-    ``mesh["dp_replicate_tp", "dp_shard_tp"]``, ``mesh["edp_replicate", "edp_shard"]`` (the expert and sharding views
-    are made on first use: collective, every rank asks)."""
+    ``mesh["dp_replicate_tp", "dp_shard_tp"]``, ``mesh["edp_replicate", "edp_shard"]``, and where ``pp > 1``
+    ``mesh["pp"]`` (the expert and sharding views are made on first use: collective, every rank asks)."""
 
     dims: ParallelDims
     device_type: str
@@ -190,12 +206,13 @@ class WorldMesh:
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         wanted = (names,) if isinstance(names, str) else tuple(names)
-        for dims, make in ((DENSE_DIMS, lambda: self.dense), (EXPERT_DIMS, lambda: self.expert),
+        dense_dims = PIPELINE_DIMS if self.dims.pp_enabled else DENSE_DIMS
+        for dims, make in ((dense_dims, lambda: self.dense), (EXPERT_DIMS, lambda: self.expert),
                            (SHARD_DIMS, lambda: self.sharding),
                            (TP_SHARD_DIMS, lambda: self.split("dp", TP_SHARD_DIMS)),
                            (EXPERT_SHARD_DIMS, lambda: self.split("edp", EXPERT_SHARD_DIMS))):
             if set(wanted) <= set(dims):
                 mesh = make()
                 return mesh if wanted == dims else mesh[wanted if len(wanted) > 1 else wanted[0]]
-        known = DENSE_DIMS + EXPERT_DIMS + SHARD_DIMS + TP_SHARD_DIMS + EXPERT_SHARD_DIMS
+        known = dense_dims + EXPERT_DIMS + SHARD_DIMS + TP_SHARD_DIMS + EXPERT_SHARD_DIMS
         raise KeyError(f"no mesh dimension {names!r}: the meshes have {known}.")

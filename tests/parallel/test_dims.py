@@ -97,3 +97,27 @@ def test_the_model_parallel_shards_split_views_share_the_dense_and_expert_roots_
         column = [[0], [1]] if rank in (0, 1) else [[2], [3]]  # the rank's tp coordinate's replicas, (2, 1)
         assert views["tp_split"] == views["ep_split"] == column and views["same_root"]
         assert views["tp_replicate"] == sorted(sum(column, [])) and views["edp_shard"] == [rank]
+
+
+def test_pipeline_size_is_validated_and_leaves_dp_per_stage() -> None:
+    dims = ParallelDims(world_size=8, tp=2, pp=2)
+    assert (dims.dp, dims.pp_enabled, ParallelDims(world_size=8).pp_enabled) == (2, True, False)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=3 does not divide the world size 4"):
+        ParallelDims(world_size=4, pp=3)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=4 x tensor_parallel_size=4 does not divide"):
+        ParallelDims(world_size=8, tp=4, pp=4)
+
+
+def _pipeline_views(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = ParallelDims(world_size, pp=2).build_mesh("cpu")
+
+    def ranks(names: Any) -> list[int]:
+        return sorted(dist.get_process_group_ranks(mesh[names].get_group()))
+    return {"pp": ranks("pp"), "dp": ranks("dp"), "dense": mesh["dp", "tp"].mesh.tolist()}
+
+
+def test_pipeline_is_the_outermost_dimension_on_real_processes() -> None:
+    results = run_distributed(_pipeline_views, 4)
+    for rank, views in enumerate(results):  # [pp, dp, tp] over ranks 0..3: a pp group strides over dp
+        assert views["pp"] == [rank % 2, rank % 2 + 2]
+        assert views["dp"] == views["dense"][0][:1] + views["dense"][1][:1] == ([0, 1] if rank < 2 else [2, 3])
