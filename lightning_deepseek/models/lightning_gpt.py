@@ -1,4 +1,5 @@
-"""``LightningGPT``: the example GPT as a LightningModule (next-token cross-entropy, AdamW, cosine schedule)."""
+"""``LightningGPT``: the example GPT as a LightningModule (next-token cross-entropy, AdamW, cosine schedule), ready
+for pipeline parallelism (the protocol of :mod:`lightning_deepseek.parallel.pipeline_loop`)."""
 
 from __future__ import annotations
 
@@ -57,8 +58,22 @@ class LightningGPT(pl.LightningModule):
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        return self.pipeline_loss(self(x), y)
+
+    pipeline_module = "model"  # the pipeline protocol: the model the strategy splits into stages
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The next-token cross-entropy of one (micro-)batch from its logits (the pipeline protocol's loss)."""
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def on_pipeline_loss(self, loss: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor], step: str) -> None:
+        """Under a pipeline, log the loss the strategy's step computed, as ``training_step`` and
+        ``validation_step`` do otherwise."""
+        if step == "training":
+            self._batch_tokens = batch[0].numel()
+            self.log("train_loss", loss, prog_bar=True, sync_dist=False)
+        else:
+            self.log("val_loss" if step == "validation" else "test_loss", loss, prog_bar=True, sync_dist=True)
 
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:

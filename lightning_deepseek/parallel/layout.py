@@ -21,6 +21,7 @@ from lightning_deepseek.moe.protocol import find_expert_layers
 from lightning_deepseek.parallel.activation_checkpointing import MODES
 from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.expert_plan import resolve_ep_size
+from lightning_deepseek.parallel.pipeline import check_pipeline_composition
 from lightning_deepseek.parallel.placement import (
     POLICIES,
     CommVolume,
@@ -64,6 +65,8 @@ class Layout:
         """``DistributedSampler``'s arguments for ``rank``: its position in the mesh order (a tp group gathers
         activations in that order); under the user's own tensor parallelism a tp group shares one shard."""
         position = self.order.index(rank)
+        if self.dims.pp_enabled:  # every stage of a pipeline reads the same batch: its dp coordinate's shard
+            return {"num_replicas": self.dims.dp, "rank": position // self.dims.tp % self.dims.dp}
         if self.placement == "user":
             return {"num_replicas": self.dims.dp, "rank": position // self.dims.tp}
         return {"num_replicas": self.dims.world_size, "rank": position}
@@ -82,6 +85,8 @@ class LayoutSettings:
         links: the cluster's link figures, or None (probed).
         bucket_bytes, bucket_view: DDP's bucket size and ``gradient_as_bucket_view`` (the timed copies use them).
         bits: what a ``GradientCompression`` callback asked for (``"auto"``, 8, 4), or None without one.
+        pp, pp_schedule, pp_microbatches: ``pipeline_parallel_size``, ``pipeline_schedule``, ``pipeline_microbatches``
+            (None: the schedule's least).
     """
 
     tp: Size = "auto"
@@ -98,8 +103,15 @@ class LayoutSettings:
     bucket_bytes: int = 25 << 20
     bucket_view: bool = False
     bits: int | str | None = None
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None
 
     def __post_init__(self) -> None:
+        check_pipeline_composition(self.pp, self.pp_schedule, self.pp_microbatches, tensor_parallel_size=self.tp,
+                                   expert_parallel_size=self.ep, data_parallel_shard_size=self.dp_shard,
+                                   shard_optimizer_states=self.shard_optimizer_states,
+                                   activation_checkpointing=self.activation_checkpointing, bits=self.bits)
         for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep)):
             if size not in ("auto", "per_node") and not (isinstance(size, int) and not isinstance(size, bool)
                                                          and size > 0):
@@ -132,7 +144,7 @@ def provisional_dims(settings: LayoutSettings, world_size: int, local_size: int)
     tp = {"auto": 1, "per_node": local_size}.get(settings.tp, settings.tp)
     ep = 1 if settings.ep in ("auto", "per_node") else settings.ep
     dp_shard = 1 if settings.dp_shard == "auto" else settings.dp_shard
-    return ParallelDims(world_size, tp=tp, ep=ep, dp_shard=dp_shard)
+    return ParallelDims(world_size, tp=tp, ep=ep, dp_shard=dp_shard, pp=settings.pp)
 
 
 def decide_sizes(module: nn.Module, trainer: pl.Trainer, settings: LayoutSettings, dims: ParallelDims,
@@ -213,6 +225,8 @@ def decide_layout_plan(module: nn.Module, settings: LayoutSettings, dims: Parall
 
 def default_order(settings: LayoutSettings, topology: Topology, dims: ParallelDims) -> list[int]:
     """The rank order before the model is known: the ``placement`` policy's, ``tp_intra_node`` for ``"auto"``."""
+    if dims.pp_enabled:  # pp outermost over the launch order (torchtitan's [pp, dp, tp]); no placement search yet
+        return list(range(dims.world_size))
     policy = "tp_intra_node" if settings.placement == "auto" else settings.placement
     return [rank for row in candidate_mesh(policy, topology, dims.dp, dims.tp) for rank in row]
 

@@ -119,8 +119,8 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
     Args:
         pp_size, schedule, num_microbatches: ``pipeline_parallel_size``, ``pipeline_schedule``,
             ``pipeline_microbatches`` (None: the schedule's least).
-        settings: the strategy's other arguments by name (``tensor_parallel_size=...``); those not yet composed with
-            a pipeline must be at their off value.
+        settings: the strategy's other arguments by name (``tensor_parallel_size=...``), and ``bits`` asked by a
+            ``GradientCompression``; those not yet composed with a pipeline must be at their off value.
 
     Raises:
         ValueError: naming the setting, the value and the fix.
@@ -135,6 +135,12 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
     if pp_size == 1:
         return
     check_pipeline_settings(pp_size, pp_size, schedule, num_microbatches or min_microbatches(schedule, pp_size))
+    bits = settings.pop("bits", None)
+    if bits is not None:
+        raise ValueError(
+            f"GradientCompression(bits={bits!r}) with pipeline_parallel_size={pp_size} is not supported yet: it "
+            "compresses DDP's all-reduce, and a pipeline averages its stages' gradients without DDP. Remove the "
+            "callback (lds-train: compression=none), or set pipeline_parallel_size=1.")
     off = {"tensor_parallel_size": (1, "auto"), "expert_parallel_size": (1, "auto"), "data_parallel_shard_size": (1,),
            "shard_optimizer_states": (False,), "activation_checkpointing": ("none",)}
     for name, value in settings.items():

@@ -8,7 +8,8 @@ reduce-scattered after it), routed experts over ``ep`` (all-to-all dispatch, :mo
 parameters are averaged over the world by torch ``DistributedDataParallel`` (``ddp_module``, where a comm hook such as
 ``GradientCompression`` plugs in); a tp/ep shard already holds the gradient summed over its group's micro-batches,
 so it is summed over its replicas and divided by the world size once per optimizer step. The result is the training
-of the same model on the global batch (tested to 1e-5 against one process and DDP, on HF families too).
+of the same model on the global batch (tested to 1e-5 against one process and DDP, on HF families too). With
+``pipeline_parallel_size`` the model is split into stages by layers instead, run by a schedule (:mod:`.pipeline_loop`).
 
 A thin coordinator over values decided once at setup: the ``Cluster`` (:mod:`.cluster`), the ``Layout``
 (:mod:`.layout`: sizes, rank order, the ``"auto"`` decision), every mesh (``WorldMesh``, :mod:`.dims`), the ``Plan``
@@ -35,13 +36,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -52,7 +51,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_deepseek.parallel import checkpoint as _checkpoint_io
-from lightning_deepseek.parallel import clipping
 from lightning_deepseek.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_deepseek.parallel.arguments import check_ddp_kwargs
 from lightning_deepseek.parallel.cluster import Cluster
@@ -75,6 +73,7 @@ from lightning_deepseek.parallel.layout import (
 )
 from lightning_deepseek.parallel.memory import setup_optimizer_states, summary_rows
 from lightning_deepseek.parallel.optimizers import disable_foreach_on_mixed_groups, settle_mixed_param_groups
+from lightning_deepseek.parallel.pipeline_loop import PipelineStrategyHooks
 from lightning_deepseek.parallel.plan import Plan, log_plan
 from lightning_deepseek.parallel.styles import apply_tensor_parallel, reduce_tensor_parallel_gradients
 from lightning_deepseek.parallel.topology import Topology, discover_topology
@@ -84,7 +83,7 @@ if TYPE_CHECKING:
     from lightning_deepseek.compression.config import CompressionConfig
 
 
-class HybridParallelStrategy(DDPStrategy):
+class HybridParallelStrategy(PipelineStrategyHooks):
     """Attention (and the rest) data-parallel, large feed-forward layers tensor-parallel, routed experts over ``ep``.
 
     Args:
@@ -107,6 +106,8 @@ class HybridParallelStrategy(DDPStrategy):
             (:mod:`lightning_deepseek.parallel.activation_checkpointing`); with or without sharding.
         shard_optimizer_states: ZeRO-1: each replica of a parameter keeps the optimizer state of only the
             parameters it owns (:mod:`lightning_deepseek.parallel.zero`).
+        pipeline_parallel_size, pipeline_schedule, pipeline_microbatches: ``pp`` stages run by the schedule, that many
+            micro-batches per batch (None: the schedule's least); the protocol: :mod:`.pipeline_loop`. 1: off.
         save_distributed_checkpoint: ``True``: a DCP folder. ``False``: one full file gathered on rank 0.
         cluster: the machines' islands and link figures (``Cluster``); None: discovered and probed at start-up.
         expert_routing: node-limited routing and the dispatch of MoE layers (``ExpertRouting``).
@@ -129,6 +130,9 @@ class HybridParallelStrategy(DDPStrategy):
         reshard_after_forward: bool = True,
         activation_checkpointing: Literal["none", "full", "selective"] = "none",
         shard_optimizer_states: bool = False,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: Literal["1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"] = "1F1B",
+        pipeline_microbatches: int | None = None,
         save_distributed_checkpoint: bool = True,
         cluster: Cluster | None = None,
         expert_routing: ExpertRouting | None = None,
@@ -151,7 +155,8 @@ class HybridParallelStrategy(DDPStrategy):
             dict(plan) if isinstance(plan, dict) else plan, min_shard_params, placement, micro_batch_tokens,
             reshard_after_forward, activation_checkpointing, shard_optimizer_states, self.cluster.links,
             int((self._ddp_kwargs.get("bucket_cap_mb") or 25) * 2**20),
-            bool(self._ddp_kwargs.get("gradient_as_bucket_view", False)))
+            bool(self._ddp_kwargs.get("gradient_as_bucket_view", False)), None, pipeline_parallel_size,
+            pipeline_schedule, pipeline_microbatches)
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._dims: ParallelDims | None = None
         self._mesh: WorldMesh | None = None
@@ -191,16 +196,6 @@ class HybridParallelStrategy(DDPStrategy):
     def plan(self) -> Plan:
         """The sharded layers (empty before setup); iterating it gives its ``PlanEntry`` items."""
         return self._plan
-
-    @property
-    def data_parallel_group(self) -> dist.ProcessGroup:
-        """The process group over which ``ddp_module`` averages the replicated gradients (the world)."""
-        return dist.group.WORLD
-
-    @property
-    def ddp_module(self) -> DistributedDataParallel | None:
-        """The DDP wrapper of the replicated parameters while fitting (register comm hooks on it)."""
-        return self.model if isinstance(self.model, DistributedDataParallel) else None
 
     def request_compression(self, config: CompressionConfig) -> None:
         """Called by ``GradientCompression.setup``: weigh these bits with the layout (``bits="auto"``: decided in
@@ -274,7 +269,7 @@ class HybridParallelStrategy(DDPStrategy):
             self._zero = setup_optimizer_states(self.optimizers, self.global_rank, self.world_size, self._mesh,
                                                 self._settings.shard_optimizer_states, previous=self._zero)
         self.setup_precision_plugin()
-        clipping.route_clipping(self.precision_plugin)
+        self._route_clipping()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -282,6 +277,8 @@ class HybridParallelStrategy(DDPStrategy):
         """Decide the sizes, plan, place, build the meshes and shard ``module`` (tensor, expert, then parameter
         sharding): the flat list of steps. The layout is decided once; a later setup of an unsharded model (fit,
         then test) reuses it."""
+        if self.parallel_dims.pp_enabled:
+            return self._setup_pipeline(module, meta)
         if not meta:  # tp groups shard from their first rank: make every rank hold rank 0's weights
             _sync_module_states(module)
         assert self._topology is not None
@@ -392,6 +389,7 @@ class HybridParallelStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        self._check_pipeline_resume()
         path = Path(self.broadcast(checkpoint_path))
         loaded = _checkpoint_io.load(self.model, self.optimizers, path, self.lightning_module, weights_only,
                                      [self._zero_of(o) for o in self.optimizers], self.checkpoint_io)

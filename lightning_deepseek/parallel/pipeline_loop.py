@@ -1,0 +1,304 @@
+"""Lightning's loop through a pipeline: ``HybridParallelStrategy(pipeline_parallel_size=P)`` runs training,
+validation and test steps with :class:`~lightning_deepseek.parallel.pipeline.PipelineRunner`.
+
+Why our own: Lightning has no pipeline parallelism, and ``torch.distributed.pipelining`` gives schedules, not a
+loop: a LightningModule's ``training_step`` computes the loss of the whole model in one call, which cannot run when
+each rank holds a few layers. Here the strategy's own ``training_step`` runs forward and backward of every
+micro-batch through the schedule (its ``backward`` only puts back the gradients, which Lightning zeroes in between),
+and ``validation_step`` / ``test_step`` run the forwards only; what the module declares instead is the protocol below.
+
+The protocol (a LightningModule trained under a pipeline defines):
+
+- ``pipeline_loss(output, target) -> Tensor`` (required): the mean loss of one micro-batch from the last stage's
+  output (the model's output, e.g. logits) and its targets. It runs on the rank of the last stage.
+- ``pipeline_batch(batch) -> (inputs, targets)`` (optional): the model's input tensor and the targets of a batch
+  (default: the batch is an ``(inputs, targets)`` pair). Inputs are read on the first stage's rank, targets on the
+  last's.
+- ``pipeline_module: str`` (optional): the attribute holding the model to split (default: the module's only child).
+- ``on_pipeline_loss(loss, batch, step)`` (optional): called after each step with the loss (the same on every rank
+  of the pipeline; the batch's on each data-parallel replica) and ``step`` in ``"training"``, ``"validation"``,
+  ``"test"``: where ``self.log`` goes. The module's own ``training_step``, ``validation_step`` and ``test_step``
+  are not called (Lightning still requires a ``training_step`` to exist). Lightning's ``on_train_batch_end`` hooks
+  receive the loss as the step output.
+
+Data parallelism: the pipeline group is the mesh's ``pp`` dimension (outermost, torchtitan's order); the ranks
+holding the same stages form the ``dp`` group, each reads its own data shard (``DistributedSampler`` by its ``dp``
+coordinate), and its stage gradients are averaged over ``dp`` with one flat all-reduce per optimizer step, after
+the last accumulated batch and before clipping.
+
+Supports: every schedule of :mod:`.pipeline`; gradient accumulation (``grad_scale = 1 / accumulate_grad_batches``);
+clipping by norm (the norm over all stages, :meth:`.PipelineRunner.clip_grad_norm_`; by value untested); LR schedulers
+and optimizers as the module configures them (they see only the rank's stage parameters); meta-device models (each
+rank materialises its stages only). Costs: per optimizer step one all-reduce of the rank's stage gradients over
+``dp`` (not overlapped with the backward, as DDP's buckets are), and the runner's costs.
+
+Does not support: manual optimisation, ``predict_step``, training batches of different sizes, tensor, expert or
+parameter sharding inside a stage, ZeRO-1, activation checkpointing, loss scaling (FP16) and
+``GradientCompression`` (no DDP wrapper), resuming from a checkpoint (refused: the optimizer's ``param_groups`` are
+saved by group index, which the ranks of a pipeline do not share).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_deepseek.parallel import clipping
+from lightning_deepseek.parallel.dims import WorldMesh
+from lightning_deepseek.parallel.layout import Layout
+from lightning_deepseek.parallel.pipeline import PipelineRunner, check_pipeline_settings, min_microbatches
+from lightning_deepseek.parallel.pipeline_split import PipelineSplit, build_rank_module, plan_pipeline_split
+
+__all__ = ["PipelineLoop", "PipelineStrategyHooks", "split_lightning_module"]
+
+_PROTOCOL = "docs/pipeline.md, 'In Lightning'"
+
+
+@dataclass
+class PipelineLoop:
+    """This rank's part of a pipelined LightningModule: the split, its stage modules, the groups, and the runner
+    (built on first use, once the stages are materialised and on their device)."""
+
+    split: PipelineSplit
+    stage_modules: list[nn.Module]
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup | None
+    num_microbatches: int
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    split_batch: Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
+    on_loss: Callable[[torch.Tensor, Any, str], None]
+    device: torch.device
+    runner: PipelineRunner | None = None
+    batch_size: int | None = None
+    _pending: list[torch.Tensor | None] | None = None
+
+    def _runner(self) -> PipelineRunner:
+        if self.runner is None:
+            self.runner = PipelineRunner.from_stage_modules(self.split, self.stage_modules, self.loss_fn,
+                                                            self.pp_group, self.num_microbatches, self.device)
+        return self.runner
+
+    def training_step(self, batch: Any, grad_scale: float) -> torch.Tensor:
+        """Forward and backward of ``batch`` through the pipeline; the mean micro-batch loss, on every rank."""
+        inputs, targets = self.split_batch(batch)
+        size = inputs.size(0)
+        check_pipeline_settings(self.split.pp_size, self.split.pp_size, self.split.schedule, self.num_microbatches,
+                                size)
+        if self.batch_size not in (None, size):
+            raise ValueError(f"a training batch of {size} samples follows batches of {self.batch_size}: the pipeline's "
+                             "stages keep the micro-batch shape of the first step. Give every training batch the "
+                             "same size (DataLoader(drop_last=True)).")
+        self.batch_size = size
+        params = self._parameters()
+        held = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        loss = self._runner().step(inputs, targets, grad_scale=grad_scale)
+        self._pending = [p.grad for p in params]
+        for p, grad in zip(params, held):
+            p.grad = grad
+        self.on_loss(loss, batch, "training")
+        return loss
+
+    @torch.no_grad()
+    def add_gradients(self) -> None:
+        """Add the gradients of the last ``training_step`` to ``.grad``. Lightning zeroes the gradients between
+        ``training_step`` and ``backward``, so the step sets its gradients aside (no copy) and this puts them back."""
+        for p, grad in zip(self._parameters(), self._pending or []):
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad.add_(grad)
+        self._pending = None
+
+    def _parameters(self) -> list[nn.Parameter]:
+        return [p for module in self.stage_modules for p in module.parameters()]
+
+    def eval_step(self, batch: Any, step: str) -> torch.Tensor:
+        """Forwards of ``batch`` through the pipeline; the mean micro-batch loss, on every rank."""
+        loss = self._runner().eval_step(*self.split_batch(batch))
+        self.on_loss(loss, batch, step)
+        return loss
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Average this rank's stage gradients over its ``dp`` group (one flat all-reduce; a missing gradient
+        counts as zeros, so every replica sends the same layout)."""
+        if self.dp_group is None:
+            return
+        params = [p for p in self._parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat.div_(dist.get_world_size(self.dp_group))
+        for p, piece in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(piece.view_as(p.grad))
+
+
+def _model_attribute(module: pl.LightningModule) -> str:
+    name = getattr(module, "pipeline_module", None)
+    if name is None:
+        children = [n for n, child in module.named_children() if any(True for _ in child.parameters())]
+        if len(children) != 1:
+            raise ValueError(
+                f"{type(module).__name__} has {len(children)} child modules with parameters ({children}): under "
+                "pipeline_parallel_size > 1 set its attribute pipeline_module = '<name>' to the model to split "
+                f"({_PROTOCOL}).")
+        name = children[0]
+    if not isinstance(getattr(module, name, None), nn.Module):
+        raise ValueError(f"{type(module).__name__}.pipeline_module={name!r} is not a submodule: name the attribute "
+                         f"holding the model to split ({_PROTOCOL}).")
+    return name
+
+
+def _default_split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError(f"a batch of type {type(batch).__name__} is not an (inputs, targets) pair: define "
+                     f"pipeline_batch(batch) -> (inputs, targets) on the LightningModule ({_PROTOCOL}).")
+
+
+def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, schedule: str,
+                           num_microbatches: int | None, device: torch.device) -> PipelineLoop:
+    """Split ``module``'s model into pipeline stages and keep this rank's: the model attribute is replaced by the
+    module holding this rank's stages (the whole model's parameter names), so ``configure_optimizers`` and
+    checkpoints see only them. Works on the meta device (nothing is allocated).
+
+    Raises:
+        ValueError: the module lacks the protocol (naming the hook) or the model cannot be split as asked.
+    """
+    if not callable(getattr(module, "pipeline_loss", None)):
+        raise ValueError(
+            f"{type(module).__name__} has no pipeline_loss(output, target) method: under pipeline_parallel_size="
+            f"{mesh.dims.pp} its training_step cannot run across the stages, so the strategy runs the model itself and "
+            f"needs the loss of one micro-batch from the model's output. Define pipeline_loss ({_PROTOCOL}).")
+    if not module.automatic_optimization:
+        raise ValueError(f"{type(module).__name__}.automatic_optimization=False: manual optimisation is not supported "
+                         "with pipeline_parallel_size > 1 (the strategy runs each step's backward).")
+    name = _model_attribute(module)
+    pp_mesh = mesh["pp"]
+    num_microbatches = num_microbatches or min_microbatches(schedule, mesh.dims.pp)
+    split = plan_pipeline_split(getattr(module, name), mesh.dims.pp, schedule)
+    rank_module, stage_modules = build_rank_module(getattr(module, name), split, pp_mesh.get_local_rank())
+    setattr(module, name, rank_module)
+    rank_zero_info(split.table())
+    on_loss = getattr(module, "on_pipeline_loss", None) or (lambda loss, batch, step: None)
+    return PipelineLoop(split, stage_modules, pp_mesh.get_group(),
+                        mesh["dp"].get_group() if mesh.dims.dp > 1 else None, num_microbatches,
+                        module.pipeline_loss, getattr(module, "pipeline_batch", _default_split_batch), on_loss, device)
+
+
+class PipelineStrategyHooks(pl.strategies.DDPStrategy):
+    """``DDPStrategy``'s loop hooks and data-parallel handles, routed through the pipeline where one is set up
+    (``_pipeline``) and ``DDPStrategy``'s own otherwise; ``HybridParallelStrategy`` inherits them."""
+
+    _pipeline: PipelineLoop | None = None
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        """The process group over which the replicated gradients are averaged: the world, or under a pipeline the
+        ranks holding the same stages (the mesh's ``dp``)."""
+        return self.world_mesh["dp"].get_group() if self._pipeline is not None else dist.group.WORLD
+
+    @property
+    def ddp_module(self) -> DistributedDataParallel | None:
+        """The DDP wrapper of the replicated parameters while fitting (register comm hooks on it); None under a
+        pipeline."""
+        return self.model if isinstance(self.model, DistributedDataParallel) else None
+
+    def _setup_pipeline(self, module: pl.LightningModule, meta: bool) -> None:
+        """Split ``module`` once (a later setup, fit then test, keeps the split) and record the layout."""
+        if self._pipeline is None:
+            if getattr(self.precision_plugin, "scaler", None) is not None:
+                raise ValueError(
+                    f"{type(self.precision_plugin).__name__} has a loss scaler (FP16) and pipeline_parallel_size="
+                    f"{self.parallel_dims.pp} runs the backward inside the schedule, unscaled: not supported yet. Use "
+                    "precision='bf16-mixed' or '32-true' (lds-train: precision=bf16 or fp32), or "
+                    "pipeline_parallel_size=1.")
+            if not meta:  # every rank builds its stages from rank 0's weights
+                _sync_module_states(module)
+            settings = self._settings
+            self._pipeline = split_lightning_module(module, self.world_mesh, settings.pp_schedule,
+                                                    settings.pp_microbatches, self.root_device)
+        self.layout = self.layout or Layout(self.parallel_dims, "pipeline", self.world_mesh.order)
+
+    def _check_pipeline_resume(self) -> None:
+        """Refuse to resume a pipelined run, before any collective of the load."""
+        if self._pipeline is not None:
+            raise ValueError(
+                f"resuming training with pipeline_parallel_size={self.parallel_dims.pp} is not supported yet: the "
+                "checkpoint's optimizer param_groups are stored by group index, which the ranks of a pipeline do not "
+                "share (each holds other parameters). Start the run again without ckpt_path (lds-train: resume=null).")
+
+    def _route_clipping(self) -> None:
+        """Clip through the mesh-aware functions; by norm over every stage under a pipeline."""
+        clipping.route_clipping(self.precision_plugin)
+        if self._pipeline is not None:
+            pipeline = self._pipeline
+            self.precision_plugin.clip_grad_by_norm = lambda optimizer, value: pipeline._runner().clip_grad_norm_(value)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        with self.precision_plugin.train_step_context():
+            return self._pipeline.training_step(args[0], 1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        with self.precision_plugin.val_step_context():
+            return self._pipeline.eval_step(args[0], "validation")
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        with self.precision_plugin.test_step_context():
+            return self._pipeline.eval_step(args[0], "test")
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            raise NotImplementedError("trainer.predict with pipeline_parallel_size > 1 is not supported: predict with "
+                                      "pipeline_parallel_size=1 (or on one process).")
+        return super().predict_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+                 ) -> torch.Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._pipeline.add_gradients()  # training_step ran the backward of every micro-batch
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        pipeline = self._pipeline
+
+        def closure_then_reduce() -> Any:
+            result = closure()
+            pipeline.reduce_gradients()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+
+    @override
+    def configure_ddp(self) -> None:
+        if self._pipeline is None:
+            super().configure_ddp()
+        # Under a pipeline the stages' gradients are averaged over dp by PipelineLoop.reduce_gradients: no wrapper.

@@ -1,0 +1,262 @@
+"""``HybridParallelStrategy(pipeline_parallel_size=2)`` in Lightning's loop, on real gloo processes, against one
+process on the same global batch (``reference_run``: FP32, SGD with momentum, 20 optimizer steps, 1e-5).
+
+One spawn per world size runs every scenario: on 2 ranks (``pp=2``) the schedules 1F1B and ZBVZeroBubble (with
+gradient accumulation over two batches and clipping at 0.5), the MoE preset (its auxiliary loss) on DualPipeV, a
+model built on the meta device (each rank materialises its stages only), our ``LightningGPT``, and the bad settings
+that raise before training; on 4 ranks (``pp=2 x dp=2``, each data-parallel replica reading its own shard)
+Interleaved1F1B and DualPipeV with clipping at 1.0; the validation loss after each fit. Every rank of a pipeline
+reports the same loss; the mean over the ranks is the global batch's loss.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_deepseek import HybridParallelStrategy
+from lightning_deepseek.models import GPTConfig, LightningGPT
+from lightning_deepseek.precision import StagedPrecision
+from tests.helpers import run_distributed
+from tests.parallel.common import (
+    TinyLM,
+    full_state,
+    lm_loss,
+    loader,
+    make_trainer,
+    reference_run,
+    relative_error,
+    token_data,
+)
+
+STEPS, MICRO, LAYERS, TOL = 20, 4, 4, 1e-5
+MOE = dict(bias=False, n_routed_experts=4, moe_top_k=2, n_shared_experts=1, moe_hidden=16, n_dense_layers=1,
+           moe_aux_loss_coef=1e-2)
+# One spawn per world size fits several pipelines of 20 steps: minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(900)
+
+
+class PipelinedLM(TinyLM):
+    """TinyLM with the pipeline protocol: the loss of one micro-batch, and the losses logged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def on_pipeline_loss(self, loss: torch.Tensor, batch: Any, step: str) -> None:
+        if step != "training":
+            self.log(f"{step}_loss", loss, sync_dist=True)
+
+
+def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None = None,
+         **config: Any) -> dict[str, Any]:
+    """Fit PipelinedLM for STEPS optimizer steps at pp=2; every rank's losses, the full weights (gathered from the
+    stages), the validation loss after fitting, and what each rank's optimizer holds."""
+    dp = world_size // 2
+    dataset = token_data(STEPS * accumulate * dp * MICRO)
+    pl.seed_everything(0, verbose=False)
+    module = PipelinedLM(n_layer=LAYERS, **config)
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_microbatches=4)
+    trainer = make_trainer(world_size, strategy, max_steps=STEPS, accumulate_grad_batches=accumulate,
+                           gradient_clip_val=clip)
+    trainer.fit(module, loader(dataset, MICRO))
+    val = trainer.validate(module, loader(token_data(4 * dp * MICRO, seed=3), MICRO), verbose=False)
+    losses: list[Any] = [None] * world_size
+    dist.all_gather_object(losses, module.losses)
+    states: list[Any] = [None] * world_size
+    dist.all_gather_object(states, full_state(module))
+    optimized = sum(p.numel() for group in trainer.optimizers[0].param_groups for p in group["params"])
+    return {"losses": losses, "state": {k: v for s in states for k, v in s.items()}, "val": val[0]["validation_loss"],
+            "optimized": optimized, "local": sum(p.numel() for p in module.parameters()),
+            "sampler": strategy.distributed_sampler_kwargs, "table": strategy._pipeline.split.table()}
+
+
+def _meta(world_size: int) -> dict[str, Any]:
+    """A model built on the meta device: each rank allocates and initialises only its stages, then trains."""
+    with torch.device("meta"):
+        module = PipelinedLM(n_layer=LAYERS)
+    trainer = make_trainer(world_size, HybridParallelStrategy(pipeline_parallel_size=2), max_steps=2)
+    trainer.fit(module, loader(token_data(2 * MICRO), MICRO))
+    return {"meta": any(p.is_meta for p in module.parameters()), "names": sorted(n for n, _ in
+            module.named_parameters()), "losses": module.losses}
+
+
+class _NoProtocol(TinyLM):
+    pass
+
+
+def _errors(world_size: int) -> dict[str, str]:
+    """The message of each bad setting, raised on every rank before the first optimizer step."""
+    cases = {
+        "no_protocol": (_NoProtocol(n_layer=LAYERS), dict(pipeline_parallel_size=2), 8, 4),
+        "not_dividing": (PipelinedLM(n_layer=LAYERS), dict(pipeline_parallel_size=3), 8, 4),
+        "batch_not_splitting": (PipelinedLM(n_layer=LAYERS), dict(pipeline_parallel_size=2), 9, 3),
+        "ragged_batches": (PipelinedLM(n_layer=LAYERS), dict(pipeline_parallel_size=2), 10, 4),
+        "too_many_stages": (PipelinedLM(n_layer=2), dict(pipeline_parallel_size=2, pipeline_schedule="DualPipeV"),
+                            8, 4),
+        "loss_scaling": (PipelinedLM(n_layer=LAYERS), dict(pipeline_parallel_size=2), 8, 4),
+    }
+    messages = {}
+    for name, (module, strategy_kwargs, samples, batch) in cases.items():
+        trainer = make_trainer(world_size, HybridParallelStrategy(**strategy_kwargs), max_epochs=1,
+                               plugins=[StagedPrecision()] if name == "loss_scaling" else None)
+        try:
+            trainer.fit(module, loader(token_data(samples), batch))
+            messages[name] = "no error"
+        except ValueError as exc:
+            messages[name] = str(exc)
+    try:
+        trainer = make_trainer(world_size, HybridParallelStrategy(pipeline_parallel_size=2), max_steps=1)
+        trainer.fit(PipelinedLM(n_layer=LAYERS), loader(token_data(4), 4))
+        trainer.predict(trainer.lightning_module, loader(token_data(4), 4))
+        messages["predict"] = "no error"
+    except NotImplementedError as exc:
+        messages["predict"] = str(exc)
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    trainer.save_checkpoint(Path(folder[0]) / "last.ckpt")
+    try:
+        make_trainer(world_size, HybridParallelStrategy(pipeline_parallel_size=2), max_steps=2).fit(
+            PipelinedLM(n_layer=LAYERS), loader(token_data(8), 4), ckpt_path=Path(folder[0]) / "last.ckpt")
+        messages["resume"] = "no error"
+    except ValueError as exc:
+        messages["resume"] = str(exc)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder[0])
+    return messages
+
+
+def _lightning_gpt(world_size: int) -> list[float]:
+    """Our GPT LightningModule (AdamW, cosine schedule) through the pipeline: its logged training loss."""
+    pl.seed_everything(0, verbose=False)
+    module = LightningGPT(GPTConfig(vocab_size=64, block_size=16, n_layer=LAYERS, n_head=2, n_embd=32))
+    trainer = make_trainer(world_size, HybridParallelStrategy(pipeline_parallel_size=2), max_steps=3)
+    trainer.fit(module, loader(token_data(3 * MICRO), MICRO), loader(token_data(MICRO, seed=3), MICRO))
+    return [float(trainer.callback_metrics["train_loss"]), float(trainer.callback_metrics["val_loss"])]
+
+
+def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    return {"1F1B": _fit(world_size, "1F1B"), "ZBV": _fit(world_size, "ZBVZeroBubble", accumulate=2, clip=0.5),
+            "moe": _fit(world_size, "DualPipeV", **MOE), "meta": _meta(world_size), "errors": _errors(world_size),
+            "gpt": _lightning_gpt(world_size)}
+
+
+def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    return {"Interleaved1F1B": _fit(world_size, "Interleaved1F1B", clip=1.0),
+            "DualPipeV": _fit(world_size, "DualPipeV", clip=1.0)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return run_distributed(_two_ranks, 2, timeout=840)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict[str, Any]]:
+    return run_distributed(_four_ranks, 4, timeout=840)
+
+
+def _reference_val(state: dict[str, np.ndarray], dp: int, **config: Any) -> float:
+    """The mean loss of the validation batches under the reference's final weights."""
+    module = PipelinedLM(n_layer=LAYERS, **config)
+    loaded = module.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+    assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {n for n, _ in module.named_buffers()}
+    x, y = token_data(4 * dp * MICRO, seed=3).tensors
+    with torch.no_grad():
+        return float(lm_loss(module.model, (x, y)))
+
+
+def check_parity(results: list[dict[str, Any]], accumulate: int = 1, clip: float | None = None,
+                 **config: Any) -> None:
+    world_size = len(results)
+    dp = world_size // 2
+    ref_losses, ref_state = reference_run(STEPS, dp * MICRO, token_data(STEPS * accumulate * dp * MICRO), clip=clip,
+                                          accumulate=accumulate, n_layer=LAYERS, **config)
+    per_rank = results[0]["losses"]
+    for rank in range(world_size):  # both ranks of a pipeline report its loss
+        assert per_rank[rank] == per_rank[(rank + dp) % world_size]
+    # Lightning's step output under accumulation is the loss divided by the number of batches accumulated.
+    losses = [accumulate * sum(r[i] for r in per_rank) / world_size for i in range(STEPS * accumulate)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
+    assert relative_error(results[0]["state"], ref_state) <= TOL
+    assert abs(results[0]["val"] - _reference_val(ref_state, dp, **config)) <= TOL * abs(results[0]["val"])
+    for result in results:  # each optimizer holds its own stages only, half of the model here
+        assert result["optimized"] == result["local"] < sum(v.size for v in ref_state.values())
+
+
+def test_pp2_1f1b_matches_one_process_with_validation(two_ranks: list[dict[str, Any]]) -> None:
+    check_parity([r["1F1B"] for r in two_ranks])
+    assert [r["1F1B"]["sampler"] for r in two_ranks] == [{"num_replicas": 1, "rank": 0}] * 2
+
+
+def test_pp2_zero_bubble_with_accumulation_and_clipping(two_ranks: list[dict[str, Any]]) -> None:
+    check_parity([r["ZBV"] for r in two_ranks], accumulate=2, clip=0.5)
+    assert "ZBVZeroBubble, pp=2" in two_ranks[0]["ZBV"]["table"]
+
+
+def test_pp2_moe_preset_with_its_auxiliary_loss(two_ranks: list[dict[str, Any]]) -> None:
+    check_parity([r["moe"] for r in two_ranks], **MOE)
+
+
+def test_pp2_x_dp2_interleaved_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
+    check_parity([r["Interleaved1F1B"] for r in four_ranks], clip=1.0)
+    # pp outermost: ranks 0 and 2 hold stage 0..., ranks 0 and 1 are data-parallel replicas reading shards 0 and 1
+    assert [r["Interleaved1F1B"]["sampler"]["rank"] for r in four_ranks] == [0, 1, 0, 1]
+
+
+def test_pp2_x_dp2_dualpipev_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
+    check_parity([r["DualPipeV"] for r in four_ranks], clip=1.0)
+
+
+def test_meta_model_materialises_only_its_stages(two_ranks: list[dict[str, Any]]) -> None:
+    first, last = (r["meta"] for r in two_ranks)
+    assert not first["meta"] and not last["meta"]
+    assert "model.tok_emb.weight" in first["names"] and "model.head.weight" not in first["names"]
+    assert "model.head.weight" in last["names"] and "model.tok_emb.weight" not in last["names"]
+    assert len(first["losses"]) == 2 and all(np.isfinite(first["losses"]))
+
+
+def test_lightning_gpt_logs_its_losses_through_the_pipeline(two_ranks: list[dict[str, Any]]) -> None:
+    assert two_ranks[0]["gpt"] == two_ranks[1]["gpt"] and all(np.isfinite(two_ranks[0]["gpt"]))
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("no_protocol", "_NoProtocol has no pipeline_loss(output, target) method"),
+    ("not_dividing", "pipeline_parallel_size=3 does not divide the world size 2"),
+    ("batch_not_splitting", "the batch of 3 samples does not split into pipeline_microbatches=2"),
+    ("ragged_batches", "a training batch of 2 samples follows batches of 4"),
+    ("too_many_stages", "pipeline_parallel_size=2 with pipeline_schedule='DualPipeV' needs 4 stages"),
+    ("loss_scaling", "StagedPrecision has a loss scaler (FP16) and pipeline_parallel_size=2 runs the backward"),
+    ("resume", "resuming training with pipeline_parallel_size=2 is not supported yet"),
+    ("predict", "trainer.predict with pipeline_parallel_size > 1 is not supported"),
+])
+def test_bad_settings_raise_before_training_on_every_rank(two_ranks: list[dict[str, Any]], case: str,
+                                                          message: str) -> None:
+    for result in two_ranks:
+        assert message in result["errors"][case]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "pipeline_parallel_size=2 with tensor_parallel_size=2 "
+     "is not supported yet"),
+    (dict(pipeline_parallel_size=2, data_parallel_shard_size=2), "with data_parallel_shard_size=2 is not supported"),
+    (dict(pipeline_parallel_size=2, pipeline_schedule="GPipe"), "pipeline_schedule='GPipe' is not supported"),
+    (dict(pipeline_parallel_size=2, pipeline_schedule="DualPipeV", pipeline_microbatches=2),
+     "pipeline_microbatches=2 is too few for pipeline_schedule='DualPipeV' at pipeline_parallel_size=2"),
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size=0 must be a positive integer"),
+])
+def test_bad_pipeline_arguments_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        HybridParallelStrategy(**kwargs)
