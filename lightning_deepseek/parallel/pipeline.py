@@ -120,7 +120,8 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
         pp_size, schedule, num_microbatches: ``pipeline_parallel_size``, ``pipeline_schedule``,
             ``pipeline_microbatches`` (None: the schedule's least).
         settings: the strategy's other arguments by name (``tensor_parallel_size=...``), and ``bits`` asked by a
-            ``GradientCompression``; those not yet composed with a pipeline must be at their off value.
+            ``GradientCompression``; those not yet composed with a pipeline must be at their off value, and
+            ``activation_checkpointing="selective"`` needs one backward per block (1F1B, Interleaved1F1B).
 
     Raises:
         ValueError: naming the setting, the value and the fix.
@@ -135,6 +136,12 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
     if pp_size == 1:
         return
     check_pipeline_settings(pp_size, pp_size, schedule, num_microbatches or min_microbatches(schedule, pp_size))
+    if settings.pop("activation_checkpointing", "none") == "selective" and schedule in ("ZBVZeroBubble", "DualPipeV"):
+        raise ValueError(
+            f"activation_checkpointing='selective' with pipeline_schedule={schedule!r} is not supported: the schedule "
+            "runs each block's backward in two parts (inputs, then weights), and torch's selective checkpointing "
+            "allows one backward per region. Use activation_checkpointing='full', or the schedule '1F1B' or "
+            "'Interleaved1F1B'.")
     bits = settings.pop("bits", None)
     if bits is not None:
         raise ValueError(
@@ -142,7 +149,7 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
             "compresses DDP's all-reduce, and a pipeline averages its stages' gradients without DDP. Remove the "
             "callback (lds-train: compression=none), or set pipeline_parallel_size=1.")
     off = {"tensor_parallel_size": (1, "auto"), "expert_parallel_size": (1, "auto"), "data_parallel_shard_size": (1,),
-           "shard_optimizer_states": (False,), "activation_checkpointing": ("none",)}
+           "shard_optimizer_states": (False,)}
     for name, value in settings.items():
         if value not in off[name]:
             raise ValueError(

@@ -33,9 +33,9 @@ rank materialises its stages only). Costs: per optimizer step one all-reduce of 
 ``dp`` (not overlapped with the backward, as DDP's buckets are), and the runner's costs.
 
 Does not support: manual optimisation, ``predict_step``, training batches of different sizes, tensor, expert or
-parameter sharding inside a stage, ZeRO-1, activation checkpointing, loss scaling (FP16) and
-``GradientCompression`` (no DDP wrapper), resuming from a checkpoint (refused: the optimizer's ``param_groups`` are
-saved by group index, which the ranks of a pipeline do not share).
+parameter sharding inside a stage, ZeRO-1, selective activation checkpointing under ZBVZeroBubble and DualPipeV
+(their split backward), loss scaling (FP16) and ``GradientCompression`` (no DDP wrapper), resuming from a checkpoint
+(refused: the optimizer's ``param_groups`` are saved by group index, which the ranks of a pipeline do not share).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_deepseek.parallel import clipping
+from lightning_deepseek.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_deepseek.parallel.dims import WorldMesh
 from lightning_deepseek.parallel.layout import Layout
 from lightning_deepseek.parallel.pipeline import PipelineRunner, check_pipeline_settings, min_microbatches
@@ -170,7 +171,8 @@ def _default_split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, schedule: str,
-                           num_microbatches: int | None, device: torch.device) -> PipelineLoop:
+                           num_microbatches: int | None, device: torch.device,
+                           activation_checkpointing: str = "none") -> PipelineLoop:
     """Split ``module``'s model into pipeline stages and keep this rank's: the model attribute is replaced by the
     module holding this rank's stages (the whole model's parameter names), so ``configure_optimizers`` and
     checkpoints see only them. Works on the meta device (nothing is allocated).
@@ -189,6 +191,7 @@ def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, schedule
     name = _model_attribute(module)
     pp_mesh = mesh["pp"]
     num_microbatches = num_microbatches or min_microbatches(schedule, mesh.dims.pp)
+    apply_activation_checkpointing(getattr(module, name), activation_checkpointing)  # found in the whole model
     split = plan_pipeline_split(getattr(module, name), mesh.dims.pp, schedule)
     rank_module, stage_modules = build_rank_module(getattr(module, name), split, pp_mesh.get_local_rank())
     setattr(module, name, rank_module)
@@ -230,7 +233,8 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
                 _sync_module_states(module)
             settings = self._settings
             self._pipeline = split_lightning_module(module, self.world_mesh, settings.pp_schedule,
-                                                    settings.pp_microbatches, self.root_device)
+                                                    settings.pp_microbatches, self.root_device,
+                                                    settings.activation_checkpointing)
         self.layout = self.layout or Layout(self.parallel_dims, "pipeline", self.world_mesh.order)
 
     def _check_pipeline_resume(self) -> None:

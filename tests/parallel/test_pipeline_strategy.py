@@ -2,11 +2,12 @@
 process on the same global batch (``reference_run``: FP32, SGD with momentum, 20 optimizer steps, 1e-5).
 
 One spawn per world size runs every scenario: on 2 ranks (``pp=2``) the schedules 1F1B and ZBVZeroBubble (with
-gradient accumulation over two batches and clipping at 0.5), the MoE preset (its auxiliary loss) on DualPipeV, a
-model built on the meta device (each rank materialises its stages only), our ``LightningGPT``, and the bad settings
-that raise before training; on 4 ranks (``pp=2 x dp=2``, each data-parallel replica reading its own shard)
-Interleaved1F1B and DualPipeV with clipping at 1.0; the validation loss after each fit. Every rank of a pipeline
-reports the same loss; the mean over the ranks is the global batch's loss.
+gradient accumulation over two batches, clipping at 0.5 and full activation checkpointing), the MoE preset (its
+auxiliary loss) on DualPipeV, a model built on the meta device (each rank materialises its stages only), our
+``LightningGPT``, and the bad settings that raise before training; on 4 ranks (``pp=2 x dp=2``, each data-parallel
+replica reading its own shard) Interleaved1F1B (with selective activation checkpointing) and DualPipeV, clipping at
+1.0; the validation loss after each fit. Every rank of a pipeline reports the same loss; the mean over the ranks is
+the global batch's loss.
 """
 
 from __future__ import annotations
@@ -60,14 +61,15 @@ class PipelinedLM(TinyLM):
 
 
 def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None = None,
-         **config: Any) -> dict[str, Any]:
+         activation_checkpointing: str = "none", **config: Any) -> dict[str, Any]:
     """Fit PipelinedLM for STEPS optimizer steps at pp=2; every rank's losses, the full weights (gathered from the
     stages), the validation loss after fitting, and what each rank's optimizer holds."""
     dp = world_size // 2
     dataset = token_data(STEPS * accumulate * dp * MICRO)
     pl.seed_everything(0, verbose=False)
     module = PipelinedLM(n_layer=LAYERS, **config)
-    strategy = HybridParallelStrategy(pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_microbatches=4)
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_microbatches=4,
+                                      activation_checkpointing=activation_checkpointing)
     trainer = make_trainer(world_size, strategy, max_steps=STEPS, accumulate_grad_batches=accumulate,
                            gradient_clip_val=clip)
     trainer.fit(module, loader(dataset, MICRO))
@@ -79,7 +81,8 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
     optimized = sum(p.numel() for group in trainer.optimizers[0].param_groups for p in group["params"])
     return {"losses": losses, "state": {k: v for s in states for k, v in s.items()}, "val": val[0]["validation_loss"],
             "optimized": optimized, "local": sum(p.numel() for p in module.parameters()),
-            "sampler": strategy.distributed_sampler_kwargs, "table": strategy._pipeline.split.table()}
+            "sampler": strategy.distributed_sampler_kwargs, "table": strategy._pipeline.split.table(),
+            "blocks": sorted({type(block).__name__ for block in module.model.blocks.values()})}
 
 
 def _meta(world_size: int) -> dict[str, Any]:
@@ -148,13 +151,14 @@ def _lightning_gpt(world_size: int) -> list[float]:
 
 
 def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    return {"1F1B": _fit(world_size, "1F1B"), "ZBV": _fit(world_size, "ZBVZeroBubble", accumulate=2, clip=0.5),
+    return {"1F1B": _fit(world_size, "1F1B"), "ZBV": _fit(world_size, "ZBVZeroBubble", accumulate=2, clip=0.5,
+                                                                     activation_checkpointing="full"),
             "moe": _fit(world_size, "DualPipeV", **MOE), "meta": _meta(world_size), "errors": _errors(world_size),
             "gpt": _lightning_gpt(world_size)}
 
 
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    return {"Interleaved1F1B": _fit(world_size, "Interleaved1F1B", clip=1.0),
+    return {"Interleaved1F1B": _fit(world_size, "Interleaved1F1B", clip=1.0, activation_checkpointing="selective"),
             "DualPipeV": _fit(world_size, "DualPipeV", clip=1.0)}
 
 
@@ -201,8 +205,9 @@ def test_pp2_1f1b_matches_one_process_with_validation(two_ranks: list[dict[str, 
     assert [r["1F1B"]["sampler"] for r in two_ranks] == [{"num_replicas": 1, "rank": 0}] * 2
 
 
-def test_pp2_zero_bubble_with_accumulation_and_clipping(two_ranks: list[dict[str, Any]]) -> None:
+def test_pp2_zero_bubble_with_accumulation_clipping_and_checkpointing(two_ranks: list[dict[str, Any]]) -> None:
     check_parity([r["ZBV"] for r in two_ranks], accumulate=2, clip=0.5)
+    assert two_ranks[0]["ZBV"]["blocks"] == ["CheckpointedBlock"]  # activation_checkpointing="full" composes
     assert "ZBVZeroBubble, pp=2" in two_ranks[0]["ZBV"]["table"]
 
 
@@ -212,6 +217,7 @@ def test_pp2_moe_preset_with_its_auxiliary_loss(two_ranks: list[dict[str, Any]])
 
 def test_pp2_x_dp2_interleaved_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
     check_parity([r["Interleaved1F1B"] for r in four_ranks], clip=1.0)
+    assert four_ranks[0]["Interleaved1F1B"]["blocks"] == ["CheckpointedBlock"]  # activation_checkpointing="selective"
     # pp outermost: ranks 0 and 2 hold stage 0..., ranks 0 and 1 are data-parallel replicas reading shards 0 and 1
     assert [r["Interleaved1F1B"]["sampler"]["rank"] for r in four_ranks] == [0, 1, 0, 1]
 
@@ -256,6 +262,8 @@ def test_bad_settings_raise_before_training_on_every_rank(two_ranks: list[dict[s
     (dict(pipeline_parallel_size=2, pipeline_schedule="DualPipeV", pipeline_microbatches=2),
      "pipeline_microbatches=2 is too few for pipeline_schedule='DualPipeV' at pipeline_parallel_size=2"),
     (dict(pipeline_parallel_size=0), "pipeline_parallel_size=0 must be a positive integer"),
+    (dict(pipeline_parallel_size=2, pipeline_schedule="DualPipeV", activation_checkpointing="selective"),
+     "activation_checkpointing='selective' with pipeline_schedule='DualPipeV' is not supported"),
 ])
 def test_bad_pipeline_arguments_at_construction(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
