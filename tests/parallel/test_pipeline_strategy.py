@@ -3,11 +3,11 @@ process on the same global batch (``reference_run``: FP32, SGD with momentum, 20
 
 One spawn per world size runs every scenario: on 2 ranks (``pp=2``) the schedules 1F1B and ZBVZeroBubble (with
 gradient accumulation over two batches, clipping at 0.5 and full activation checkpointing), the MoE preset (its
-auxiliary loss) on DualPipeV, a model built on the meta device (each rank materialises its stages only), our
-``LightningGPT``, and the bad settings that raise before training; on 4 ranks (``pp=2 x dp=2``, each data-parallel
-replica reading its own shard) Interleaved1F1B (with selective activation checkpointing) and DualPipeV, clipping at
-1.0; the validation loss after each fit. Every rank of a pipeline reports the same loss; the mean over the ranks is
-the global batch's loss.
+auxiliary loss) on DualPipeV, HF Llama, a model built on the meta device (each rank materialises its stages only),
+our ``LightningGPT``, and the bad settings that raise before training; on 4 ranks (``pp=2 x dp=2``, each
+data-parallel replica reading its own shard) Interleaved1F1B (with selective activation checkpointing) and
+DualPipeV, clipping at 1.0, and ``pp=4`` with 1F1B; the validation loss after each fit. Every rank of a pipeline
+reports the same loss; the mean over the ranks is the global batch's loss.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from tests.helpers import run_distributed
 from tests.parallel.common import (
     TinyLM,
     full_state,
+    global_indices,
     lm_loss,
     loader,
     make_trainer,
@@ -38,6 +39,7 @@ from tests.parallel.common import (
     relative_error,
     token_data,
 )
+from tests.parallel.test_pipeline import make_model as make_hf_model
 
 STEPS, MICRO, LAYERS, TOL = 20, 4, 4, 1e-5
 MOE = dict(bias=False, n_routed_experts=4, moe_top_k=2, n_shared_experts=1, moe_hidden=16, n_dense_layers=1,
@@ -61,14 +63,14 @@ class PipelinedLM(TinyLM):
 
 
 def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None = None,
-         activation_checkpointing: str = "none", **config: Any) -> dict[str, Any]:
-    """Fit PipelinedLM for STEPS optimizer steps at pp=2; every rank's losses, the full weights (gathered from the
-    stages), the validation loss after fitting, and what each rank's optimizer holds."""
-    dp = world_size // 2
+         activation_checkpointing: str = "none", pp: int = 2, **config: Any) -> dict[str, Any]:
+    """Fit PipelinedLM for STEPS optimizer steps; every rank's losses, the full weights (gathered from the stages),
+    the validation loss after fitting, and what each rank's optimizer holds."""
+    dp = world_size // pp
     dataset = token_data(STEPS * accumulate * dp * MICRO)
     pl.seed_everything(0, verbose=False)
     module = PipelinedLM(n_layer=LAYERS, **config)
-    strategy = HybridParallelStrategy(pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_microbatches=4,
+    strategy = HybridParallelStrategy(pipeline_parallel_size=pp, pipeline_schedule=schedule, pipeline_microbatches=4,
                                       activation_checkpointing=activation_checkpointing)
     trainer = make_trainer(world_size, strategy, max_steps=STEPS, accumulate_grad_batches=accumulate,
                            gradient_clip_val=clip)
@@ -79,8 +81,9 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
     states: list[Any] = [None] * world_size
     dist.all_gather_object(states, full_state(module))
     optimized = sum(p.numel() for group in trainer.optimizers[0].param_groups for p in group["params"])
-    return {"losses": losses, "state": {k: v for s in states for k, v in s.items()}, "val": val[0]["validation_loss"],
-            "optimized": optimized, "local": sum(p.numel() for p in module.parameters()),
+    return {"pp": pp, "losses": losses, "state": {k: v for s in states for k, v in s.items()},
+            "val": val[0]["validation_loss"], "optimized": optimized,
+            "local": sum(p.numel() for p in module.parameters()),
             "sampler": strategy.distributed_sampler_kwargs, "table": strategy._pipeline.split.table(),
             "blocks": sorted({type(block).__name__ for block in module.model.blocks.values()})}
 
@@ -150,16 +153,59 @@ def _lightning_gpt(world_size: int) -> list[float]:
     return [float(trainer.callback_metrics["train_loss"]), float(trainer.callback_metrics["val_loss"])]
 
 
+class PipelinedLlama(pl.LightningModule):
+    """HF Llama from a tiny config (untied embeddings) with the protocol's loss only: the model is found as the
+    module's only child, the batch is an (inputs, targets) pair."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = make_hf_model("llama")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:  # Lightning wants one; not called
+        return lm_loss(lambda x: self.model(x).logits, batch)
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses = [*getattr(self, "losses", []), float(outputs["loss"])]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def _llama(world_size: int) -> list[float]:
+    """HF Llama through the strategy (1F1B, pp=2): its losses."""
+    module = PipelinedLlama()
+    trainer = make_trainer(world_size, HybridParallelStrategy(pipeline_parallel_size=2, pipeline_microbatches=4),
+                           max_steps=STEPS)
+    trainer.fit(module, loader(token_data(STEPS * MICRO), MICRO))
+    return module.losses
+
+
+def _llama_reference() -> list[float]:
+    model = make_hf_model("llama")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    dataset, losses = token_data(STEPS * MICRO), []
+    for step in range(STEPS):
+        loss = lm_loss(lambda x: model(x).logits, dataset[global_indices(step, MICRO, len(dataset))])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
     return {"1F1B": _fit(world_size, "1F1B"), "ZBV": _fit(world_size, "ZBVZeroBubble", accumulate=2, clip=0.5,
                                                                      activation_checkpointing="full"),
             "moe": _fit(world_size, "DualPipeV", **MOE), "meta": _meta(world_size), "errors": _errors(world_size),
-            "gpt": _lightning_gpt(world_size)}
+            "gpt": _lightning_gpt(world_size), "llama": _llama(world_size)}
 
 
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
     return {"Interleaved1F1B": _fit(world_size, "Interleaved1F1B", clip=1.0, activation_checkpointing="selective"),
-            "DualPipeV": _fit(world_size, "DualPipeV", clip=1.0)}
+            "DualPipeV": _fit(world_size, "DualPipeV", clip=1.0), "pp4": _fit(world_size, "1F1B", pp=4)}
 
 
 @pytest.fixture(scope="module")
@@ -185,18 +231,18 @@ def _reference_val(state: dict[str, np.ndarray], dp: int, **config: Any) -> floa
 def check_parity(results: list[dict[str, Any]], accumulate: int = 1, clip: float | None = None,
                  **config: Any) -> None:
     world_size = len(results)
-    dp = world_size // 2
+    dp = world_size // results[0]["pp"]
     ref_losses, ref_state = reference_run(STEPS, dp * MICRO, token_data(STEPS * accumulate * dp * MICRO), clip=clip,
                                           accumulate=accumulate, n_layer=LAYERS, **config)
     per_rank = results[0]["losses"]
-    for rank in range(world_size):  # both ranks of a pipeline report its loss
+    for rank in range(world_size):  # every rank of a pipeline reports its loss
         assert per_rank[rank] == per_rank[(rank + dp) % world_size]
     # Lightning's step output under accumulation is the loss divided by the number of batches accumulated.
     losses = [accumulate * sum(r[i] for r in per_rank) / world_size for i in range(STEPS * accumulate)]
     np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
     assert relative_error(results[0]["state"], ref_state) <= TOL
     assert abs(results[0]["val"] - _reference_val(ref_state, dp, **config)) <= TOL * abs(results[0]["val"])
-    for result in results:  # each optimizer holds its own stages only, half of the model here
+    for result in results:  # each optimizer holds its own stages only
         assert result["optimized"] == result["local"] < sum(v.size for v in ref_state.values())
 
 
@@ -215,11 +261,20 @@ def test_pp2_moe_preset_with_its_auxiliary_loss(two_ranks: list[dict[str, Any]])
     check_parity([r["moe"] for r in two_ranks], **MOE)
 
 
+def test_pp2_hf_llama_matches_one_process(two_ranks: list[dict[str, Any]]) -> None:
+    assert two_ranks[0]["llama"] == two_ranks[1]["llama"]
+    np.testing.assert_allclose(two_ranks[0]["llama"], _llama_reference(), rtol=TOL)
+
+
 def test_pp2_x_dp2_interleaved_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
     check_parity([r["Interleaved1F1B"] for r in four_ranks], clip=1.0)
     assert four_ranks[0]["Interleaved1F1B"]["blocks"] == ["CheckpointedBlock"]  # activation_checkpointing="selective"
     # pp outermost: ranks 0 and 2 hold stage 0..., ranks 0 and 1 are data-parallel replicas reading shards 0 and 1
     assert [r["Interleaved1F1B"]["sampler"]["rank"] for r in four_ranks] == [0, 1, 0, 1]
+
+
+def test_pp4_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
+    check_parity([r["pp4"] for r in four_ranks])
 
 
 def test_pp2_x_dp2_dualpipev_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
