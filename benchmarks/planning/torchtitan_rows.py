@@ -1,10 +1,13 @@
-"""Plans of the nearest layouts the strategy supports today to torchtitan's published Llama 3.1 H100 rows
-(benchmarks/llama3_h100_202412_torchtitan.md in pytorch/torchtitan), printed as JSON lines for REPORT.md.
+"""Plans of torchtitan's published Llama 3.1 H100 rows (benchmarks/llama3_h100_202412_torchtitan.md in
+pytorch/torchtitan) in the strategy's nearest layout, printed as JSON lines for REPORT.md.
 
-The published rows use FSDP, activation checkpointing, pipelines, torch.compile and Float8, none of which the
-strategy has yet: each row here is planned at its world size, local batch and sequence length (8192) with the
-closest supported layout (ZeRO-1 for FSDP, the same tp), BF16 autocast, on the h100 preset. Calibration targets,
-not tuned to: compute_efficiency stays the preset default. Usage: ``python benchmarks/planning/torchtitan_rows.py``.
+Each row is planned at its world size, local batch and sequence length (8192), with FSDP2 and the row's activation
+checkpointing, BF16 autocast, on the h100 preset. torchtitan's FSDP32 x TP8 holds 1/256 of every parameter per rank;
+the strategy's tensor parallelism shards the feed-forward layers only, so its nearest is tp=8 with parameters
+sharded over all 256 ranks, and each rank its own 2 of the tp group's 16 sequences. Not planned: torch.compile and
+Float8 (eager BF16 FLOPs), the 405B rows (pipeline stages: the planner does not plan them yet). Calibration
+targets, not tuned to: compute_efficiency stays the preset default.
+Usage: ``python benchmarks/planning/torchtitan_rows.py [row name ...]``.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from lightning_deepseek.app.plan import resolve_cluster, resolve_model
 from lightning_deepseek.planning import PlanLayout, StepShape, plan
 
 ROWS = [  # (name, model, world, layout, local batch, published tokens/s/GPU, published GiB)
-    ("8B FSDP8 bs2 selective AC", "llama3-8b", 8, PlanLayout(shard_optimizer_states=True), 2, 5762, 82.4),
-    ("8B FSDP128 bs2 selective AC", "llama3-8b", 128, PlanLayout(shard_optimizer_states=True), 2, 5605, 67.0),
-    ("70B FSDP32xTP8 bs16 full AC", "llama3-70b", 256, PlanLayout(tp=8, shard_optimizer_states=True), 16, 829, 71.9),
+    ("8B FSDP8 bs2 selective AC", "llama3-8b", 8, PlanLayout(dp_shard=8, activation_checkpointing="selective"), 2,
+     5762, 82.4),
+    ("8B FSDP128 bs2 selective AC", "llama3-8b", 128,
+     PlanLayout(dp_shard=128, activation_checkpointing="selective"), 2, 5605, 67.0),
+    ("70B FSDP32xTP8 bs16 full AC", "llama3-70b", 256,  # torchtitan's 16 sequences per tp group: 2 per rank here
+     PlanLayout(tp=8, dp_shard=256, activation_checkpointing="full"), 2, 829, 71.9),
 ]
 
 if __name__ == "__main__":
@@ -32,7 +38,8 @@ if __name__ == "__main__":
         report = plan(resolve_model(model), world, layout, cluster, StepShape(batch, 8192, "bf16"))
         print(json.dumps({"row": name, "published_tokens": tokens, "published_gib": gib,
                           "planned_tokens": round(report.tokens_per_second_per_gpu),
-                          "planned_gib": round(report.memory.peak / 2**30, 1), "fits": report.fits,
+                          "planned_gib": round(report.memory.steady_peak / 2**30, 1),
+                          "first_step_gib": round(report.memory.peak / 2**30, 1), "fits": report.fits,
                           "layout": report.layout.describe(world),
                           "plan_cpu_seconds": round(time.process_time() - started, 1),
                           "plan_wall_seconds": round(report.plan_seconds, 1),

@@ -109,7 +109,8 @@ def _search_table(result: Any, top: int) -> str:
     lines = ["| rank | layout | step s | tokens/s/GPU | MFU | peak GiB | why |", "|---|---|---|---|---|---|---|"]
     for i, report in enumerate(result.fitting[:top], 1):
         lines.append(f"| {i} | {report.layout.describe(report.world_size)} | {report.step_seconds:.3f} | "
-                     f"{report.tokens_per_second_per_gpu:,.0f} | {report.mfu:.1%} | {report.memory.peak / 2**30:.1f} | "
+                     f"{report.tokens_per_second_per_gpu:,.0f} | {report.mfu:.1%} | "
+                     f"{report.memory.steady_peak / 2**30:.1f} | "
                      f"{result.why(report)} |")
     counts = (f"{len(result.fitting)} layouts fit, {len(result.not_fitting)} do not, {len(result.rejected)} "
               "refused by the strategy")
@@ -121,10 +122,10 @@ def _fits_nothing(result: Any, model: str, world_size: int, cluster: Any) -> str
     if not result.not_fitting:
         return f"no layout of {world_size} ranks could be planned for {model}: every candidate was refused."
     closest = result.not_fitting[0]
-    over = (closest.memory.peak - closest.memory_capacity) / 2**30
+    over = (closest.memory.steady_peak - closest.memory_capacity) / 2**30
     return (f"{model} fits no supported layout on {world_size} x {cluster.name}: the closest, "
-            f"{closest.layout.describe(world_size)}, needs {closest.memory.peak / 2**30:.1f} GiB per rank, {over:.1f} "
-            f"GiB more than the {closest.memory_capacity / 2**30:.1f} GiB of a device. Closer: more ranks "
+            f"{closest.layout.describe(world_size)}, needs {closest.memory.steady_peak / 2**30:.1f} GiB per rank, "
+            f"{over:.1f} GiB more than the {closest.memory_capacity / 2**30:.1f} GiB of a device. Closer: more ranks "
             f"(world_size), a shorter step (step.micro_batch_size, step.seq_len), or a larger device (cluster).")
 
 

@@ -16,13 +16,15 @@ from lightning_deepseek.planning.counting import CollectiveCall
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.report import PlanReport, RankMemory, Traffic
 
+FSDP_DIMS = ("dp_shard", "dp_replicate", "dp_shard_tp", "dp_replicate_tp", "edp_shard", "edp_replicate")
 BACKWARD_SHARE = 2 / 3  # backward's share of forward + backward FLOPs, which DDP's all-reduce overlaps
 ADAMW_BYTES_PER_ELEMENT = 28  # reads parameter, gradient, two moments (16 B); writes parameter and moments (12 B)
 ASSUMPTIONS = (
     "routed experts receive tokens evenly (uniform routing)",
     "compute at compute_efficiency x the dense peak of the step's dtype; AdamW memory-bound at the memory bandwidth",
     "tensor-parallel and all-to-all collectives exposed; DDP's all-reduce hidden behind backward but its last "
-    "bucket; shard reductions and ZeRO-1 broadcasts exposed",
+    "bucket; FSDP2's all-gathers, reduce-scatters and replica all-reduces hidden behind the compute (prefetched) but "
+    "its first all-gather; shard reductions and ZeRO-1 broadcasts exposed",
     "ring all-reduce / all-gather / reduce-scatter / all-to-all, tree-latency broadcast; a group spanning nodes at "
     "the across-nodes link, one NIC per GPU",
     "memory: the step's tensors only (no CUDA context, allocator cache or fragmentation)",
@@ -56,6 +58,11 @@ class StepMeasurement:
     buffer_bytes: int = 0
 
 
+def is_fsdp_dim(dim: str) -> bool:
+    """Whether a group label (``"dp/dp_shard/world"``) names one of FSDP2's views."""
+    return any(part in FSDP_DIMS for part in dim.split("/"))
+
+
 def collective_seconds(op: str, num_bytes: int, n: int, link: LinkCost) -> float:
     """One collective of ``num_bytes`` (the buffer at one rank) over ``n`` ranks."""
     if n <= 1:
@@ -76,20 +83,27 @@ def estimate(model: str, world_size: int, layout: PlanLayout, cluster: ClusterSp
     compute = measured.flops / (peak * step.compute_efficiency)
     optimizer = measured.owned_state_elements * ADAMW_BYTES_PER_ELEMENT / (cluster.memory_bandwidth_gbs * 1e9)
     rows: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
-    ddp_seconds, last_bucket = 0.0, 0.0
+    ddp_seconds, last_bucket, fsdp_seconds, first_gather = 0.0, 0.0, 0.0, 0.0
     for call in measured.calls:
         info = measured.groups.get(call.group, GroupInfo("?", world_size, "inter"))
         seconds = collective_seconds(call.op, call.num_bytes, info.size, cluster.links[info.link])
-        exposed = 0.0 if call.phase == "ddp" else seconds
+        fsdp = call.phase == "forward_backward" and is_fsdp_dim(info.dim)
+        exposed = 0.0 if call.phase == "ddp" or fsdp else seconds
         if call.phase == "ddp":
             ddp_seconds += seconds
             last_bucket = seconds if not last_bucket else last_bucket
+        if fsdp:
+            fsdp_seconds += seconds
+            first_gather = seconds if not first_gather and call.op == "all_gather" else first_gather
         row = rows["ddp" if call.phase == "ddp" else info.dim, call.op, call.phase]
         row[0], row[1], row[2], row[3] = row[0] + 1, row[1] + call.num_bytes, row[2] + seconds, row[3] + exposed
     ddp_exposed = max(ddp_seconds - BACKWARD_SHARE * compute, last_bucket) if ddp_seconds else 0.0
+    fsdp_exposed = max(fsdp_seconds - compute, first_gather) if fsdp_seconds else 0.0
     traffic = []
-    for (dim, op, _phase), (calls, num_bytes, seconds, exposed) in rows.items():
+    for (dim, op, phase), (calls, num_bytes, seconds, exposed) in rows.items():
         group = next((g for g in measured.groups.values() if g.dim == dim), GroupInfo(dim, world_size, "inter"))
+        if phase == "forward_backward" and is_fsdp_dim(dim):  # the exposed share, by each row's seconds
+            exposed = fsdp_exposed * seconds / fsdp_seconds
         if dim == "ddp":
             world = next(g for g in measured.groups.values() if g.dim.endswith("world"))
             group, exposed = GroupInfo("ddp (world)", world.size, world.link), ddp_exposed

@@ -27,12 +27,14 @@ Assumptions (each printed with the plan): routed experts receive tokens evenly (
 reaches ``compute_efficiency`` of the cluster's dense peak for ``dtype``; AdamW's step is memory-bound (28 bytes
 per owned FP32 element at the memory bandwidth); the collectives inside forward and backward (tensor-parallel
 gathers and scatters, all-to-alls) are exposed, DDP's all-reduce overlaps backward (two thirds of the compute)
-except its last bucket, the shard reductions and ZeRO-1's broadcasts after backward are exposed; a group spanning
+except its last bucket, FSDP2's collectives overlap the compute (prefetched) except its first all-gather, the shard
+reductions and ZeRO-1's broadcasts after backward are exposed; a group spanning
 nodes runs at the across-nodes link, each GPU with its own NIC (no sharing). Memory is what the step's tensors
 hold (no CUDA context, allocator caching or fragmentation: real peaks run higher).
 
-Costs: seconds for a few layers, minutes for the largest presets (benchmarks/planning/REPORT.md), growing with
-the fake step's op count (layers x ops); no device, no weights.
+Costs: seconds to a minute of CPU (benchmarks/planning/REPORT.md), growing with the fake step's op count: with
+``depth="representative"`` (:mod:`.depth`) three or four blocks of each kind are stepped, not every block; no
+device, no weights.
 Not supported: pipelines, gradient accumulation, compression; uneven routing; optimizers other than torch's AdamW.
 """
 
@@ -153,7 +155,10 @@ def _measure(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepSh
     calls = [CollectiveCall("all_reduce", dist.group.WORLD.group_name, b, "ddp") for b in buckets]
     if buckets and measured.buffer_bytes:  # DDP's broadcast_buffers (its default): rank 0's buffers before forward
         calls.insert(0, CollectiveCall("broadcast", dist.group.WORLD.group_name, measured.buffer_bytes))
-    memory = dataclasses.replace(measured.memory, ddp_buckets=sum(buckets), peak=measured.memory.peak + sum(buckets))
+    forward, backward, optimizer = measured.phase_peaks  # later steps: forward and backward hold the states too
+    steady = max(forward + measured.memory.states, backward + measured.memory.states, optimizer)
+    memory = dataclasses.replace(measured.memory, ddp_buckets=sum(buckets), peak=measured.memory.peak + sum(buckets),
+                                 steady_peak=max(steady, measured.memory.peak) + sum(buckets))
     return dataclasses.replace(measured, memory=memory, calls=measured.calls + tuple(calls))
 
 

@@ -44,12 +44,12 @@ class SearchResult:
         largest = max(report.traffic, key=lambda t: t.exposed_seconds, default=None)
         comm = (f"; most exposed: {largest.dim} {largest.op} {largest.exposed_seconds * 1e3:.1f} ms"
                 if largest is not None and largest.exposed_seconds > 0 else "")
-        headroom = (report.memory_capacity - report.memory.peak) / GIB
+        headroom = (report.memory_capacity - report.memory.steady_peak) / GIB
         best = self.fitting[0] if self.fitting else report
         versus = ("fastest" if report is best
                   else f"{report.step_seconds / best.step_seconds - 1:+.1%} step time vs the fastest")
         return (f"{versus}; compute {report.compute_seconds:.3f} s, exposed communication "
-                f"{report.comm_seconds:.3f} s{comm}; peak {report.memory.peak / GIB:.1f} GiB, "
+                f"{report.comm_seconds:.3f} s{comm}; peak {report.memory.steady_peak / GIB:.1f} GiB, "
                 f"{headroom:.1f} GiB free")
 
 
@@ -83,5 +83,5 @@ def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepSh
         except ValueError as exc:
             rejected.append((layout, str(exc)))
     fitting = sorted((r for r in reports if r.fits), key=lambda r: r.step_seconds)
-    not_fitting = sorted((r for r in reports if not r.fits), key=lambda r: r.memory.peak)
+    not_fitting = sorted((r for r in reports if not r.fits), key=lambda r: r.memory.steady_peak)
     return SearchResult(tuple(fitting), tuple(not_fitting), tuple(rejected))
