@@ -1,7 +1,7 @@
 """Parameter sharding (FSDP2 through ``HybridParallelStrategy``): per-rank memory, activations under checkpointing,
 the largest model that trains, and step time, on 4 real gloo processes side by side with plain DDP.
 
-Run: ``.venv/bin/python benchmarks/fsdp/bench_memory.py --part memory|activations|largest|step-time|all
+Run: ``.venv/bin/python benchmarks/fsdp/bench_memory.py --part memory|activations|largest|step-time|compression|all
 [--smoke] [--testbed --rate 1gbit]`` (``--testbed``: step time on 2 emulated nodes x 2 ranks, root). Each
 configuration of ``memory``, ``activations`` and every trial of ``largest`` is a fresh set of 4 processes (peak
 RSS is per process); ``step-time`` trains its configurations interleaved in one set. Configurations:
@@ -11,7 +11,10 @@ RSS is per process); ``step-time`` trains its configurations interleaved in one 
   ``fully_shard`` per block then the root on ``self.device_mesh["data_parallel"]`` in ``configure_model`` (what a
   Lightning user writes today), the model built under ``trainer.init_module(empty_init=True)``;
 - ``fsdp4``, ``hsdp2x2``, ``fsdp4+ac``: ``HybridParallelStrategy(tensor_parallel_size=1,
-  data_parallel_shard_size=4|2)``, ``activation_checkpointing="full"`` for the last, built the same way (meta).
+  data_parallel_shard_size=4|2)``, ``activation_checkpointing="full"`` for the last, built the same way (meta);
+- ``fsdp4+int8``, ``fsdp4+int4`` (``--part compression``, against ``fsdp4``): ``fsdp4`` with
+  ``GradientCompression(bits=8|4, warmup_steps=0)`` compressing FSDP's reduce-scatter; the bytes each rank sends in
+  the reduce-scatters of a step are read from the compression's counters (deterministic).
 
 Memory per rank (``benchmarks/README.md``): peak RSS minus the RSS right after imports = training memory; the
 same read at ``on_fit_start`` = what building and materialising the model cost; the max over ranks. Activations
@@ -55,12 +58,15 @@ CONFIGS = {
     "fsdp4": ("hybrid", 4, "none", True),
     "hsdp2x2": ("hybrid", 2, "none", True),
     "fsdp4+ac": ("hybrid", 4, "full", True),
+    "fsdp4+int8": ("hybrid", 4, "none", True),
+    "fsdp4+int4": ("hybrid", 4, "none", True),
 }
+BITS = {"fsdp4+int8": 8, "fsdp4+int4": 4}  # GradientCompression on FSDP's reduce-scatter
 # Model sizes per part: (n_layer, n_embd, n_head, seq, batch per rank); --smoke replaces them with tiny ones.
 SIZES = {"memory": (8, 768, 12, 32, 1), "activations": (6, 192, 4, 1024, 2), "largest": (None, 1024, 16, 32, 1),
-         "step-time": (4, 512, 8, 64, 1)}
+         "step-time": (4, 512, 8, 64, 1), "compression": (4, 512, 8, 64, 1)}
 SMOKE = {"memory": (2, 64, 4, 16, 1), "activations": (2, 32, 4, 64, 1), "largest": (None, 64, 4, 16, 1),
-         "step-time": (2, 64, 4, 16, 1)}
+         "step-time": (2, 64, 4, 16, 1), "compression": (2, 64, 4, 16, 1)}
 
 
 def _status_kib(field: str) -> int:
@@ -81,7 +87,7 @@ def worker(job: dict[str, Any]) -> None:
     from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_deepseek import HybridParallelStrategy
+    from lightning_deepseek import GradientCompression, HybridParallelStrategy
     from lightning_deepseek.models import GPT, GPTConfig
 
     torch.set_num_threads(1)
@@ -164,10 +170,11 @@ def worker(job: dict[str, Any]) -> None:
     results = []
     for name in job["configs"]:
         pl.seed_everything(0, verbose=False)
+        compression = [GradientCompression(bits=BITS[name], warmup_steps=0)] if name in BITS else []
         trainer = pl.Trainer(accelerator="cpu", devices=WORLD // job["nodes"], num_nodes=job["nodes"],
                              strategy=strategy_of(name), max_steps=job["steps"], logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0)
+                             num_sanity_val_steps=0, callbacks=compression)
         meta = CONFIGS[name][3]
         with trainer.init_module(empty_init=True) if meta else torch.device("cpu"):
             module = BenchLM(hand_fsdp=CONFIGS[name][0] == "lightning", count_activations=job["activations"])
@@ -183,7 +190,9 @@ def worker(job: dict[str, Any]) -> None:
                             fit_start_mib=(module.fit_start_kib - base_kib) / 1024,
                             peak_mib=(_status_kib("VmHWM") - base_kib) / 1024, step_s=steps.tolist(),
                             activations=module.activations, load=os.getloadavg()[0],
-                            params=sum(p.numel() for p in module.parameters())))
+                            params=sum(p.numel() for p in module.parameters()),
+                            rs_bytes=[compression[0].hook_state.bytes_sent, compression[0].hook_state.bytes_fp32]
+                            if compression else None))
     Path(job["out"], f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -376,13 +385,15 @@ def part_largest(args: argparse.Namespace, size: tuple) -> None:
           f"target >= 4x: {'met' if ratio >= 4 else 'missed'}")
 
 
-def part_step_time(args: argparse.Namespace, size: tuple) -> None:
+def part_step_time(args: argparse.Namespace, size: tuple, names: tuple[str, ...] = ("ddp", "fsdp4", "hsdp2x2"),
+                   ) -> list[list[dict]]:
+    """Step time of ``names`` (the first the baseline), trained interleaved in one set of 4 ranks."""
     from contextlib import nullcontext
 
     from benchmarks.testbed import Testbed
 
-    names = ["ddp", "fsdp4", "hsdp2x2"]
-    order = [n for repeat in range(args.repeats) for n in names[repeat % 3:] + names[:repeat % 3]]
+    k = len(names)
+    order = [n for repeat in range(args.repeats) for n in names[repeat % k:] + names[:repeat % k]]
     bed = Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) if args.testbed else None
     with bed if bed is not None else nullcontext():
         outcome, results, _ = launch(order, size, args.steps + 2, args.trial_timeout * 2, bed=bed)
@@ -394,14 +405,26 @@ def part_step_time(args: argparse.Namespace, size: tuple) -> None:
     print(f"{link}; GPT n_layer={size[0]} n_embd={size[1]} seq={size[3]} batch={size[4]}/rank, AdamW; "
           f"{args.repeats} interleaved runs x {args.steps} steps (after 2 warm-up); load {min(loads):.1f}-"
           f"{max(loads):.1f} on {os.cpu_count()} CPUs")
-    print("| configuration | step time vs DDP (median of runs) | spread over runs |\n|---|---|---|")
+    print(f"| configuration | step time vs {names[0]} (median of runs) | spread over runs |\n|---|---|---|")
     for name in names:
-        ratios = [a / b for a, b in zip(per_run[name], per_run["ddp"])]
+        ratios = [a / b for a, b in zip(per_run[name], per_run[names[0]])]
         print(f"| {name} | {statistics.median(ratios):.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x |")
+    return results
+
+
+def part_compression(args: argparse.Namespace, size: tuple) -> None:
+    """FSDP-4's reduce-scatter in fp32, int8 and int4: step time (interleaved) and the bytes sent per step."""
+    results = part_step_time(args, size, ("fsdp4", "fsdp4+int8", "fsdp4+int4"))
+    print("\n| configuration | reduce-scatter bytes sent per rank and step | vs fp32 |\n|---|---|---|")
+    for name in BITS:
+        sent, fp32 = _by_config(results, name)[0]["rs_bytes"]
+        if name == "fsdp4+int8":
+            print(f"| fsdp4 (fp32) | {fp32:,} | 1.000x |")
+        print(f"| {name} | {sent:,} | {sent / fp32:.3f}x |")
 
 
 PARTS = {"memory": part_memory, "activations": part_activations, "largest": part_largest,
-         "step-time": part_step_time}
+         "step-time": part_step_time, "compression": part_compression}
 
 
 def main() -> None:
