@@ -94,7 +94,11 @@ class LightningGPT(pl.LightningModule):
                 norm = param.grad.detach().float().norm(2)
                 squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).pow(2))
         if squares:
-            self.log("grad_norm", torch.stack(squares).sum().sqrt(), on_step=True, on_epoch=False)
+            total = torch.stack(squares).sum()
+            pipeline = getattr(self.trainer.strategy, "pipeline_group", None)
+            if pipeline is not None:  # each rank of a pipeline holds other stages: add their squares
+                torch.distributed.all_reduce(total, group=pipeline)
+            self.log("grad_norm", total.sqrt(), on_step=True, on_epoch=False)
 
     @property
     def flops_per_batch(self) -> int:

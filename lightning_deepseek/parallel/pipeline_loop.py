@@ -209,6 +209,11 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
     _pipeline: PipelineLoop | None = None
 
     @property
+    def pipeline_group(self) -> dist.ProcessGroup | None:
+        """The ranks of this rank's pipeline (the mesh's ``pp``; each holds other stages), or None without one."""
+        return self._pipeline.pp_group if self._pipeline is not None else None
+
+    @property
     def data_parallel_group(self) -> dist.ProcessGroup:
         """The process group over which the replicated gradients are averaged: the world, or under a pipeline the
         ranks holding the same stages (the mesh's ``dp``)."""

@@ -145,12 +145,14 @@ def _errors(world_size: int) -> dict[str, str]:
 
 
 def _lightning_gpt(world_size: int) -> list[float]:
-    """Our GPT LightningModule (AdamW, cosine schedule) through the pipeline: its logged training loss."""
+    """Our GPT LightningModule (AdamW, cosine schedule) through the pipeline: its logged training and validation
+    losses and gradient norm (over both stages)."""
     pl.seed_everything(0, verbose=False)
     module = LightningGPT(GPTConfig(vocab_size=64, block_size=16, n_layer=LAYERS, n_head=2, n_embd=32))
-    trainer = make_trainer(world_size, HybridParallelStrategy(pipeline_parallel_size=2), max_steps=3)
+    trainer = make_trainer(world_size, HybridParallelStrategy(pipeline_parallel_size=2), max_steps=3,
+                           log_every_n_steps=1)
     trainer.fit(module, loader(token_data(3 * MICRO), MICRO), loader(token_data(MICRO, seed=3), MICRO))
-    return [float(trainer.callback_metrics["train_loss"]), float(trainer.callback_metrics["val_loss"])]
+    return [float(trainer.callback_metrics[name]) for name in ("train_loss", "val_loss", "grad_norm")]
 
 
 class PipelinedLlama(pl.LightningModule):
