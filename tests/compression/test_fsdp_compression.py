@@ -4,7 +4,9 @@
   the quantization bound of torch's fp32 reduce-scatter (the sum over the ranks of half a quantization step of the
   value's block, times the op's scale); the bytes counted equal the formula;
 - error feedback: the same gradient exchanged 20 times, the accumulated result stays within one step's bound of the
-  exact sum (the residual carried), while without feedback the error grows with the steps;
+  exact sum (the residual carried), while without feedback the error grows with the steps; an inf reaches the shard
+  that holds it, and the next exchange is finite again (the NaN residual dropped); bf16 rows and shard (FSDP's bf16
+  reduce dtype) within the bound plus the shard's rounding;
 - training: GradientCompression under HybridParallelStrategy(data_parallel_shard_size=2 and 4) over 20 steps of our
   GPT against uncompressed FSDP (int8: losses within 1e-3, relative; int4: 1e-2); the fp32 path through the comm
   (every step a warm-up step) is bitwise plain FSDP; FSDP x TP on 4 ranks (int8, the same bound); a checkpoint gives
@@ -34,6 +36,7 @@ from tests.helpers import run_distributed
 from tests.parallel.common import TinyLM, full_state, loader, make_trainer, relative_error, token_data
 
 STEPS, MICRO = 20, 2
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch 2.13 / 2.11
 LOSS_TOL = {8: 1e-3, 4: 1e-2}  # measured: 2.0e-4 and 2.9e-3 (FSDP-2), 1.7e-4 and 2.5e-3 (FSDP-4)
 
 
@@ -66,7 +69,7 @@ def _one_tensor(rank: int, world: int) -> dict[str, Any]:
             inputs = [torch.empty(numel) for _ in range(world)]
             dist.all_gather(inputs, grad)
             exact = torch.empty(numel // world)
-            dist.reduce_scatter_tensor(exact, grad.clone(), op=dist.ReduceOp.SUM)
+            _reduce_scatter(exact, grad.clone(), op=dist.ReduceOp.SUM)
             exact *= scale
             state = FSDPCompressionState(CompressionConfig(bits=bits, block_size=block, warmup_steps=0,
                                                            min_bucket_numel=0, error_feedback=False))
@@ -81,6 +84,19 @@ def _one_tensor(rank: int, world: int) -> dict[str, Any]:
                 "bytes": state.bytes_sent, "expected_bytes": compressed_reduce_scatter_bytes(numel, world, bits, block),
                 "fp32_bytes": state.bytes_fp32,
             }
+    # FSDP's bf16 reduce dtype (StagedPrecision's BF16 stages): bf16 rows in, the fp32 sum rounded into a bf16 shard
+    grad = (torch.randn(numel) * torch.logspace(-3, 2, numel)).bfloat16()
+    inputs = [torch.empty(numel, dtype=torch.bfloat16) for _ in range(world)]
+    dist.all_gather(inputs, grad)
+    exact = torch.stack(inputs).float().sum(dim=0)[rank * 1000:(rank + 1) * 1000] / world
+    state = FSDPCompressionState(CompressionConfig(bits=8, warmup_steps=0, min_bucket_numel=0))
+    comm = CompressedReduceScatter("unit", state)
+    got = torch.empty(1000, dtype=torch.bfloat16)
+    comm(got, grad.clone(), dist.group.WORLD, dist.ReduceOp.AVG)
+    bound = _bound(torch.stack(inputs).float(), rank, 8, 128, 1 / world) + exact.abs() * 2 ** -8
+    out["int8-avg-bf16"] = {"excess": float(((got.float() - exact).abs() - bound).max()), "rel_error": 0.0,
+                            "bytes": state.bytes_sent, "fp32_bytes": state.bytes_fp32,
+                            "expected_bytes": compressed_reduce_scatter_bytes(numel, world, 8, 128)}
     return out
 
 
@@ -89,7 +105,7 @@ def _error_feedback(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(rank)
     grad = torch.randn(numel)
     exact = torch.empty(numel // world)
-    dist.reduce_scatter_tensor(exact, grad.clone(), op=dist.ReduceOp.SUM)
+    _reduce_scatter(exact, grad.clone(), op=dist.ReduceOp.SUM)
     inputs = [torch.empty(numel) for _ in range(world)]
     dist.all_gather(inputs, grad)
     errors = {}
@@ -105,10 +121,19 @@ def _error_feedback(rank: int, world: int) -> dict[str, Any]:
             total += got
         errors[feedback] = float((total - steps * exact).abs().max())
         if feedback:
-            saved = comm.state_dict()
+            saved, comm_with_feedback = comm.state_dict(), comm
+    comm = comm_with_feedback
+    # an overflow (inf on rank 0) reaches the owner's shard; the next exchange drops the NaN residual
+    bad = grad.clone()
+    bad[0] = float("inf") if rank == 0 else bad[0]
+    comm(got, bad, dist.group.WORLD, dist.ReduceOp.SUM)
+    overflow_seen = not bool(torch.isfinite(got).all())
+    comm(got, grad.clone(), dist.group.WORLD, dist.ReduceOp.SUM)
     one_step = float(_bound(torch.stack(inputs), rank, bits, block, 1.0).max())
     return {"feedback": errors[True], "none": errors[False], "one_step": one_step,
-            "residual_shape": tuple(saved["residual"].shape), "calls": saved["calls"]}
+            "residual_shape": tuple(saved["residual"].shape), "calls": saved["calls"],
+            "overflow_seen": overflow_seen, "finite_after": bool(torch.isfinite(got).all())
+            and bool(torch.isfinite(comm.residual).all())}
 
 
 def test_one_tensor_is_within_the_quantization_bound_of_fp32() -> None:
@@ -124,10 +149,13 @@ def test_one_tensor_is_within_the_quantization_bound_of_fp32() -> None:
 
 def test_error_feedback_keeps_the_accumulated_sum_within_one_step() -> None:
     for world in (2, 4):
-        for rank in run_distributed(_error_feedback, world):
+        ranks = run_distributed(_error_feedback, world)
+        for rank in ranks:
             assert rank["feedback"] <= 2 * rank["one_step"], rank
             assert rank["none"] > 5 * rank["feedback"], rank
             assert rank["residual_shape"] == (world, 512) and rank["calls"] == 20
+        assert [rank["overflow_seen"] for rank in ranks] == [True] + [False] * (world - 1)
+        assert all(rank["finite_after"] for rank in ranks)
 
 
 def _fit(world: int, callbacks: list[pl.Callback], shard: int, steps: int = STEPS, root: str | None = None,
