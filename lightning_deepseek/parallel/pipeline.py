@@ -114,14 +114,16 @@ def check_pipeline_settings(world_size: int, pp_size: int, schedule: str, num_mi
 def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: int | None,
                                **settings: object) -> None:
     """Validate ``HybridParallelStrategy``'s pipeline arguments on their own (no world size yet) and the other
-    settings they compose with: inside a pipeline stage, parameters are replicated over ``dp`` only.
+    settings they compose with: inside a pipeline stage, data parallelism (replicated, or sharded by FSDP2 over all
+    the stage's ``dp`` ranks) and activation checkpointing.
 
     Args:
         pp_size, schedule, num_microbatches: ``pipeline_parallel_size``, ``pipeline_schedule``,
             ``pipeline_microbatches`` (None: the schedule's least).
         settings: the strategy's other arguments by name (``tensor_parallel_size=...``), and ``bits`` asked by a
             ``GradientCompression``; those not yet composed with a pipeline must be at their off value, and
-            ``activation_checkpointing="selective"`` needs one backward per block (1F1B, Interleaved1F1B).
+            ``activation_checkpointing="selective"`` and ``data_parallel_shard_size`` (FSDP2 over each stage's
+            ``dp`` ranks, all of them) need one backward per block (1F1B, Interleaved1F1B).
 
     Raises:
         ValueError: naming the setting, the value and the fix.
@@ -142,6 +144,12 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
             "runs each block's backward in two parts (inputs, then weights), and torch's selective checkpointing "
             "allows one backward per region. Use activation_checkpointing='full', or the schedule '1F1B' or "
             "'Interleaved1F1B'.")
+    shard = settings.get("data_parallel_shard_size", 1)
+    if shard != 1 and schedule in ("ZBVZeroBubble", "DualPipeV"):
+        raise ValueError(
+            f"data_parallel_shard_size={shard!r} with pipeline_schedule={schedule!r} is not supported yet: FSDP2's "
+            "gradient reduction does not follow the schedule's backward in two parts (inputs, then weights); measured "
+            "losses drift from one process. Use '1F1B' or 'Interleaved1F1B', or data_parallel_shard_size=1.")
     bits = settings.pop("bits", None)
     if bits is not None:
         raise ValueError(
@@ -151,10 +159,20 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
     off = {"tensor_parallel_size": (1, "auto"), "expert_parallel_size": (1, "auto"), "data_parallel_shard_size": (1,),
            "shard_optimizer_states": (False,)}
     for name, value in settings.items():
-        if value not in off[name]:
+        if value not in off[name] and not (name == "data_parallel_shard_size" and isinstance(value, int)):
             raise ValueError(
-                f"pipeline_parallel_size={pp_size} with {name}={value!r} is not supported yet: a pipeline stage "
-                f"composes with data parallelism only. Set {name}={off[name][0]!r}, or pipeline_parallel_size=1.")
+                f"pipeline_parallel_size={pp_size} with {name}={value!r} is not supported yet (a pipeline stage "
+                "composes with data parallelism, FSDP2 and activation checkpointing). Set "
+                f"{name}={off[name][0]!r}, or pipeline_parallel_size=1.")
+
+
+def _skip_sends_to_itself(stage: PipelineStage, rank: int) -> None:
+    """torch < 2.13 warms up every neighbour's link before the first step, its own rank included where a V schedule
+    keeps two adjacent stages on one rank (stages P-1 and P); gloo has no link to itself ("Pair is not connected").
+    Drop those self-sends and receives (in pairs): the stages on one rank hand over tensors without communication."""
+    warm_up = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if warm_up is not None:
+        stage._get_init_p2p_neighbors_ops = lambda: [op for op in warm_up() if op.group_peer != rank]
 
 
 @dataclass
@@ -224,6 +242,8 @@ class PipelineRunner:
                              "modules were given: pass one module per stage, in that order.")
         stages = [PipelineStage(module, i, split.num_stages, device, group=group)
                   for module, i in zip(modules, indices)]
+        for stage in stages:
+            _skip_sends_to_itself(stage, pp_rank)
         runner = cls(split, modules, stages, None, group, num_microbatches, loss_fn)
         runner.schedule = _SCHEDULE_CLASSES[split.schedule](stages if split.stages_per_rank > 1 else stages[0],
                                                             num_microbatches, loss_fn=runner._scaled_loss(loss_fn))
@@ -296,7 +316,7 @@ class PipelineRunner:
                     p.grad.mul_(self.num_microbatches)
         for module in self.modules:
             module.train()
-        args = (inputs,) if self.holds_first_stage else ()
+        args = (inputs.contiguous(),) if self.holds_first_stage else ()  # torch 2.11's stages check input strides
         self.schedule.step(*args, target=targets if self.holds_last_stage else None)
         # The first call's shape inference also calls the loss function (on placeholder outputs): keep the last M.
         return self._broadcast_loss(self._losses[-self.num_microbatches:])
