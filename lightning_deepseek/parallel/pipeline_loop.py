@@ -24,7 +24,9 @@ The protocol (a LightningModule trained under a pipeline defines):
 Data parallelism: the pipeline group is the mesh's ``pp`` dimension (outermost, torchtitan's order); the ranks
 holding the same stages form the ``dp`` group, each reads its own data shard (``DistributedSampler`` by its ``dp``
 coordinate), and its stage gradients are averaged over ``dp`` with one flat all-reduce per optimizer step, after
-the last accumulated batch and before clipping.
+the last accumulated batch and before clipping. With ``data_parallel_shard_size`` equal to that ``dp`` size, FSDP2
+shards each stage over it instead (every block, then the stage; the reduce-scatter at the end of each schedule step,
+as torch's ``PipelineStage`` runs it), for the schedules with one backward per block (1F1B, Interleaved1F1B).
 
 Supports: every schedule of :mod:`.pipeline`; gradient accumulation (``grad_scale = 1 / accumulate_grad_batches``);
 clipping by norm (the norm over all stages, :meth:`.PipelineRunner.clip_grad_norm_`; by value untested); LR schedulers
@@ -32,10 +34,11 @@ and optimizers as the module configures them (they see only the rank's stage par
 rank materialises its stages only). Costs: per optimizer step one all-reduce of the rank's stage gradients over
 ``dp`` (not overlapped with the backward, as DDP's buckets are), and the runner's costs.
 
-Does not support: manual optimisation, ``predict_step``, training batches of different sizes, tensor, expert or
-parameter sharding inside a stage, ZeRO-1, selective activation checkpointing under ZBVZeroBubble and DualPipeV
-(their split backward), loss scaling (FP16) and ``GradientCompression`` (no DDP wrapper), resuming from a checkpoint
-(refused: the optimizer's ``param_groups`` are saved by group index, which the ranks of a pipeline do not share).
+Does not support: manual optimisation, ``predict_step``, training batches of different sizes, tensor or expert
+parallelism inside a stage, HSDP (a stage sharded over part of its replicas), ZeRO-1, FSDP2 and selective activation
+checkpointing under ZBVZeroBubble and DualPipeV (their split backward), loss scaling (FP16) and
+``GradientCompression`` (no DDP wrapper), resuming from a checkpoint (refused: the optimizer's ``param_groups`` are
+saved by group index, which the ranks of a pipeline do not share).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -57,7 +62,7 @@ from typing_extensions import override
 from lightning_deepseek.parallel import clipping
 from lightning_deepseek.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_deepseek.parallel.dims import WorldMesh
-from lightning_deepseek.parallel.layout import Layout
+from lightning_deepseek.parallel.layout import Layout, LayoutSettings
 from lightning_deepseek.parallel.pipeline import PipelineRunner, check_pipeline_settings, min_microbatches
 from lightning_deepseek.parallel.pipeline_split import PipelineSplit, build_rank_module, plan_pipeline_split
 
@@ -170,12 +175,13 @@ def _default_split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
                      f"pipeline_batch(batch) -> (inputs, targets) on the LightningModule ({_PROTOCOL}).")
 
 
-def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, schedule: str,
-                           num_microbatches: int | None, device: torch.device,
-                           activation_checkpointing: str = "none") -> PipelineLoop:
+def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, settings: LayoutSettings,
+                           device: torch.device) -> PipelineLoop:
     """Split ``module``'s model into pipeline stages and keep this rank's: the model attribute is replaced by the
     module holding this rank's stages (the whole model's parameter names), so ``configure_optimizers`` and
-    checkpoints see only them. Works on the meta device (nothing is allocated).
+    checkpoints see only them. Activation checkpointing is applied before the split, parameter sharding (FSDP2 over
+    the stage's ``dp`` group, ``data_parallel_shard_size`` equal to it) after. Works on the meta device (nothing is
+    allocated).
 
     Raises:
         ValueError: the module lacks the protocol (naming the hook) or the model cannot be split as asked.
@@ -188,18 +194,37 @@ def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, schedule
     if not module.automatic_optimization:
         raise ValueError(f"{type(module).__name__}.automatic_optimization=False: manual optimisation is not supported "
                          "with pipeline_parallel_size > 1 (the strategy runs each step's backward).")
+    dims = mesh.dims
+    if dims.dp_shard not in (1, dims.dp):
+        raise ValueError(
+            f"data_parallel_shard_size={dims.dp_shard} with pipeline_parallel_size={dims.pp}: a stage's parameters "
+            f"are sharded over all {dims.dp} ranks holding that stage or not at all. Set data_parallel_shard_size to "
+            f"{dims.dp} or 1.")
     name = _model_attribute(module)
     pp_mesh = mesh["pp"]
-    num_microbatches = num_microbatches or min_microbatches(schedule, mesh.dims.pp)
-    apply_activation_checkpointing(getattr(module, name), activation_checkpointing)  # found in the whole model
-    split = plan_pipeline_split(getattr(module, name), mesh.dims.pp, schedule)
+    apply_activation_checkpointing(getattr(module, name), settings.activation_checkpointing)  # on the whole model
+    split = plan_pipeline_split(getattr(module, name), dims.pp, settings.pp_schedule)
     rank_module, stage_modules = build_rank_module(getattr(module, name), split, pp_mesh.get_local_rank())
     setattr(module, name, rank_module)
+    if dims.fsdp_enabled:
+        _shard_stages(split, pp_mesh.get_local_rank(), stage_modules, mesh["dp"], settings.reshard_after_forward)
     rank_zero_info(split.table())
     on_loss = getattr(module, "on_pipeline_loss", None) or (lambda loss, batch, step: None)
     return PipelineLoop(split, stage_modules, pp_mesh.get_group(),
-                        mesh["dp"].get_group() if mesh.dims.dp > 1 else None, num_microbatches,
+                        mesh["dp"].get_group() if dims.dp > 1 and not dims.fsdp_enabled else None,
+                        settings.pp_microbatches or min_microbatches(settings.pp_schedule, dims.pp),
                         module.pipeline_loss, getattr(module, "pipeline_batch", _default_split_batch), on_loss, device)
+
+
+def _shard_stages(split: PipelineSplit, pp_rank: int, stage_modules: list[nn.Module], dp_mesh: DeviceMesh,
+                  reshard_after_forward: bool) -> None:
+    """FSDP2 on each stage over ``dp``: every block on its own, then the stage (embeddings, norm, head); torch's
+    ``PipelineStage`` defers each stage's reduce-scatter to the end of the schedule's step."""
+    for index, stage in zip(split.stage_indices(pp_rank), stage_modules):
+        for name in split.stages[index].modules:
+            if name.rpartition(".")[2].isdigit():  # a block of the list the split cut
+                fully_shard(stage.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
 
 
 class PipelineStrategyHooks(pl.strategies.DDPStrategy):
@@ -236,10 +261,7 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
                     "pipeline_parallel_size=1.")
             if not meta:  # every rank builds its stages from rank 0's weights
                 _sync_module_states(module)
-            settings = self._settings
-            self._pipeline = split_lightning_module(module, self.world_mesh, settings.pp_schedule,
-                                                    settings.pp_microbatches, self.root_device,
-                                                    settings.activation_checkpointing)
+            self._pipeline = split_lightning_module(module, self.world_mesh, self._settings, self.root_device)
         self.layout = self.layout or Layout(self.parallel_dims, "pipeline", self.world_mesh.order)
 
     def _check_pipeline_resume(self) -> None:

@@ -6,7 +6,8 @@ gradient accumulation over two batches, clipping at 0.5 and full activation chec
 auxiliary loss) on DualPipeV, HF Llama, a model built on the meta device (each rank materialises its stages only),
 our ``LightningGPT``, and the bad settings that raise before training; on 4 ranks (``pp=2 x dp=2``, each
 data-parallel replica reading its own shard) Interleaved1F1B (with selective activation checkpointing) and
-DualPipeV, clipping at 1.0, and ``pp=4`` with 1F1B; the validation loss after each fit. Every rank of a pipeline
+DualPipeV, clipping at 1.0, FSDP2 over each stage's two replicas (1F1B, accumulation, clipping), and ``pp=4``
+with 1F1B; the validation loss after each fit. Every rank of a pipeline
 reports the same loss; the mean over the ranks is the global batch's loss.
 """
 
@@ -23,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.models import GPTConfig, LightningGPT
@@ -63,7 +65,7 @@ class PipelinedLM(TinyLM):
 
 
 def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None = None,
-         activation_checkpointing: str = "none", pp: int = 2, **config: Any) -> dict[str, Any]:
+         activation_checkpointing: str = "none", pp: int = 2, shard: int = 1, **config: Any) -> dict[str, Any]:
     """Fit PipelinedLM for STEPS optimizer steps; every rank's losses, the full weights (gathered from the stages),
     the validation loss after fitting, and what each rank's optimizer holds."""
     dp = world_size // pp
@@ -71,7 +73,7 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
     pl.seed_everything(0, verbose=False)
     module = PipelinedLM(n_layer=LAYERS, **config)
     strategy = HybridParallelStrategy(pipeline_parallel_size=pp, pipeline_schedule=schedule, pipeline_microbatches=4,
-                                      activation_checkpointing=activation_checkpointing)
+                                      activation_checkpointing=activation_checkpointing, data_parallel_shard_size=shard)
     trainer = make_trainer(world_size, strategy, max_steps=STEPS, accumulate_grad_batches=accumulate,
                            gradient_clip_val=clip)
     trainer.fit(module, loader(dataset, MICRO))
@@ -85,7 +87,8 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
             "val": val[0]["validation_loss"], "optimized": optimized,
             "local": sum(p.numel() for p in module.parameters()),
             "sampler": strategy.distributed_sampler_kwargs, "table": strategy._pipeline.split.table(),
-            "blocks": sorted({type(block).__name__ for block in module.model.blocks.values()})}
+            "blocks": sorted({type(block).__name__ for block in module.model.blocks.values()}),
+            "sharded": all(isinstance(p, DTensor) for p in module.parameters())}
 
 
 def _meta(world_size: int) -> dict[str, Any]:
@@ -207,7 +210,8 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
 
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
     return {"Interleaved1F1B": _fit(world_size, "Interleaved1F1B", clip=1.0, activation_checkpointing="selective"),
-            "DualPipeV": _fit(world_size, "DualPipeV", clip=1.0), "pp4": _fit(world_size, "1F1B", pp=4)}
+            "DualPipeV": _fit(world_size, "DualPipeV", clip=1.0), "pp4": _fit(world_size, "1F1B", pp=4),
+            "fsdp": _fit(world_size, "1F1B", accumulate=2, clip=0.5, shard=2)}
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +279,11 @@ def test_pp2_x_dp2_interleaved_matches_one_process(four_ranks: list[dict[str, An
     assert [r["Interleaved1F1B"]["sampler"]["rank"] for r in four_ranks] == [0, 1, 0, 1]
 
 
+def test_pp2_x_fsdp2_with_accumulation_and_clipping(four_ranks: list[dict[str, Any]]) -> None:
+    check_parity([r["fsdp"] for r in four_ranks], accumulate=2, clip=0.5)
+    assert all(r["fsdp"]["sharded"] for r in four_ranks)  # FSDP2 over each stage's dp ranks
+
+
 def test_pp4_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
     check_parity([r["pp4"] for r in four_ranks])
 
@@ -314,7 +323,9 @@ def test_bad_settings_raise_before_training_on_every_rank(two_ranks: list[dict[s
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "pipeline_parallel_size=2 with tensor_parallel_size=2 "
      "is not supported yet"),
-    (dict(pipeline_parallel_size=2, data_parallel_shard_size=2), "with data_parallel_shard_size=2 is not supported"),
+    (dict(pipeline_parallel_size=2, data_parallel_shard_size=2, pipeline_schedule="DualPipeV"),
+     "data_parallel_shard_size=2 with pipeline_schedule='DualPipeV' is not supported yet"),
+    (dict(pipeline_parallel_size=2, data_parallel_shard_size="auto"), "with data_parallel_shard_size='auto' is not"),
     (dict(pipeline_parallel_size=2, pipeline_schedule="GPipe"), "pipeline_schedule='GPipe' is not supported"),
     (dict(pipeline_parallel_size=2, pipeline_schedule="DualPipeV", pipeline_microbatches=2),
      "pipeline_microbatches=2 is too few for pipeline_schedule='DualPipeV' at pipeline_parallel_size=2"),
