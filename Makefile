@@ -43,7 +43,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports  # the layering declared in pyproject.toml: the library never imports the app
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests  # the slowest listed: the suite must stay under 15 minutes in CI
 
 test-oldest: $(OLDEST)/.installed
 	$(OLDEST)/bin/python -m pytest -q $(OLDEST_TESTS)
