@@ -1,4 +1,4 @@
-"""Representative layers: a deep model planned from shallow copies of it, one or two blocks of each kind.
+"""Representative layers: a deep model planned from shallow copies of it, three or four blocks of each kind.
 
 A plan's cost grows with the ops its fake step runs (layers x ops per layer): DeepSeek-V3's 61 blocks at 2,048
 ranks took minutes, most of it the same block's ops over and over. Every per-step quantity a plan measures is a sum
