@@ -111,7 +111,8 @@ class LayoutSettings:
         check_pipeline_composition(self.pp, self.pp_schedule, self.pp_microbatches, tensor_parallel_size=self.tp,
                                    expert_parallel_size=self.ep, data_parallel_shard_size=self.dp_shard,
                                    shard_optimizer_states=self.shard_optimizer_states,
-                                   activation_checkpointing=self.activation_checkpointing, bits=self.bits)
+                                   activation_checkpointing=self.activation_checkpointing, bits=self.bits,
+                                   reshard_after_forward=self.reshard_after_forward)
         for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep)):
             if size not in ("auto", "per_node") and not (isinstance(size, int) and not isinstance(size, bool)
                                                          and size > 0):

@@ -122,8 +122,9 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
             ``pipeline_microbatches`` (None: the schedule's least).
         settings: the strategy's other arguments by name (``tensor_parallel_size=...``), and ``bits`` asked by a
             ``GradientCompression``; those not yet composed with a pipeline must be at their off value, and
-            ``activation_checkpointing="selective"`` and ``data_parallel_shard_size`` (FSDP2 over each stage's
-            ``dp`` ranks, all of them) need one backward per block (1F1B, Interleaved1F1B).
+            ``activation_checkpointing="selective"`` needs one backward per block (1F1B, Interleaved1F1B), and
+            ``data_parallel_shard_size`` (FSDP2 over all of a stage's ``dp`` ranks) needs it or
+            ``reshard_after_forward=False``.
 
     Raises:
         ValueError: naming the setting, the value and the fix.
@@ -145,11 +146,12 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
             "allows one backward per region. Use activation_checkpointing='full', or the schedule '1F1B' or "
             "'Interleaved1F1B'.")
     shard = settings.get("data_parallel_shard_size", 1)
-    if shard != 1 and schedule in ("ZBVZeroBubble", "DualPipeV"):
+    if settings.pop("reshard_after_forward", False) and shard != 1 and schedule in ("ZBVZeroBubble", "DualPipeV"):
         raise ValueError(
-            f"data_parallel_shard_size={shard!r} with pipeline_schedule={schedule!r} is not supported yet: FSDP2's "
-            "gradient reduction does not follow the schedule's backward in two parts (inputs, then weights); measured "
-            "losses drift from one process. Use '1F1B' or 'Interleaved1F1B', or data_parallel_shard_size=1.")
+            f"data_parallel_shard_size={shard!r} with pipeline_schedule={schedule!r} needs "
+            "reshard_after_forward=False: the schedule runs each block's backward in two parts (inputs, then "
+            "weights), and FSDP2 resharding after the forward gave gradients that drift from one process. Set "
+            "reshard_after_forward=False, or use '1F1B' or 'Interleaved1F1B'.")
     bits = settings.pop("bits", None)
     if bits is not None:
         raise ValueError(

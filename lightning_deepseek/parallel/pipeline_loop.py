@@ -26,7 +26,7 @@ holding the same stages form the ``dp`` group, each reads its own data shard (``
 coordinate), and its stage gradients are averaged over ``dp`` with one flat all-reduce per optimizer step, after
 the last accumulated batch and before clipping. With ``data_parallel_shard_size`` equal to that ``dp`` size, FSDP2
 shards each stage over it instead (every block, then the stage; the reduce-scatter at the end of each schedule step,
-as torch's ``PipelineStage`` runs it), for the schedules with one backward per block (1F1B, Interleaved1F1B).
+as torch's ``PipelineStage`` runs it); under ZBVZeroBubble and DualPipeV only with ``reshard_after_forward=False``.
 
 Supports: every schedule of :mod:`.pipeline`; gradient accumulation (``grad_scale = 1 / accumulate_grad_batches``);
 clipping by norm (the norm over all stages, :meth:`.PipelineRunner.clip_grad_norm_`; by value untested); LR schedulers
@@ -35,10 +35,10 @@ rank materialises its stages only). Costs: per optimizer step one all-reduce of 
 ``dp`` (not overlapped with the backward, as DDP's buckets are), and the runner's costs.
 
 Does not support: manual optimisation, ``predict_step``, training batches of different sizes, tensor or expert
-parallelism inside a stage, HSDP (a stage sharded over part of its replicas), ZeRO-1, FSDP2 and selective activation
-checkpointing under ZBVZeroBubble and DualPipeV (their split backward), loss scaling (FP16) and
-``GradientCompression`` (no DDP wrapper), resuming from a checkpoint (refused: the optimizer's ``param_groups`` are
-saved by group index, which the ranks of a pipeline do not share).
+parallelism inside a stage, HSDP (a stage sharded over part of its replicas), ZeRO-1, FSDP2 resharding after forward
+and selective activation checkpointing under ZBVZeroBubble and DualPipeV (their split backward), loss scaling (FP16)
+and ``GradientCompression`` (no DDP wrapper), resuming from a checkpoint (refused: the optimizer's ``param_groups``
+are saved by group index, which the ranks of a pipeline do not share).
 """
 
 from __future__ import annotations

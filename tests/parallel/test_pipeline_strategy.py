@@ -6,8 +6,8 @@ gradient accumulation over two batches, clipping at 0.5 and full activation chec
 auxiliary loss) on DualPipeV, HF Llama, a model built on the meta device (each rank materialises its stages only),
 our ``LightningGPT``, and the bad settings that raise before training; on 4 ranks (``pp=2 x dp=2``, each
 data-parallel replica reading its own shard) Interleaved1F1B (with selective activation checkpointing) and
-DualPipeV, clipping at 1.0, FSDP2 over each stage's two replicas (1F1B, accumulation, clipping), and ``pp=4``
-with 1F1B; the validation loss after each fit. Every rank of a pipeline
+DualPipeV, clipping at 1.0, FSDP2 over each stage's two replicas (1F1B; DualPipeV without resharding after the
+forward; accumulation, clipping), and ``pp=4`` with 1F1B; the validation loss after each fit. Every rank of a pipeline
 reports the same loss; the mean over the ranks is the global batch's loss.
 """
 
@@ -65,7 +65,8 @@ class PipelinedLM(TinyLM):
 
 
 def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None = None,
-         activation_checkpointing: str = "none", pp: int = 2, shard: int = 1, **config: Any) -> dict[str, Any]:
+         activation_checkpointing: str = "none", pp: int = 2, shard: int = 1, reshard_after_forward: bool = True,
+         **config: Any) -> dict[str, Any]:
     """Fit PipelinedLM for STEPS optimizer steps; every rank's losses, the full weights (gathered from the stages),
     the validation loss after fitting, and what each rank's optimizer holds."""
     dp = world_size // pp
@@ -73,7 +74,8 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
     pl.seed_everything(0, verbose=False)
     module = PipelinedLM(n_layer=LAYERS, **config)
     strategy = HybridParallelStrategy(pipeline_parallel_size=pp, pipeline_schedule=schedule, pipeline_microbatches=4,
-                                      activation_checkpointing=activation_checkpointing, data_parallel_shard_size=shard)
+                                      activation_checkpointing=activation_checkpointing, data_parallel_shard_size=shard,
+                                      reshard_after_forward=reshard_after_forward)
     trainer = make_trainer(world_size, strategy, max_steps=STEPS, accumulate_grad_batches=accumulate,
                            gradient_clip_val=clip)
     trainer.fit(module, loader(dataset, MICRO))
@@ -211,7 +213,8 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
     return {"Interleaved1F1B": _fit(world_size, "Interleaved1F1B", clip=1.0, activation_checkpointing="selective"),
             "DualPipeV": _fit(world_size, "DualPipeV", clip=1.0), "pp4": _fit(world_size, "1F1B", pp=4),
-            "fsdp": _fit(world_size, "1F1B", accumulate=2, clip=0.5, shard=2)}
+            "fsdp": _fit(world_size, "1F1B", accumulate=2, clip=0.5, shard=2),
+            "fsdp_v": _fit(world_size, "DualPipeV", accumulate=2, clip=0.5, shard=2, reshard_after_forward=False)}
 
 
 @pytest.fixture(scope="module")
@@ -284,6 +287,10 @@ def test_pp2_x_fsdp2_with_accumulation_and_clipping(four_ranks: list[dict[str, A
     assert all(r["fsdp"]["sharded"] for r in four_ranks)  # FSDP2 over each stage's dp ranks
 
 
+def test_pp2_x_fsdp2_under_dualpipev_without_resharding_after_forward(four_ranks: list[dict[str, Any]]) -> None:
+    check_parity([r["fsdp_v"] for r in four_ranks], accumulate=2, clip=0.5)
+
+
 def test_pp4_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
     check_parity([r["pp4"] for r in four_ranks])
 
@@ -324,7 +331,7 @@ def test_bad_settings_raise_before_training_on_every_rank(two_ranks: list[dict[s
     (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "pipeline_parallel_size=2 with tensor_parallel_size=2 "
      "is not supported yet"),
     (dict(pipeline_parallel_size=2, data_parallel_shard_size=2, pipeline_schedule="DualPipeV"),
-     "data_parallel_shard_size=2 with pipeline_schedule='DualPipeV' is not supported yet"),
+     "data_parallel_shard_size=2 with pipeline_schedule='DualPipeV' needs reshard_after_forward=False"),
     (dict(pipeline_parallel_size=2, data_parallel_shard_size="auto"), "with data_parallel_shard_size='auto' is not"),
     (dict(pipeline_parallel_size=2, pipeline_schedule="GPipe"), "pipeline_schedule='GPipe' is not supported"),
     (dict(pipeline_parallel_size=2, pipeline_schedule="DualPipeV", pipeline_microbatches=2),
