@@ -93,14 +93,20 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
             "sharded": all(isinstance(p, DTensor) for p in module.parameters())}
 
 
-def _meta(world_size: int) -> dict[str, Any]:
-    """A model built on the meta device: each rank allocates and initialises only its stages, then trains."""
+def _meta(world_size: int, shard: int = 1) -> dict[str, Any]:
+    """A model built on the meta device: each rank allocates and initialises only its stages (with ``shard``, its
+    FSDP2 shard of them), then trains."""
     with torch.device("meta"):
         module = PipelinedLM(n_layer=LAYERS)
-    trainer = make_trainer(world_size, HybridParallelStrategy(pipeline_parallel_size=2), max_steps=2)
-    trainer.fit(module, loader(token_data(2 * MICRO), MICRO))
-    return {"meta": any(p.is_meta for p in module.parameters()), "names": sorted(n for n, _ in
-            module.named_parameters()), "losses": module.losses}
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, data_parallel_shard_size=shard)
+    trainer = make_trainer(world_size, strategy, max_steps=2)
+    trainer.fit(module, loader(token_data(2 * MICRO * world_size // 2), MICRO))
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
+    split = strategy._pipeline.split
+    owned = split.stage_indices(strategy.world_mesh["pp"].get_local_rank())
+    return {"meta": any(p.is_meta for p in local), "names": sorted(n for n, _ in module.named_parameters()),
+            "losses": module.losses, "allocated": sum(p.numel() for p in local),
+            "stages": sum(split.stages[i].num_parameters for i in owned)}
 
 
 class _NoProtocol(TinyLM):
@@ -214,7 +220,8 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
     return {"Interleaved1F1B": _fit(world_size, "Interleaved1F1B", clip=1.0, activation_checkpointing="selective"),
             "DualPipeV": _fit(world_size, "DualPipeV", clip=1.0), "pp4": _fit(world_size, "1F1B", pp=4),
             "fsdp": _fit(world_size, "1F1B", accumulate=2, clip=0.5, shard=2),
-            "fsdp_v": _fit(world_size, "DualPipeV", accumulate=2, clip=0.5, shard=2, reshard_after_forward=False)}
+            "fsdp_v": _fit(world_size, "DualPipeV", accumulate=2, clip=0.5, shard=2, reshard_after_forward=False),
+            "meta_fsdp": _meta(world_size, shard=2)}
 
 
 @pytest.fixture(scope="module")
@@ -305,6 +312,13 @@ def test_meta_model_materialises_only_its_stages(two_ranks: list[dict[str, Any]]
     assert "model.tok_emb.weight" in first["names"] and "model.head.weight" not in first["names"]
     assert "model.head.weight" in last["names"] and "model.tok_emb.weight" not in last["names"]
     assert len(first["losses"]) == 2 and all(np.isfinite(first["losses"]))
+    assert first["allocated"] == first["stages"] and last["allocated"] == last["stages"]
+
+
+def test_meta_model_materialises_only_its_fsdp_shard_of_its_stages(four_ranks: list[dict[str, Any]]) -> None:
+    for result in (r["meta_fsdp"] for r in four_ranks):
+        assert not result["meta"] and result["allocated"] == result["stages"] // 2
+        assert len(result["losses"]) == 2 and all(np.isfinite(result["losses"]))
 
 
 def test_lightning_gpt_logs_its_losses_through_the_pipeline(two_ranks: list[dict[str, Any]]) -> None:
