@@ -3,12 +3,12 @@ process on the same global batch (``reference_run``: FP32, SGD with momentum, 20
 
 One spawn per world size runs every scenario: on 2 ranks (``pp=2``) the schedules 1F1B and ZBVZeroBubble (with
 gradient accumulation over two batches, clipping at 0.5 and full activation checkpointing), the MoE preset (its
-auxiliary loss) on DualPipeV, HF Llama, a model built on the meta device (each rank materialises its stages only),
-our ``LightningGPT``, and the bad settings that raise before training; on 4 ranks (``pp=2 x dp=2``, each
-data-parallel replica reading its own shard) Interleaved1F1B (with selective activation checkpointing) and
-DualPipeV, clipping at 1.0, FSDP2 over each stage's two replicas (1F1B; DualPipeV without resharding after the
-forward; accumulation, clipping), and ``pp=4`` with 1F1B; the validation loss after each fit. Every rank of a pipeline
-reports the same loss; the mean over the ranks is the global batch's loss.
+auxiliary loss) and BF16 autocast on DualPipeV, HF Llama, a model built on the meta device (each rank materialises
+its stages only), our ``LightningGPT``, and the bad settings that raise before training; on 4 ranks (``pp=2 x
+dp=2``, each data-parallel replica reading its own shard) Interleaved1F1B (with selective activation checkpointing)
+and DualPipeV, clipping at 1.0, FSDP2 over each stage's two replicas (1F1B; DualPipeV without resharding after the
+forward; accumulation, clipping), and ``pp=4`` with 1F1B; the validation loss after each fit. Every rank of a
+pipeline reports the same loss; the mean over the ranks is the global batch's loss.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class PipelinedLM(TinyLM):
 
 def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None = None,
          activation_checkpointing: str = "none", pp: int = 2, shard: int = 1, reshard_after_forward: bool = True,
-         **config: Any) -> dict[str, Any]:
+         precision: str = "32-true", **config: Any) -> dict[str, Any]:
     """Fit PipelinedLM for STEPS optimizer steps; every rank's losses, the full weights (gathered from the stages),
     the validation loss after fitting, and what each rank's optimizer holds."""
     dp = world_size // pp
@@ -77,7 +77,7 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
                                       activation_checkpointing=activation_checkpointing, data_parallel_shard_size=shard,
                                       reshard_after_forward=reshard_after_forward)
     trainer = make_trainer(world_size, strategy, max_steps=STEPS, accumulate_grad_batches=accumulate,
-                           gradient_clip_val=clip)
+                           gradient_clip_val=clip, precision=precision)
     trainer.fit(module, loader(dataset, MICRO))
     val = trainer.validate(module, loader(token_data(4 * dp * MICRO, seed=3), MICRO), verbose=False)
     losses: list[Any] = [None] * world_size
@@ -212,7 +212,8 @@ def _llama_reference() -> list[float]:
 def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
     return {"1F1B": _fit(world_size, "1F1B"), "ZBV": _fit(world_size, "ZBVZeroBubble", accumulate=2, clip=0.5,
                                                                      activation_checkpointing="full"),
-            "moe": _fit(world_size, "DualPipeV", **MOE), "meta": _meta(world_size), "errors": _errors(world_size),
+            "moe": _fit(world_size, "DualPipeV", **MOE), "bf16": _fit(world_size, "DualPipeV", precision="bf16-mixed"),
+            "meta": _meta(world_size), "errors": _errors(world_size),
             "gpt": _lightning_gpt(world_size), "llama": _llama(world_size)}
 
 
@@ -275,6 +276,31 @@ def test_pp2_zero_bubble_with_accumulation_clipping_and_checkpointing(two_ranks:
 
 def test_pp2_moe_preset_with_its_auxiliary_loss(two_ranks: list[dict[str, Any]]) -> None:
     check_parity([r["moe"] for r in two_ranks], **MOE)
+
+
+def _bf16_reference() -> list[float]:
+    """One process under BF16 autocast, each batch cut into the pipeline's 4 micro-batches, one backward each (BF16
+    rounds differently for other matrix shapes, and sums the micro-batches' gradients of one backward in BF16)."""
+    pl.seed_everything(0, verbose=False)
+    module = PipelinedLM(n_layer=LAYERS)
+    optimizer = module.configure_optimizers()
+    dataset, losses = token_data(STEPS * MICRO), []
+    for step in range(STEPS):
+        x, y = dataset[global_indices(step, MICRO, len(dataset))]
+        micro_losses = []
+        for pair in zip(x.chunk(4), y.chunk(4)):
+            with torch.autocast("cpu", torch.bfloat16):
+                micro_losses.append(lm_loss(module.model, pair))
+            (micro_losses[-1] / 4).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(torch.stack(micro_losses).mean().item())
+    return losses
+
+
+def test_pp2_bf16_autocast_matches_one_process(two_ranks: list[dict[str, Any]]) -> None:
+    """BF16 autocast (the precision a pipeline takes without a loss scaler) against one process in BF16."""
+    np.testing.assert_allclose(two_ranks[0]["bf16"]["losses"][0], _bf16_reference(), rtol=TOL)
 
 
 def test_pp2_hf_llama_matches_one_process(two_ranks: list[dict[str, Any]]) -> None:
