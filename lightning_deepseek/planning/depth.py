@@ -98,8 +98,9 @@ def keep_blocks(module: nn.Module, keep: tuple[int, ...]) -> dict[str, int]:
                     if f"{parent_name}.{child_name}" not in names or f"{parent_name}.{child_name}" in kept]
         grand, _, attribute = parent_name.rpartition(".")
         setattr(modules[grand] if grand else module, attribute, nn.ModuleList(children))
-    return {f"{block}.{name}": i for i, block in enumerate(find_transformer_blocks(module))
-            for name, _ in module.get_submodule(block).named_parameters()}
+    position = {id(p): i for i, name in enumerate(n for n in names if n in kept)
+                for p in modules[name].parameters()}
+    return {name: position[id(p)] for name, p in module.named_parameters() if id(p) in position}
 
 
 def full_sizes(sizes: list[tuple[int, int]], kinds: LayerKinds) -> list[int]:

@@ -65,7 +65,7 @@ from lightning_deepseek.parallel.expert_routing import ExpertRouting
 from lightning_deepseek.parallel.fsdp import apply_fsdp
 from lightning_deepseek.parallel.memory import memory_per_rank, setup_optimizer_states
 from lightning_deepseek.parallel.placement import Placement, comm_volume, place
-from lightning_deepseek.parallel.plan import decide_plan
+from lightning_deepseek.parallel.plan import Plan, decide_plan
 from lightning_deepseek.parallel.styles import apply_tensor_parallel, reduce_tensor_parallel_gradients
 from lightning_deepseek.parallel.topology import Topology
 from lightning_deepseek.planning.cluster import ClusterSpec
@@ -142,7 +142,9 @@ def _measure(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepSh
         measured = _step(model, world_size, layout, step, topology, cluster)
         sizes = [size for _, size in measured.param_sizes]
     else:  # the placement the whole model's tensor-parallel traffic decides, for every copy
-        placement = _placement(module, world_size, layout, step, topology, cluster).policy
+        dims = ParallelDims(world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard)
+        tp_plan = decide_plan(module, "auto", world_size, dims.tp, False, step.min_shard_params)
+        placement = _placement(module, tp_plan, dims, layout.placement, step, topology, cluster).policy
         base = _step(model, world_size, layout, step, topology, cluster, kinds.base, placement)
         extras = {kind: _step(model, world_size, layout, step, topology, cluster, kinds.with_one_more(kind),
                               placement) for kind in kinds.extended}
@@ -170,12 +172,10 @@ def _with_optimizer_of(measured: StepMeasurement, whole: StepMeasurement) -> Ste
                                owned_state_elements=whole.owned_state_elements)
 
 
-def _placement(module: nn.Module, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
-               cluster: ClusterSpec) -> Placement:
-    """The strategy's rank order for ``layout`` (its ``"auto"`` policy weighs ``module``'s tensor-parallel traffic)."""
-    dims = ParallelDims(world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard)
-    tp_plan = decide_plan(module, "auto", world_size, dims.tp, False, step.min_shard_params)
-    return place(layout.placement, topology, dims.dp, dims.tp, cluster.links,
+def _placement(module: nn.Module, tp_plan: Plan, dims: ParallelDims, policy: str, step: StepShape,
+               topology: Topology, cluster: ClusterSpec) -> Placement:
+    """The strategy's rank order (its ``"auto"`` policy weighs ``module``'s tensor-parallel traffic)."""
+    return place(policy, topology, dims.dp, dims.tp, cluster.links,
                  lambda: comm_volume(module, tp_plan, dims.tp, step.tokens, 1))
 
 
@@ -238,8 +238,7 @@ def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape
     layers = find_expert_layers(module)
     dims.check_experts(layers)
     tp_plan = decide_plan(module, "auto", world_size, dims.tp, False, step.min_shard_params)
-    placed = _placement(module, world_size, dataclasses.replace(layout, placement=placement or layout.placement),
-                        step, topology, cluster)
+    placed = _placement(module, tp_plan, dims, placement or layout.placement, step, topology, cluster)
     mesh = dims.build_mesh("cpu", [rank for row in placed.grid for rank in row])
     if dims.ep_enabled:
         mesh["edp", "ep"]  # made outside the fake mode: DeviceMesh reads the values of its rank tensor
