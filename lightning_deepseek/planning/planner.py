@@ -46,6 +46,7 @@ import logging
 import time
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,10 +83,25 @@ RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.
                      "lightning_utilities.core.rank_zero")
 CPU = torch.device("cpu")
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
+
+
+def _heads(shape: Any, heads: int) -> tuple[int, ...]:
+    return (shape[0], heads, *shape[2:])
+
+
+def _sdpa(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    # Grouped key/value heads (GQA) cost what as many heads as the query's do; torch < 2.13's formula asserts equal.
+    return sdpa_flop.__wrapped__(query, _heads(key, query[1]), _heads(value, query[1]), *args, **kwargs)
+
+
+def _sdpa_backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return sdpa_backward_flop.__wrapped__(grad, query, _heads(key, query[1]), _heads(value, query[1]), *args, **kwargs)
+
+
 # The CPU's fused attention has no formula in torch's FLOP registry; it does what the GPU kernels do.
 # (FlopCounter wraps a custom formula itself: hand it the unwrapped ones.)
-CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop.__wrapped__,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop.__wrapped__}
+CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward}
 
 
 def cluster_topology(world_size: int, gpus_per_node: int) -> Topology:
