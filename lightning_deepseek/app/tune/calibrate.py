@@ -55,7 +55,7 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import CategoricalDistribution
 from typing_extensions import override
 
-from lightning_deepseek.app.tune.checks import nothing_to_choose, task_overrides
+from lightning_deepseek.app.tune.checks import nothing_to_choose, pipeline_reason, task_overrides
 from lightning_deepseek.app.tune.choice import choose
 from lightning_deepseek.app.tune.configurations import (
     PLAIN_DDP,
@@ -63,6 +63,7 @@ from lightning_deepseek.app.tune.configurations import (
     configurations,
     describe_forced,
     forced_settings,
+    pipeline_configuration,
 )
 from lightning_deepseek.app.tune.paired import paired_rounds
 from lightning_deepseek.app.tune.steal import cpu_times, stolen_share
@@ -340,7 +341,9 @@ def _trials(calibrator: Calibrator, pruner: optuna.pruners.BasePruner) -> Callab
     def measure(names: list[str]) -> None:
         if names:
             sampler.names += names
-            run_trials(study, space, calibrator.run, n_trials=len(sampler.names), max_failure_rate=1.0,
+            # run_trials counts the failed trials of its own call only: the earlier calls' are left out of the total.
+            failed = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,)))
+            run_trials(study, space, calibrator.run, n_trials=len(sampler.names) - failed, max_failure_rate=1.0,
                        log_prefix="tune")
     return measure
 
@@ -386,14 +389,16 @@ def calibrated_config(cfg: DictConfig, plan: Any, folder: Any) -> DictConfig:
 
     Not measured: a resumed run continues with the choice its own run folder recorded (``tune.json`` beside its
     ``checkpoints``), as its checkpoint was written with it; ``tune=auto`` with nothing to choose from (one
-    process, or every setting kept) trains as configured; a later trial of a sweep trains with the choice of the
-    sweep's first calibration (:mod:`~lightning_deepseek.app.tune.sweep_choice`).
+    process, or every setting kept) trains as configured, and a pipeline run with its one configuration, saying
+    why in one line; a later trial of a sweep trains with the choice of the sweep's first calibration
+    (:mod:`~lightning_deepseek.app.tune.sweep_choice`).
     """
     folder.claim()
     if plan.resume is not None:
         return _resumed_choice(cfg, Path(plan.resume), folder.is_launcher)
     if nothing_to_choose(cfg, int(getattr(plan.model_config, "n_routed_experts", 0) or 0)) is not None:
-        return cfg  # only tune=auto gets here (check_tune raised for quick and grid): the user's settings stand
+        # Only tune=auto gets here (check_tune raised for quick and grid): the user's settings stand.
+        return cfg if pipeline_reason(cfg) is None else _pipeline_choice(cfg, folder.is_launcher)
     table = sweep_table(cfg, forced_settings(cfg, task_overrides()))
     found = shared_choice(table)
     if found is not None:
@@ -404,6 +409,14 @@ def calibrated_config(cfg: DictConfig, plan: Any, folder: Any) -> DictConfig:
         publish(table, folder.path / "tune.json")
         print(calibration.table(), flush=True)
     return _with_report(calibration.choice.apply(cfg), calibration.summary())
+
+
+def _pipeline_choice(cfg: DictConfig, is_launcher: bool) -> DictConfig:
+    only, why = pipeline_configuration(cfg), pipeline_reason(cfg)
+    if is_launcher:
+        print(f"lds-train: tune=auto: no calibration, training with {' '.join(only.overrides())}: {why}.",
+              flush=True)
+    return _with_report(only.apply(cfg), {"tune_choice": f"{only.name} (pipeline)", "tune_reason": why})
 
 
 def _sweep_choice(cfg: DictConfig, table: Path, folder: Any) -> DictConfig:

@@ -16,9 +16,12 @@ from lightning_deepseek.app.errors import ConfigError
 from lightning_deepseek.app.tune.configurations import (
     CONF_DIR,
     DIMENSIONS,
+    compression_of,
     configurations,
     describe_forced,
     forced_settings,
+    pipeline_configuration,
+    pipeline_size,
     processes,
 )
 
@@ -60,7 +63,7 @@ def _list_of(setting: str, value: Any, allowed: tuple[str, ...], example: str) -
 def check_tune(cfg: DictConfig, experts: int = 0) -> None:
     """Values of the ``tune`` group, and (``quick``, ``grid``) whether a calibration can run: several processes
     and at least two configurations left once the forced settings are kept. ``auto`` trains as configured where
-    a calibration has nothing to choose from."""
+    a calibration has nothing to choose from. In every mode, a pipeline's kept settings (:func:`check_pipeline`)."""
     if "tune" not in cfg:
         return
     tune = OmegaConf.to_container(cfg.tune, resolve=True)
@@ -68,6 +71,7 @@ def check_tune(cfg: DictConfig, experts: int = 0) -> None:
     if mode not in MODES:
         raise ConfigError(f"tune.mode={mode!r} is not a calibration mode. Use tune=auto, tune=quick, tune=grid or "
                           "tune=none.")
+    check_pipeline(cfg)
     if mode == "none":
         return
     _list_of("tune.strategies", tune.get("strategies"), _STRATEGIES, "tune.strategies=[ddp,hybrid]")
@@ -119,15 +123,61 @@ def check_tune(cfg: DictConfig, experts: int = 0) -> None:
         raise ConfigError(reason)
 
 
+def check_pipeline(cfg: DictConfig) -> None:
+    """A pipeline run (``strategy.pipeline_parallel_size`` > 1), before any process starts: the size divides the
+    processes, and the settings kept with it compose with a pipeline stage: the tensor- and expert-parallel sizes
+    (1 or auto) always, the compression where it is kept (``tune=none``, or forced; a calibration drops it
+    otherwise). The strategy finds the first and the last only in the running ranks."""
+    pp = pipeline_size(cfg)
+    if pp == 1:
+        return
+    per_node, nodes = processes(cfg)
+    if cfg.trainer.get("devices", 1) not in ("auto", -1, "-1") and (per_node * nodes) % pp:
+        raise ConfigError(f"strategy.pipeline_parallel_size={pp} does not divide the run's {per_node * nodes} "
+                          f"process(es) (trainer.devices={cfg.trainer.get('devices')}, trainer.num_nodes={nodes}). "
+                          f"Train with a multiple of {pp} processes, or set strategy.pipeline_parallel_size=1.")
+    for key in ("tensor_parallel_size", "expert_parallel_size"):
+        value = cfg.strategy.get(key, 1)
+        if value not in (1, "auto"):
+            raise ConfigError(f"strategy.{key}={value} with strategy.pipeline_parallel_size={pp} is not supported: "
+                              f"a pipeline stage runs without tensor or expert parallelism (docs/pipeline.md). Set "
+                              f"strategy.{key}=1, or strategy.pipeline_parallel_size=1.")
+    compression = compression_of(cfg)
+    kept = cfg.tune.mode == "none" or "compression" in forced_settings(cfg, task_overrides())
+    if kept and compression != "none":
+        how = "kept by tune=none" if cfg.tune.mode == "none" else "kept on the command line or in tune.keep"
+        raise ConfigError(f"compression={compression} ({how}) with strategy.pipeline_parallel_size={pp} is not "
+                          "supported: compression replaces DDP's all-reduce, and a pipeline averages its stages' "
+                          "gradients without DDP. Pass compression=none (with tune=auto, leaving compression out "
+                          "trains the pipeline uncompressed), or strategy.pipeline_parallel_size=1.")
+
+
+def pipeline_reason(cfg: DictConfig) -> str | None:
+    """Why a pipeline run leaves the calibration one configuration (:func:`pipeline_configuration`); ``None``
+    without a pipeline."""
+    pp = pipeline_size(cfg)
+    if pp == 1:
+        return None
+    return (f"a pipeline (strategy.pipeline_parallel_size={pp}) is kept as set, on the hybrid strategy, and takes "
+            "neither gradient compression (it averages its stages' gradients without DDP) nor tensor or expert "
+            "parallelism inside a stage")
+
+
 def nothing_to_choose(cfg: DictConfig, experts: int = 0) -> str | None:
-    """Why a calibration of ``cfg`` has nothing to choose from (one process; one configuration left once the
-    forced settings are kept), as the paragraph of the error; ``None`` when it has."""
+    """Why a calibration of ``cfg`` has nothing to choose from (one process; a pipeline; one configuration left
+    once the forced settings are kept), as the paragraph of the error; ``None`` when it has."""
     mode = cfg.tune.mode
     per_node, nodes = processes(cfg)
     if per_node * nodes < 2:
         return (f"tune={mode} compares multi-process configurations, but this run has one process "
                 f"(trainer.devices={cfg.trainer.get('devices')}, trainer.num_nodes={nodes}). Train with two or more "
                 "processes (trainer.devices=2), or pass tune=none.")
+    pipeline = pipeline_reason(cfg)
+    if pipeline is not None:
+        only = " ".join(pipeline_configuration(cfg).overrides())
+        return (f"tune={mode} has nothing to choose from: {pipeline}, which leaves only {only}. Pass tune=auto "
+                "(or tune=none compression=none) to train the pipeline, or strategy.pipeline_parallel_size=1 to "
+                "calibrate.")
     forced = forced_settings(cfg, task_overrides())
     found = configurations(cfg, forced, experts)
     if len(found) >= 2:

@@ -6,7 +6,8 @@ replayed as a direct run (``lds-train <its overrides> tune=none``) with the same
 enumerates them from the ``tune`` group's lists; a setting the user forced (on the command line, or listed in
 ``tune.keep``) is taken from the run's own config instead of being enumerated. Plain DDP without compression
 (the baseline every table compares with) is always measured first, as a reference when the forced settings rule
-it out.
+it out. A pipeline (``strategy.pipeline_parallel_size`` > 1) is never chosen nor dropped by the calibration: it
+leaves one configuration (:func:`pipeline_configuration`), so ``tune=auto`` trains with it uncalibrated.
 
 This module imports neither torch nor Lightning: the launching process checks ``tune`` with it before anything
 heavy is loaded.
@@ -145,6 +146,20 @@ def processes(cfg: DictConfig) -> tuple[int, int]:
     return max(int(devices), 1), int(cfg.trainer.get("num_nodes", 1) or 1)
 
 
+def pipeline_size(cfg: DictConfig) -> int:
+    """``strategy.pipeline_parallel_size`` of a hybrid run (1: no pipeline; DDP has none)."""
+    size = cfg.strategy.get("pipeline_parallel_size", 1) if strategy_of(cfg) == "hybrid" else 1
+    return size if isinstance(size, int) and not isinstance(size, bool) else 1  # the strategy names a bad value
+
+
+def pipeline_configuration(cfg: DictConfig) -> Configuration:
+    """The one configuration of a pipeline run: the hybrid strategy as composed (its pipeline, and the tensor- and
+    expert-parallel sizes a stage takes: 1 or auto), uncompressed (compression replaces DDP's all-reduce, and a
+    pipeline averages its stages' gradients without DDP), with the run's own bucket size (no DDP bucket under a
+    pipeline: nothing to time)."""
+    return Configuration("hybrid", compression="none", bucket_cap_mb=current(cfg).bucket_cap_mb)
+
+
 def micro_batch_tokens(cfg: DictConfig) -> int:
     """Tokens per rank and micro-batch of the run: ``data.batch_size`` sequences of ``data.block_size`` (else the
     model's) tokens, or the strategy's own ``micro_batch_tokens`` where the run sets it."""
@@ -169,8 +184,10 @@ def configurations(cfg: DictConfig, forced: list[str], experts: int = 0) -> list
     divides the world size and ``experts`` (routed experts per MoE layer; 0: a dense model), except tp=1 with
     ep=1 (DDP's layout). Compression pairs with hybrid at any ``tp``:
     its data-parallel part (everything not sharded) spans every rank. A combination a strategy refuses at set-up
-    is a ``failed`` row of the calibration, not an error.
+    is a ``failed`` row of the calibration, not an error. A pipeline run has one: :func:`pipeline_configuration`.
     """
+    if pipeline_size(cfg) > 1:
+        return [pipeline_configuration(cfg)]
     per_node, nodes = processes(cfg)
     own = current(cfg)
     strategies = [own.strategy] if "strategy" in forced else list(cfg.tune.strategies)

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from lightning_deepseek.app.run import CONFIG_DIR
 from lightning_deepseek.app.tune import choose, configurations
-from lightning_deepseek.app.tune.calibrate import Calibrator, _frozen_heap, _pruner
+from lightning_deepseek.app.tune.calibrate import Calibrator, _frozen_heap, _pruner, _trials
 from lightning_deepseek.app.tune.table import Row
 
 
@@ -85,6 +85,26 @@ def test_pruner_judges_a_candidate_from_its_first_timed_step_and_is_off_without_
     slow.report(100.0, 1)  # 10x slower than the baseline at its first timed step
     assert slow.should_prune()
     assert isinstance(_pruner(OmegaConf.create({"prune": False, "steps": 2})), optuna.pruners.NopPruner)
+
+
+def test_a_candidate_that_fails_is_a_failed_trial_and_the_later_rounds_run_theirs() -> None:
+    """A configuration a strategy refuses fails its trial; the next call measures exactly its own names (the study's
+    earlier failure is not counted against them, which asked for a trial past the list)."""
+    calibrator, fits = _calibrator(), []
+
+    def run(trial: optuna.Trial, params: dict) -> float:
+        fits.append(params["candidate"])
+        if params["candidate"] == "hybrid/tp2/none":
+            raise ValueError("refused at set-up")
+        return 1000.0
+
+    calibrator.run = run
+    measure = _trials(calibrator, optuna.pruners.NopPruner())
+    names = [c.name for c in calibrator.order]
+    first, second = [n for n in names if n.endswith("/none")], [n for n in names if n.endswith("/int8")]
+    measure(first)
+    measure(second)
+    assert fits == [*first, *second] and "hybrid/tp2/none" in first
 
 
 def test_heap_frozen_only_while_calibrating() -> None:
