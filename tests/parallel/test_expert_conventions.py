@@ -14,6 +14,7 @@ In the same spawn, with Lightning: torchtitan's MoE under ``HybridParallelStrate
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 from typing import Any
 
 import lightning.pytorch as pl
@@ -61,8 +62,10 @@ class TitanModule(pl.LightningModule):
 
 def _fit(strategy: pl.strategies.Strategy) -> dict[str, Any]:
     module = TitanModule()
-    trainer = make_trainer(WORLD, strategy, max_steps=STEPS, callbacks=[ExpertLoadBalancing(update_rate=1e-2)])
-    trainer.fit(module, DataLoader(TensorDataset(torch.cat(_batches())), batch_size=MICRO))
+    with tempfile.TemporaryDirectory() as root:  # where rank 0 draws expert_load.png
+        trainer = make_trainer(WORLD, strategy, max_steps=STEPS, callbacks=[ExpertLoadBalancing(update_rate=1e-2)],
+                               default_root_dir=root)
+        trainer.fit(module, DataLoader(TensorDataset(torch.cat(_batches())), batch_size=MICRO))
     losses = torch.tensor(module.losses)
     dist.all_reduce(losses)
     experts = [p for n, p in module.named_parameters() if "inner_experts" in n]
