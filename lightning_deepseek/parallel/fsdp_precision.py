@@ -8,8 +8,9 @@ reduce-scatter, as ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype, red
 FP32 parameters (the optimizer's master weights) and their FP32 gradient shards do not change.
 
 Stages: FP32 has no policy (no casts: the same computation as a module sharded without one); FP16 and BF16 set
-``param_dtype`` to the stage's dtype and ``reduce_dtype`` to the caller's choice (``None``: reduce in the stage's
-dtype, half the reduce-scatter bytes, at the risk of FP16 overflow in the sum).
+``param_dtype`` to the stage's dtype (FP8 stages to BF16: their float8 layers quantize the gathered BF16 weights)
+and ``reduce_dtype`` to the caller's choice (``None``: reduce in the stage's dtype, half the reduce-scatter bytes,
+at the risk of FP16 overflow in the sum).
 
 Why our own: FSDP2 takes the policy only in ``fully_shard`` and offers no public way to change it on a live
 module. This module sets it where ``fully_shard`` stored it (each unit's state, its parameter groups and each
@@ -21,11 +22,12 @@ one) are dropped so that the next all-gather allocates them in the new dtype. Th
 Costs: at a stage change, every unit is resharded (a no-op between steps) and its all-gather buffers are
 reallocated once; nothing per step.
 
-Does not support: FP8 stages under FSDP (``StagedPrecision`` refuses them with an error): the FP8 stage swaps
-``nn.Linear`` modules for torchao's ``Float8Linear`` mid-run, but FSDP2 binds each sharded parameter to the module
-object it found in ``fully_shard``, and torchao's FP8 all-gather needs the weights wrapped in its tensor subclass
-before ``fully_shard``. Parameters with FSDP all-gather extensions (tensor subclasses defining
-``fsdp_pre_all_gather``, such as torchao's FP8 weights) are not re-derived. A policy the user passed to
+FP8 stages: FSDP2 binds each sharded parameter to the module object it found in ``fully_shard``, so
+``StagedPrecision`` converts the float8 layers before sharding and toggles their FP8 GEMMs (see
+:mod:`lightning_deepseek.precision.float8`); the all-gathers stay BF16 (torchao's FP8 all-gather is not used).
+
+Does not support: parameters with FSDP all-gather extensions (tensor subclasses defining ``fsdp_pre_all_gather``,
+such as torchao's FP8 all-gather weights), which are not re-derived. A policy the user passed to
 ``fully_shard`` is replaced by the stage's. Not checked on CUDA streams yet (tested on CPU with gloo).
 """
 
@@ -37,8 +39,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
+# FP8 stages gather BF16: their float8 layers quantize the gathered weight, the rest runs under BF16 autocast.
 STAGE_DTYPES: dict[str, torch.dtype | None] = {"32-true": None, "16-mixed": torch.float16,
-                                               "bf16-mixed": torch.bfloat16}
+                                               "bf16-mixed": torch.bfloat16, "fp8-mixed": torch.bfloat16}
 _REDUCE_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                   "float16": torch.float16, "fp16": torch.float16}
 
@@ -60,15 +63,16 @@ def reduce_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
 
 def stage_policy(precision: str, reduce_dtype: torch.dtype | None = torch.float32) -> MixedPrecisionPolicy:
     """FSDP2's policy for a stage's Lightning precision string: none for ``"32-true"``; ``param_dtype`` the stage's
-    dtype and ``reduce_dtype`` as given for ``"16-mixed"`` and ``"bf16-mixed"``. Raises ``ValueError`` for others.
+    dtype (BF16 for ``"fp8-mixed"``) and ``reduce_dtype`` as given for the others. Raises ``ValueError`` for
+    unknown strings.
 
     Args:
-        precision: ``"32-true"``, ``"16-mixed"`` or ``"bf16-mixed"``.
+        precision: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"`` or ``"fp8-mixed"``.
         reduce_dtype: dtype of the gradient reduce-scatter in half-precision stages; ``None``: the stage's dtype.
     """
     if precision not in STAGE_DTYPES:
         raise ValueError(f"precision={precision!r} has no FSDP mixed-precision policy here. Use one of "
-                         f"{list(STAGE_DTYPES)} (FP8 stages are not supported with parameter sharding).")
+                         f"{list(STAGE_DTYPES)}.")
     param_dtype = STAGE_DTYPES[precision]
     if param_dtype is None:
         return MixedPrecisionPolicy()

@@ -24,6 +24,16 @@ DDP's hooks and ZeRO's partition hold the old ones); and they support tensorwise
 all-gather of the activations in FP8 instead of BF16, is what this forgoes: the tensor-parallel collectives move
 BF16 bytes.
 
+Sharded parameters (FSDP2): ``StagedPrecision`` converts the selected layers at setup, before ``fully_shard``, as
+torchao documents (FSDP2 binds each sharded parameter to the module object it found, so a later swap would leave the
+all-gathered weight on the old layer). ``convert(..., toggled=True)`` makes them ``ToggledFloat8Linear``: a
+``Float8Linear`` that computes ``F.linear`` (``nn.Linear``'s forward, under the region's autocast) until
+:func:`set_float8_enabled` turns its FP8 GEMMs on, so the stages before FP8 compute bitwise as ``nn.Linear``. The
+weights are all-gathered in the FSDP policy's dtype and quantized after the all-gather (torchao's
+``enable_fsdp_float8_all_gather``, FP8 all-gathers, is not used: its weight subclass would also change the
+all-gathers of the stages before FP8). Converted before tensor parallelism too, the selection then reads a layer's
+whole dims, not its local shard's.
+
 Recipe: torchao's names (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or a ``Float8LinearConfig``.
 DeepSeek-V3's block-wise 1x128 / 128x128 scaling is not among torchao's stable float8 training recipes.
 
@@ -38,13 +48,16 @@ Why torchao: it is PyTorch's float8 training library (torchtitan's FP8 path), wi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 from lightning_deepseek.versions import require
 
@@ -119,8 +132,14 @@ class Float8Training:
         out_features, in_features = weight.shape  # a tensor-parallel shard: the GEMM runs on the local shard
         return not (out_features % 16 or in_features % 16)
 
-    def convert(self, model: nn.Module, device_type: str) -> list[str]:
-        """Swap the selected ``nn.Linear`` layers of ``model`` for ``Float8Linear``; return their paths."""
+    def convert(self, model: nn.Module, device_type: str, toggled: bool = False) -> list[str]:
+        """Swap the selected ``nn.Linear`` layers of ``model`` for ``Float8Linear``; return their paths.
+
+        Args:
+            model: the model; converted in place.
+            device_type: the strategy's device type (CPU emulates the FP8 GEMMs).
+            toggled: make them ``ToggledFloat8Linear`` with FP8 off (see the module docstring).
+        """
         from torchao.float8 import convert_to_float8_training
 
         parents = {name: module for name, module in model.named_modules()}
@@ -135,7 +154,12 @@ class Float8Training:
 
         convert_to_float8_training(model, module_filter_fn=select, config=self.config(device_type))
         for fqn in converted:
-            _carry_hooks(parents[fqn], model.get_submodule(fqn))
+            layer = model.get_submodule(fqn)
+            _carry_hooks(parents[fqn], layer)
+            if toggled:
+                # torchao's public conversion builds Float8Linear only; the subclass adds one attribute, no state.
+                layer.__class__ = toggled_float8_linear()
+                layer.float8_enabled = False
         return converted
 
 
@@ -144,8 +168,41 @@ def _has_experts(parent: nn.Module | None) -> bool:
 
 
 def is_float8(module: nn.Module) -> bool:
-    """Whether ``module`` is one of torchao's ``Float8Linear`` layers."""
-    return type(module).__name__ == "Float8Linear" and type(module).__module__.startswith("torchao.")
+    """Whether ``module`` is one of torchao's ``Float8Linear`` layers (or a subclass: toggled, or FSDP's unit)."""
+    return any(cls.__name__ == "Float8Linear" and cls.__module__.startswith("torchao.") for cls in type(module).__mro__)
+
+
+@functools.cache
+def toggled_float8_linear() -> type[nn.Linear]:
+    """``ToggledFloat8Linear``: torchao's ``Float8Linear`` computing as ``nn.Linear`` while ``float8_enabled`` is
+    False (defined on first use: torchao is optional)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    class ToggledFloat8Linear(Float8Linear):  # type: ignore[misc]
+        float8_enabled: bool = False
+
+        @override
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            if self.float8_enabled:
+                return super().forward(input)
+            return F.linear(input, self.weight, self.bias)
+
+    return ToggledFloat8Linear
+
+
+def toggled_layers(model: nn.Module) -> list[nn.Module]:
+    """The ``ToggledFloat8Linear`` layers of ``model``."""
+    if not torchao_available():
+        return []
+    return [m for m in model.modules() if isinstance(m, toggled_float8_linear())]
+
+
+def set_float8_enabled(model: nn.Module, enabled: bool) -> int:
+    """Turn the FP8 GEMMs of every ``ToggledFloat8Linear`` in ``model`` on or off; return how many layers."""
+    layers = toggled_layers(model)
+    for layer in layers:
+        layer.float8_enabled = enabled
+    return len(layers)
 
 
 def has_float8_layers(model: nn.Module) -> bool:

@@ -37,9 +37,13 @@ FP8: ``Stage("fp8")`` converts the model's ``nn.Linear`` layers to torchao's flo
 (and back after it); see :mod:`lightning_deepseek.precision.float8`.
 
 Sharded parameters (FSDP2, ``HybridParallelStrategy(data_parallel_shard_size=N)``): at each stage change the FSDP
-units' mixed-precision policy follows the stage (parameters all-gathered in FP16 or BF16, gradients reduce-scattered
-in ``fsdp_reduce_dtype``; no policy in FP32 stages), see :mod:`lightning_deepseek.parallel.fsdp_precision`. FP8
-stages with FSDP are refused at setup.
+units' mixed-precision policy follows the stage (parameters all-gathered in FP16 or BF16, BF16 in FP8 stages,
+gradients reduce-scattered in ``fsdp_reduce_dtype``; no policy in FP32 stages), see
+:mod:`lightning_deepseek.parallel.fsdp_precision`. With an FP8 stage the layers are converted at setup, before the
+strategy shards them (``convert_module``), and compute as ``nn.Linear`` (bitwise) until the FP8 stage turns their FP8
+GEMMs on; after it, and after ``fit``, they stay converted with FP8 off. Not supported there:
+``data_parallel_shard_size="auto"`` (the size is decided after the conversion point) or a model the user shards in
+``configure_model``: both are refused at setup.
 
 Why our own plugin: Lightning's ``MixedPrecision`` fixes one dtype for the run and uses ``torch.amp.GradScaler``,
 whose limits are listed in :mod:`lightning_deepseek.precision.loss_scaler`.
@@ -63,7 +67,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_deepseek.parallel import fsdp_precision
+from lightning_deepseek.parallel import HybridParallelStrategy, fsdp_precision
 from lightning_deepseek.precision import float8
 from lightning_deepseek.precision.float8 import DEFAULT_EXCLUDE, Float8Training
 from lightning_deepseek.precision.loss_scaler import DynamicLossScaler
@@ -100,6 +104,11 @@ def _lightning_module(model: Module) -> pl.LightningModule:
             raise TypeError(f"StagedPrecision needs a LightningModule inside the strategy's model, got {type(model)}.")
         model = inner
     return model
+
+
+def _will_shard_parameters(strategy: Any) -> bool:
+    # The sizes known after setup_environment; an "auto" data_parallel_shard_size counts as 1 until setup decides it.
+    return isinstance(strategy, HybridParallelStrategy) and strategy.parallel_dims.fsdp_enabled
 
 
 class StagedPrecision(Precision):
@@ -164,7 +173,8 @@ class StagedPrecision(Precision):
         self._events: list[_Event] = []
         self._trainer: pl.Trainer | None = None
         self.float8_layers: list[str] = []  # paths of the layers the last FP8 stage converted
-        self._float8_active = False  # whether the model holds converted layers now
+        self._float8_active = False  # whether the model computes FP8 GEMMs now
+        self._float8_toggled = False  # whether its layers were converted at setup (sharded parameters)
         self.fsdp_reduce_dtype = fsdp_precision.reduce_dtype_of(fsdp_reduce_dtype)
         self._fsdp_units: list[FSDPModule] = []  # the model's FSDP units, found at connect
         self._fsdp_precision: str | None = None  # the precision whose policy they hold
@@ -201,6 +211,22 @@ class StagedPrecision(Precision):
     # ---------------------------------------------------------------- setup
 
     @override
+    def convert_module(self, module: Module) -> Module:
+        """With an FP8 stage and a strategy that will shard the parameters, convert the FP8 stage's layers now
+        (before sharding) with their FP8 GEMMs off; otherwise ``module`` as it is."""
+        if self.float8 is None:
+            return module
+        lightning_module = _lightning_module(module)
+        if not _will_shard_parameters(lightning_module.trainer.strategy):
+            return module
+        if not float8.toggled_layers(lightning_module):  # else an earlier fit of this model converted them
+            device = self.check_device(lightning_module.trainer.strategy.root_device.type)
+            self.float8_layers = self.float8.convert(lightning_module, device, toggled=True)
+            self._check_float8_layers(lightning_module)
+        self._float8_toggled = True
+        return module
+
+    @override
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[Module, list[Optimizer], list[Any]]:
@@ -213,10 +239,12 @@ class StagedPrecision(Precision):
             if self.skip_lr_scheduler_on_skipped_step:
                 SkippedStepSchedulerGuard.install(module, self, lr_schedulers)
         self._fsdp_units = fsdp_precision.fsdp_units(module)
-        if self._fsdp_units and self.float8 is not None:
-            raise StagedPrecisionError("Stage('fp8') is not supported with sharded parameters (FSDP2 units found in "
-                                       f"{type(module).__name__}). Use 'bf16-mixed' for this stage, or train without "
-                                       "data_parallel_shard_size (ZeRO-1: shard_optimizer_states=True).")
+        if self._fsdp_units and self.float8 is not None and not self._float8_toggled:
+            raise StagedPrecisionError(
+                "Stage('fp8') with sharded parameters needs its float8 layers before sharding, but "
+                f"{type(module).__name__} was sharded before StagedPrecision saw it (data_parallel_shard_size='auto', "
+                "or fully_shard in configure_model). Set data_parallel_shard_size to a size and let the strategy "
+                "shard, or use 'bf16-mixed' for this stage.")
         self._sync_model(module)
         return model, optimizers, lr_schedulers
 
@@ -225,9 +253,11 @@ class StagedPrecision(Precision):
         module = self._trainer.lightning_module if self._trainer is not None else None
         if module is not None:
             SkippedStepSchedulerGuard.remove(module)
-            if self._float8_active:  # the model leaves the run with the nn.Linear layers it came with
+            if self._float8_toggled:  # sharded: the layers FSDP holds stay, computing as nn.Linear
+                float8.set_float8_enabled(module, False)
+            elif self._float8_active:  # the model leaves the run with the nn.Linear layers it came with
                 float8.revert(module)
-                self._float8_active = False
+            self._float8_active = self._float8_toggled = False
             if self._fsdp_precision not in (None, "32-true"):  # and with FSDP's FP32 all-gathers
                 fsdp_precision.set_mixed_precision(self._fsdp_units, fsdp_precision.stage_policy("32-true"))
         self._fsdp_units, self._fsdp_precision = [], None
@@ -347,18 +377,25 @@ class StagedPrecision(Precision):
             self._fsdp_precision = self.precision
         # Converts at the boundary into an FP8 stage (also the first step after a resume mid-FP8), reverts after it.
         in_fp8 = self.precision == "fp8-mixed"
-        if in_fp8 and not self._float8_active:
+        if in_fp8 == self._float8_active:
+            return
+        if self._float8_toggled:  # converted at setup: a toggle, the modules FSDP holds stay
+            float8.set_float8_enabled(module, in_fp8)
+        elif in_fp8:
             assert self.float8 is not None
             self.float8_layers = self.float8.convert(module, self.device)
-            self._float8_active = True
-            if not self.float8_layers:
-                raise StagedPrecisionError(
-                    f"Stage('fp8') found no nn.Linear layer to convert in {type(module).__name__} (excluded by "
-                    f"fp8_exclude={list(self.float8.exclude)}, or dims not multiples of 16). "
-                    "Use 'bf16-mixed' for this stage or narrow fp8_exclude.")
-        elif not in_fp8 and self._float8_active:
+            self._check_float8_layers(module)
+        else:
             float8.revert(module)
-            self._float8_active = False
+        self._float8_active = in_fp8
+
+    def _check_float8_layers(self, module: Module) -> None:
+        if not self.float8_layers:
+            assert self.float8 is not None
+            raise StagedPrecisionError(
+                f"Stage('fp8') found no nn.Linear layer to convert in {type(module).__name__} (excluded by "
+                f"fp8_exclude={list(self.float8.exclude)}, or dims not multiples of 16). "
+                "Use 'bf16-mixed' for this stage or narrow fp8_exclude.")
 
     def _after_scaled_step(self, step: int, found_inf: bool) -> None:
         counts_for_fallback = found_inf and self.scaler.calibrated
