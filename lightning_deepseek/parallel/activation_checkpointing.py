@@ -25,8 +25,11 @@ How a block is wrapped: its class is swapped for a subclass whose ``forward`` ca
 
 Order with parallelism (torchtitan's): tensor and expert parallelism first (the blocks' layers may hold DTensors),
 then this, then FSDP2's ``fully_shard`` on each checkpointed block: its all-gathers stay outside the recompute,
-and its pre-backward all-gather feeds it. ``torch.compile`` of a checkpointed block (after this) traces the
-checkpoint without a graph break; its backward then recomputes inside the compiled graph.
+and its pre-backward all-gather feeds it. An FSDP unit inside a block (routed experts sharded over ``edp``) runs
+its hooks inside the recompute; under ``"selective"`` they run outside torch's selective contexts (recomputed as
+under ``"full"``), since they run a different number of ops in forward and in the recompute. ``torch.compile`` of
+a checkpointed block (after this) traces the checkpoint without a graph break; its backward then recomputes inside
+the compiled graph (there the hooks stay inside: not tried with a nested FSDP unit).
 
 Costs: ``"full"`` recomputes each block's forward (about a third more compute per step), plus the collectives
 inside a tensor-parallel block; ``"selective"`` recomputes the cheap ops and half the matrix multiplies.
@@ -48,6 +51,8 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode  # no public path to either
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_deepseek.parallel.plan import plan_blocks
@@ -116,7 +121,73 @@ def _selective_contexts() -> tuple[Any, Any]:
             keep = op in _SAVE_OPS
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    if torch.compiler.is_compiling():  # traced, torch's own contexts are what it understands
+        return forward, recompute
+    return _SuspendableContext(forward), _SuspendableContext(recompute)
+
+
+class _SuspendableContext:
+    """One of torch's selective contexts (a dispatch mode), which the hooks of an FSDP unit nested in the block
+    leave while they run and enter again after (:func:`_keep_unit_hooks_out`)."""
+
+    def __init__(self, mode: TorchDispatchMode) -> None:
+        self.mode, self.suspended = mode, False
+
+    def __enter__(self) -> None:
+        self.mode.__enter__()
+        _entered().append(self)
+
+    def __exit__(self, *exc: Any) -> None:
+        _entered().pop()
+        if not self.suspended:
+            self.mode.__exit__(*exc)
+
+    # The base class's enter and exit only push and pop the mode: the recompute's own enter restarts its op counts.
+    def suspend(self) -> None:
+        if not self.suspended and _get_current_dispatch_mode() is self.mode:
+            TorchDispatchMode.__exit__(self.mode, None, None, None)
+            self.suspended = True
+
+    def resume(self) -> None:
+        if self.suspended:
+            TorchDispatchMode.__enter__(self.mode)
+            self.suspended = False
+
+
+def _entered() -> list[_SuspendableContext]:
+    """This thread's entered selective contexts, innermost last."""
+    if not hasattr(_state, "entered"):
+        _state.entered = []
+    return _state.entered
+
+
+def _suspend(*_: Any) -> None:
+    if _entered():
+        _entered()[-1].suspend()
+
+
+def _resume(*_: Any) -> None:
+    if _entered():
+        _entered()[-1].resume()
+
+
+def _keep_unit_hooks_out(block: nn.Module) -> None:
+    """Run the forward hooks of the FSDP2 units nested in ``block`` (routed experts sharded over ``edp``) outside the
+    selective contexts, once per unit. Inside, they broke the recompute on torch 2.13 ("... invocation index N
+    encountered during backward but not found in storage"): a unit's hooks run a different number of ops in forward
+    and in the recompute (there the unit may already be gathered by its pre-backward hook; profiler annotations),
+    and torch 2.13 replays a selective region by each op's call count in forward. Outside, the hooks' ops are
+    recomputed as under ``"full"``; the unit's forward (matrix multiplies, all-to-all) stays selective. FSDP2 puts
+    its pre-forward hook first and its post-forward hook last, so these go around them."""
+    for module in block.modules():
+        if module is block or not isinstance(module, FSDPModule) or getattr(module, "_hooks_out_of_selective", False):
+            continue
+        module.register_forward_pre_hook(_suspend, prepend=True)
+        module.register_forward_pre_hook(_resume)
+        module.register_forward_hook(_suspend, prepend=True)
+        module.register_forward_hook(_resume, always_call=True)
+        module._hooks_out_of_selective = True
 
 
 class CheckpointedForward(nn.Module):
@@ -135,6 +206,7 @@ class CheckpointedForward(nn.Module):
         # Compiled, the block is traced once and its backward recomputes inside the graph, without Python.
         run = original if torch.compiler.is_compiling() else _flag_recompute(original)
         if self.activation_checkpointing == "selective":
+            _keep_unit_hooks_out(self)
             return checkpoint(run, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
         return checkpoint(run, *args, use_reentrant=False, **kwargs)  # no context_fn: torch.compile traces it
 

@@ -36,6 +36,7 @@ def test_layer_kinds() -> None:
     (DENSE, PlanLayout(dp_shard=4, activation_checkpointing="full")),
     (MIXED, PlanLayout(ep=2, shard_optimizer_states=True)),
     (MIXED, PlanLayout(ep=2, dp_shard=2, activation_checkpointing="full")),
+    (MIXED, PlanLayout(ep=2, dp_shard=2, activation_checkpointing="selective")),  # experts: an FSDP unit inside
 ])
 def test_representative_equals_full(spec: ModelSpec, layout: PlanLayout) -> None:
     full = plan(spec, 4, layout, CLUSTER, STEP, depth="full")
