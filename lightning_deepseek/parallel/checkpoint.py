@@ -47,9 +47,11 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, full: bool,
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    # A DCP folder keys every state and hyperparameter by parameter name (torch's flattened form): the ranks of a
+    # pipeline hold other parameters and other groups, so group indices do not match across them or across layouts.
+    options = StateDictOptions(full_state_dict=full, cpu_offload=True, flatten_optimizer_state_dict=not full)
     with _paused(sharded):
-        state = get_optimizer_state_dict(model, optimizer,
-                                         options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+        state = get_optimizer_state_dict(model, optimizer, options=options)
     if sharded is not None and full:
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(state["state"], gathered, dst=0)
@@ -130,14 +132,17 @@ def load_distributed(model: nn.Module, optimizers: list[Optimizer], path: Path, 
     model_state_ = {"state_dict": get_model_state_dict(model)}
     dcp.load(model_state_, checkpoint_id=path)
     set_model_state_dict(model, model_state_["state_dict"], options=StateDictOptions(strict=strict))
+    saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
         zero = sharded[i] if i < len(sharded) else None
+        # folders written before the flattened form hold param_groups by index (a list, each with its "params")
+        options = StateDictOptions(strict=zero is None,
+                                   flatten_optimizer_state_dict=f"{key}.param_groups.0.params" not in saved_keys)
         with _paused(zero):  # with ZeRO-1 the template holds only the owned states: just those keys are read
-            optim_state = {key: get_optimizer_state_dict(model, optimizer)}
+            optim_state = {key: get_optimizer_state_dict(model, optimizer, options=options)}
         dcp.load(optim_state, checkpoint_id=path)
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key],
-                                 options=StateDictOptions(strict=zero is None))
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key], options=options)
     return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
 

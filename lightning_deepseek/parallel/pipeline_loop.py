@@ -37,14 +37,19 @@ rank materialises its stages only). Costs: per optimizer step one all-reduce of 
 Does not support: manual optimisation, ``predict_step``, training batches of different sizes, tensor or expert
 parallelism inside a stage, HSDP (a stage sharded over part of its replicas), ZeRO-1, FSDP2 resharding after forward
 and selective activation checkpointing under ZBVZeroBubble and DualPipeV (their split backward), loss scaling (FP16)
-and ``GradientCompression`` (no DDP wrapper), resuming from a checkpoint (refused: the optimizer's ``param_groups``
-are saved by group index, which the ranks of a pipeline do not share).
+and ``GradientCompression`` (no DDP wrapper), one-file checkpoints (``save_distributed_checkpoint=False``, and
+resuming from a file: refused, the ranks hold other stages).
+
+Checkpoints: the DCP folder holds each rank's stages and their optimizer states under the whole model's parameter
+names (:mod:`.checkpoint`; states and hyperparameters keyed by name, not group index), so a pipelined run resumes at
+the same or another ``pp`` size, or without a pipeline, and a run without one resumes under a pipeline.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -232,6 +237,7 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
     (``_pipeline``) and ``DDPStrategy``'s own otherwise; ``HybridParallelStrategy`` inherits them."""
 
     _pipeline: PipelineLoop | None = None
+    _save_distributed_checkpoint: bool = True
 
     @property
     def pipeline_group(self) -> dist.ProcessGroup | None:
@@ -259,18 +265,25 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
                     f"{self.parallel_dims.pp} runs the backward inside the schedule, unscaled: not supported yet. Use "
                     "precision='bf16-mixed' or '32-true' (lds-train: precision=bf16 or fp32), or "
                     "pipeline_parallel_size=1.")
+            if not self._save_distributed_checkpoint:
+                raise ValueError(
+                    f"save_distributed_checkpoint=False with pipeline_parallel_size={self.parallel_dims.pp}: each rank "
+                    "holds only its stages, so one file gathered on rank 0 would miss the others. Use "
+                    "save_distributed_checkpoint=True (a DCP folder, loadable at any layout).")
             if not meta:  # every rank builds its stages from rank 0's weights
                 _sync_module_states(module)
             self._pipeline = split_lightning_module(module, self.world_mesh, self._settings, self.root_device)
         self.layout = self.layout or Layout(self.parallel_dims, "pipeline", self.world_mesh.order)
 
-    def _check_pipeline_resume(self) -> None:
-        """Refuse to resume a pipelined run, before any collective of the load."""
-        if self._pipeline is not None:
+    def _check_pipeline_checkpoint(self, path: Path) -> None:
+        """Refuse, before any collective of the load, a one-file checkpoint under a pipeline: its weights and
+        optimizer states are keyed by the whole model's parameter order, which a rank holding a few stages lacks."""
+        if self._pipeline is not None and path.is_file():
             raise ValueError(
-                f"resuming training with pipeline_parallel_size={self.parallel_dims.pp} is not supported yet: the "
-                "checkpoint's optimizer param_groups are stored by group index, which the ranks of a pipeline do not "
-                "share (each holds other parameters). Start the run again without ckpt_path (lds-train: resume=null).")
+                f"ckpt_path={str(path)!r} is one file and pipeline_parallel_size={self.parallel_dims.pp}: a pipeline "
+                "resumes from a torch.distributed.checkpoint folder only (what HybridParallelStrategy writes with "
+                "save_distributed_checkpoint=True, at any layout). Convert the file by resuming it with "
+                "pipeline_parallel_size=1 and saving a folder, then resume that.")
 
     def _route_clipping(self) -> None:
         """Clip through the mesh-aware functions; by norm over every stage under a pipeline."""

@@ -389,8 +389,8 @@ class HybridParallelStrategy(PipelineStrategyHooks):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        self._check_pipeline_resume()
         path = Path(self.broadcast(checkpoint_path))
+        self._check_pipeline_checkpoint(path)
         loaded = _checkpoint_io.load(self.model, self.optimizers, path, self.lightning_module, weights_only,
                                      [self._zero_of(o) for o in self.optimizers], self.checkpoint_io)
         disable_foreach_on_mixed_groups(self.optimizers)  # loaded groups carry the saved run's foreach
