@@ -116,6 +116,14 @@ def is_distributed_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / _METADATA_FILENAME).is_file()
 
 
+def has_indexed_param_groups(path: Path) -> bool:
+    """Whether the DCP folder at ``path`` holds its optimizer's param_groups by group index (folders written before
+    they were keyed by parameter name): loadable only where every rank's optimizer has the saved groups."""
+    import torch.distributed.checkpoint as dcp
+
+    return "optimizer_0.param_groups.0.params" in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+
+
 def load_distributed(model: nn.Module, optimizers: list[Optimizer], path: Path, strict: bool,
                      weights_only: bool | None,
                      sharded: Sequence[ShardedOptimizerStates | None] = ()) -> dict[str, Any]:
@@ -132,13 +140,11 @@ def load_distributed(model: nn.Module, optimizers: list[Optimizer], path: Path, 
     model_state_ = {"state_dict": get_model_state_dict(model)}
     dcp.load(model_state_, checkpoint_id=path)
     set_model_state_dict(model, model_state_["state_dict"], options=StateDictOptions(strict=strict))
-    saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    indexed = has_indexed_param_groups(path)
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
         zero = sharded[i] if i < len(sharded) else None
-        # folders written before the flattened form hold param_groups by index (a list, each with its "params")
-        options = StateDictOptions(strict=zero is None,
-                                   flatten_optimizer_state_dict=f"{key}.param_groups.0.params" not in saved_keys)
+        options = StateDictOptions(strict=zero is None, flatten_optimizer_state_dict=not indexed)
         with _paused(zero):  # with ZeRO-1 the template holds only the owned states: just those keys are read
             optim_state = {key: get_optimizer_state_dict(model, optimizer, options=options)}
         dcp.load(optim_state, checkpoint_id=path)

@@ -66,6 +66,7 @@ from typing_extensions import override
 
 from lightning_deepseek.parallel import clipping
 from lightning_deepseek.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_deepseek.parallel.checkpoint import has_indexed_param_groups, is_distributed_checkpoint
 from lightning_deepseek.parallel.dims import WorldMesh
 from lightning_deepseek.parallel.layout import Layout, LayoutSettings
 from lightning_deepseek.parallel.pipeline import PipelineRunner, check_pipeline_settings, min_microbatches
@@ -276,14 +277,21 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
         self.layout = self.layout or Layout(self.parallel_dims, "pipeline", self.world_mesh.order)
 
     def _check_pipeline_checkpoint(self, path: Path) -> None:
-        """Refuse, before any collective of the load, a one-file checkpoint under a pipeline: its weights and
-        optimizer states are keyed by the whole model's parameter order, which a rank holding a few stages lacks."""
+        """Refuse, before any collective of the load, what a pipeline cannot resume: a one-file checkpoint (weights
+        and optimizer states keyed by the whole model's parameter order, which a rank holding a few stages lacks) or
+        a folder whose param_groups are stored by group index."""
         if self._pipeline is not None and path.is_file():
             raise ValueError(
                 f"ckpt_path={str(path)!r} is one file and pipeline_parallel_size={self.parallel_dims.pp}: a pipeline "
                 "resumes from a torch.distributed.checkpoint folder only (what HybridParallelStrategy writes with "
                 "save_distributed_checkpoint=True, at any layout). Convert the file by resuming it with "
                 "pipeline_parallel_size=1 and saving a folder, then resume that.")
+        if self._pipeline is not None and is_distributed_checkpoint(path) and has_indexed_param_groups(path):
+            raise ValueError(
+                f"ckpt_path={str(path)!r} holds its optimizer param_groups by group index (written by an older "
+                f"version), which the ranks of pipeline_parallel_size={self.parallel_dims.pp} do not share. Resume it "
+                "with pipeline_parallel_size=1 and save it again (param_groups keyed by parameter name), then resume "
+                "that.")
 
     def _route_clipping(self) -> None:
         """Clip through the mesh-aware functions; by norm over every stage under a pipeline."""

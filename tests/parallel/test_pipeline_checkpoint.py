@@ -8,7 +8,8 @@ uninterrupted steps of the saving layout: the 10 resumed losses (the mean over t
 weights within 1e-6 relative.
 
 - 2 ranks: ``pp=2`` -> ``pp=2`` (the same layout), ``pp=2`` -> unsharded data parallelism (no pipeline), and data
-  parallelism -> ``pp=2``; one-file checkpoints under a pipeline raise, naming the setting;
+  parallelism -> ``pp=2``; one-file checkpoints and folders with indexed param_groups under a pipeline raise,
+  naming the setting;
 - 4 ranks: ``pp=2 x dp=2`` -> ``pp=4``.
 """
 
@@ -24,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.utils.data import DataLoader, Subset
 
 from lightning_deepseek import HybridParallelStrategy
@@ -98,14 +100,20 @@ class SaveAtStep(pl.Callback):
 
 
 def _errors(world_size: int, folder: Path) -> dict[str, str]:
-    """The message of a one-file checkpoint saved, and resumed, under a pipeline."""
+    """The message of a one-file checkpoint saved, and resumed, under a pipeline, and of a folder with indexed
+    param_groups resumed under one."""
     messages = {}
     file = folder / "one.ckpt"
     if dist.get_rank() == 0:
         torch.save({}, file)
     dist.barrier()
+    indexed = folder / "indexed.ckpt"  # the optimizer's param_groups by group index, as older folders hold them
+    dcp.save({"optimizer_0": {"param_groups": [{"lr": 0.1, "params": ["model.head.weight"]}]}}, checkpoint_id=indexed)
+    if dist.get_rank() == 0:
+        torch.save({}, indexed / "meta.pt")
+    dist.barrier()
     cases = {"save_file": (HybridParallelStrategy(pipeline_parallel_size=2, save_distributed_checkpoint=False), None),
-             "resume_file": (_strategy(2), file)}
+             "resume_file": (_strategy(2), file), "resume_indexed": (_strategy(2), indexed)}
     for name, (strategy, ckpt_path) in cases.items():
         try:
             make_trainer(world_size, strategy, max_steps=1).fit(
@@ -176,8 +184,10 @@ def test_data_parallel_run_resumes_under_pp2(two_ranks: dict[str, Any]) -> None:
     ("save_file", "save_distributed_checkpoint=False with pipeline_parallel_size=2"),
     ("resume_file", "is one file and pipeline_parallel_size=2: a pipeline resumes from a torch.distributed.checkpoint "
                     "folder only"),
+    ("resume_indexed", "holds its optimizer param_groups by group index (written by an older version), which the "
+                       "ranks of pipeline_parallel_size=2 do not share"),
 ])
-def test_one_file_checkpoints_under_a_pipeline_raise(two_ranks: dict[str, Any], case: str, message: str) -> None:
+def test_checkpoints_a_pipeline_cannot_resume_raise(two_ranks: dict[str, Any], case: str, message: str) -> None:
     assert message in two_ranks["errors"][case]
 
 
