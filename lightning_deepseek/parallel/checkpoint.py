@@ -40,16 +40,19 @@ def model_state(model: nn.Module, full: bool) -> dict[str, Any]:
 
 
 def optimizer_state(model: nn.Module, optimizer: Optimizer, full: bool,
-                    sharded: ShardedOptimizerStates | None = None, module: nn.Module | None = None) -> dict[str, Any]:
+                    sharded: ShardedOptimizerStates | None = None, module: nn.Module | None = None,
+                    flatten: bool = False) -> dict[str, Any]:
     """``optimizer``'s state, sharded like ``model_state`` (with ZeRO-1: the owned states; ``full``: all of them
     gathered to rank 0 and, given the LightningModule ``module``, keyed by parameter index as Lightning's DDP and
-    model-parallel files key them)."""
+    model-parallel files key them). ``flatten`` (sharded only): states and param-group hyperparameters keyed by
+    parameter name, torch's flattened form, as the ranks of a pipeline need (they hold other parameters and other
+    groups, so group indices match neither across them nor across layouts); without it the groups are kept by
+    index, the form Lightning's ``ModelParallelStrategy`` loads."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    # A DCP folder keys every state and hyperparameter by parameter name (torch's flattened form): the ranks of a
-    # pipeline hold other parameters and other groups, so group indices do not match across them or across layouts.
-    options = StateDictOptions(full_state_dict=full, cpu_offload=True, flatten_optimizer_state_dict=not full)
+    options = StateDictOptions(full_state_dict=full, cpu_offload=True,
+                               flatten_optimizer_state_dict=flatten and not full)
     with _paused(sharded):
         state = get_optimizer_state_dict(model, optimizer, options=options)
     if sharded is not None and full:
@@ -117,8 +120,8 @@ def is_distributed_checkpoint(path: Path) -> bool:
 
 
 def has_indexed_param_groups(path: Path) -> bool:
-    """Whether the DCP folder at ``path`` holds its optimizer's param_groups by group index (folders written before
-    they were keyed by parameter name): loadable only where every rank's optimizer has the saved groups."""
+    """Whether the DCP folder at ``path`` holds its optimizer's param_groups by group index (written without a
+    pipeline): loadable only where every rank's optimizer has the saved groups."""
     import torch.distributed.checkpoint as dcp
 
     return "optimizer_0.param_groups.0.params" in dcp.FileSystemReader(path).read_metadata().state_dict_metadata

@@ -42,7 +42,8 @@ resuming from a file: refused, the ranks hold other stages).
 
 Checkpoints: the DCP folder holds each rank's stages and their optimizer states under the whole model's parameter
 names (:mod:`.checkpoint`; states and hyperparameters keyed by name, not group index), so a pipelined run resumes at
-the same or another ``pp`` size, or without a pipeline, and a run without one resumes under a pipeline.
+the same or another ``pp`` size, or without a pipeline. A folder written without a pipeline (param_groups by index,
+Lightning's ``ModelParallelStrategy`` form) is refused under one.
 """
 
 from __future__ import annotations
@@ -288,10 +289,10 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
                 "pipeline_parallel_size=1 and saving a folder, then resume that.")
         if self._pipeline is not None and is_distributed_checkpoint(path) and has_indexed_param_groups(path):
             raise ValueError(
-                f"ckpt_path={str(path)!r} holds its optimizer param_groups by group index (written by an older "
-                f"version), which the ranks of pipeline_parallel_size={self.parallel_dims.pp} do not share. Resume it "
-                "with pipeline_parallel_size=1 and save it again (param_groups keyed by parameter name), then resume "
-                "that.")
+                f"ckpt_path={str(path)!r} holds its optimizer param_groups by group index (a run without a pipeline "
+                f"writes them so, as Lightning's ModelParallelStrategy reads them), which the ranks of "
+                f"pipeline_parallel_size={self.parallel_dims.pp} do not share: resuming it under a pipeline is not "
+                "supported yet. Resume it with pipeline_parallel_size=1.")
 
     def _route_clipping(self) -> None:
         """Clip through the mesh-aware functions; by norm over every stage under a pipeline."""

@@ -359,7 +359,8 @@ class HybridParallelStrategy(PipelineStrategyHooks):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         return _checkpoint_io.optimizer_state(self.model, optimizer, full=not self._save_distributed_checkpoint,
-                                              sharded=self._zero_of(optimizer), module=self.lightning_module)
+                                              sharded=self._zero_of(optimizer), module=self.lightning_module,
+                                              flatten=self._pipeline is not None)
 
     def _zero_of(self, optimizer: Optimizer) -> ShardedOptimizerStates | None:
         """The ZeRO-1 state of ``optimizer`` (a torch optimizer), if its states are sharded."""
