@@ -39,7 +39,7 @@ FP8: ``Stage("fp8")`` converts the model's ``nn.Linear`` layers to torchao's flo
 Sharded parameters (FSDP2, ``HybridParallelStrategy(data_parallel_shard_size=N)``): at each stage change the FSDP
 units' mixed-precision policy follows the stage (parameters all-gathered in FP16 or BF16, BF16 in FP8 stages,
 gradients reduce-scattered in ``fsdp_reduce_dtype``; no policy in FP32 stages), see
-:mod:`lightning_deepseek.parallel.fsdp_precision`. With an FP8 stage the layers are converted at setup, before the
+:mod:`lightning_deepseek.precision.fsdp_policy`. With an FP8 stage the layers are converted at setup, before the
 strategy shards them (``convert_module``), and compute as ``nn.Linear`` (bitwise) until the FP8 stage turns their FP8
 GEMMs on; after it, and after ``fit``, they stay converted with FP8 off. Not supported there:
 ``data_parallel_shard_size="auto"`` (the size is decided after the conversion point) or a model the user shards in
@@ -67,8 +67,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_deepseek.parallel import HybridParallelStrategy, fsdp_precision
-from lightning_deepseek.precision import float8
+from lightning_deepseek.precision import float8, fsdp_policy
 from lightning_deepseek.precision.float8 import DEFAULT_EXCLUDE, Float8Training
 from lightning_deepseek.precision.loss_scaler import DynamicLossScaler
 from lightning_deepseek.precision.lr_scheduler import SkippedStepSchedulerGuard
@@ -108,7 +107,9 @@ def _lightning_module(model: Module) -> pl.LightningModule:
 
 def _will_shard_parameters(strategy: Any) -> bool:
     # The sizes known after setup_environment; an "auto" data_parallel_shard_size counts as 1 until setup decides it.
-    return isinstance(strategy, HybridParallelStrategy) and strategy.parallel_dims.fsdp_enabled
+    # (HybridParallelStrategy's dims, read by name: precision works without the parallel package.)
+    dims = getattr(strategy, "parallel_dims", None)
+    return bool(getattr(dims, "fsdp_enabled", False))
 
 
 class StagedPrecision(Precision):
@@ -175,7 +176,7 @@ class StagedPrecision(Precision):
         self.float8_layers: list[str] = []  # paths of the layers the last FP8 stage converted
         self._float8_active = False  # whether the model computes FP8 GEMMs now
         self._float8_toggled = False  # whether its layers were converted at setup (sharded parameters)
-        self.fsdp_reduce_dtype = fsdp_precision.reduce_dtype_of(fsdp_reduce_dtype)
+        self.fsdp_reduce_dtype = fsdp_policy.reduce_dtype_of(fsdp_reduce_dtype)
         self._fsdp_units: list[FSDPModule] = []  # the model's FSDP units, found at connect
         self._fsdp_precision: str | None = None  # the precision whose policy they hold
 
@@ -238,7 +239,7 @@ class StagedPrecision(Precision):
             self._resolve_schedule(trainer)
             if self.skip_lr_scheduler_on_skipped_step:
                 SkippedStepSchedulerGuard.install(module, self, lr_schedulers)
-        self._fsdp_units = fsdp_precision.fsdp_units(module)
+        self._fsdp_units = fsdp_policy.fsdp_units(module)
         if self._fsdp_units and self.float8 is not None and not self._float8_toggled:
             raise StagedPrecisionError(
                 "Stage('fp8') with sharded parameters needs its float8 layers before sharding, but "
@@ -259,7 +260,7 @@ class StagedPrecision(Precision):
                 float8.revert(module)
             self._float8_active = self._float8_toggled = False
             if self._fsdp_precision not in (None, "32-true"):  # and with FSDP's FP32 all-gathers
-                fsdp_precision.set_mixed_precision(self._fsdp_units, fsdp_precision.stage_policy("32-true"))
+                fsdp_policy.set_mixed_precision(self._fsdp_units, fsdp_policy.stage_policy("32-true"))
         self._fsdp_units, self._fsdp_precision = [], None
         super().teardown()
 
@@ -372,8 +373,8 @@ class StagedPrecision(Precision):
     def _sync_model(self, module: pl.LightningModule) -> None:
         """Bring the model in line with the current stage: FSDP's policy, the FP8 layers."""
         if self._fsdp_units and self._fsdp_precision != self.precision:  # FSDP's policy follows the stage
-            policy = fsdp_precision.stage_policy(self.precision, self.fsdp_reduce_dtype)
-            fsdp_precision.set_mixed_precision(self._fsdp_units, policy)
+            policy = fsdp_policy.stage_policy(self.precision, self.fsdp_reduce_dtype)
+            fsdp_policy.set_mixed_precision(self._fsdp_units, policy)
             self._fsdp_precision = self.precision
         # Converts at the boundary into an FP8 stage (also the first step after a resume mid-FP8), reverts after it.
         in_fp8 = self.precision == "fp8-mixed"

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # the protocol set_custom_reduce_scatter takes
 
 from lightning_deepseek import HybridParallelStrategy, StagedPrecision
-from lightning_deepseek.parallel.fsdp_precision import fsdp_units, set_mixed_precision, stage_policy
+from lightning_deepseek.precision.fsdp_policy import fsdp_units, set_mixed_precision, stage_policy
 from tests.helpers import run_distributed
 from tests.parallel.common import TinyLM, loader, make_trainer, token_data
 
