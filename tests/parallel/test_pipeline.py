@@ -34,6 +34,8 @@ from tests.helpers import run_distributed
 
 STEPS, BATCH, SEQ, VOCAB, LAYERS = 20, 8, 16, 64, 8
 MODELS = ("gpt", "moe", "llama")
+# At 4 ranks HF Llama is left to tests/parallel/test_pipeline_strategy.py (the suite's 15-minute budget).
+MODELS_AT = {2: MODELS, 4: ("gpt", "moe")}
 TOL = 1e-5
 # One spawn per world size trains 12 pipelines of 20 steps: minutes on a loaded 2-core machine.
 pytestmark = pytest.mark.timeout(900)
@@ -163,7 +165,7 @@ def _errors(world_size: int) -> dict[str, str]:
 def pipeline_scenarios(rank: int, world_size: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {"p2p": _batched_p2p(rank, world_size), "errors": _errors(world_size)}
-    for name in MODELS:
+    for name in MODELS_AT[world_size]:
         for schedule in SCHEDULES:
             out[name, schedule] = _train(name, schedule)
     out["accumulate"] = _accumulate()
@@ -190,6 +192,8 @@ def _close(a: list[float], b: list[float]) -> float:
 @pytest.mark.parametrize("name", MODELS)
 def test_parity_with_one_process(spawn: Any, references: Any, name: str, schedule: str) -> None:
     world_size, results = spawn
+    if name not in MODELS_AT[world_size]:
+        pytest.skip(f"{name} at {world_size} ranks: see MODELS_AT")
     ref = references[name]
     weights: dict[str, list] = {}
     for result in results:
