@@ -16,7 +16,9 @@
 #      on loopback (bench_cost_model.py, #16): the same benchmark as on the project's 2-core VM, where 2 ranks share
 #      the cores with gloo's threads and the host's other guests, on a quiet machine: is the ranking's miss on the
 #      VM's near-ties noise or the model? (CPU only; it needs no GPU, only the device machine's idle cores.)
-# GPU_CHECKS picks steps (default: "cost-model tests large kernels precision fp8 fp8-wide"; "testbed" only if named).
+#   6. the pipeline schedules' single-device path (one_device.py, #47): every schedule runs on one GPU, its gradients
+#      equal to the plain forward and backward, and its tokens/s beside it.
+# GPU_CHECKS picks steps (default: "cost-model tests large pipeline kernels precision fp8 fp8-wide"; "testbed" only if named).
 # At most 8 files come back: every step's stderr goes to stderr.log.
 # Usage, from the repository root on the device machine:  bash benchmarks/gpu_checks.sh "$OUT"
 # The device image has torch, Lightning and pytest; benchmarks/gpu_pack.sh packs the rest (torchao for step 4; omegaconf
@@ -33,7 +35,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >>"$out/env.
 { echo "uid $(id -u), $(nproc) cores"; for t in ip tc taskset; do echo "$t: $(command -v $t || echo missing)"; done
   ip netns add ldsprobe && ip netns exec ldsprobe tc qdisc add dev lo root tbf rate 1gbit burst 32kb latency 50ms \
     && echo "netns + tc tbf: ok"; ip netns del ldsprobe; } >>"$out/env.txt" 2>&1
-checks=" ${GPU_CHECKS:-cost-model tests large kernels precision fp8 fp8-wide} "
+checks=" ${GPU_CHECKS:-cost-model tests large pipeline kernels precision fp8 fp8-wide} "
 want() { [[ $checks == *" $1 "* ]]; }
 pin=$(command -v taskset >/dev/null && [ "$(nproc)" -ge 16 ] && echo "taskset -c 8-15")
 want cost-model && (OMP_NUM_THREADS=1 timeout 520 $pin python3 benchmarks/autotune/bench_cost_model.py --repeats 6 --steps 20 \
@@ -52,6 +54,10 @@ want tests && timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/comp
 want large && timeout 180 python3 -c 'import sys; from lightning_deepseek.app.console import train; train()' trainer=gpu trainer.devices=1 strategy=hybrid strategy.tensor_parallel_size=1 \
   strategy.activation_checkpointing=full model=gpt2-124m tune=none compression=none trainer.max_steps=30 \
   hydra.run.dir="$out/large_run" 2>>"$out/stderr.log" | grep -A25 "memory per rank\|run summary" | tee "$out/large.md"
+# The pipeline schedules' single-device path (#47): every stage on one rank (NCCL world of one), gradients against the
+# plain forward and backward, and what each schedule's bookkeeping costs in tokens/s.
+want pipeline && timeout 150 python3 benchmarks/pipeline/one_device.py --device cuda --size gpt2-124m --steps 20 \
+  2>>"$out/stderr.log" | tee "$out/pipeline.md"
 # --compile adds inductor's fused kernel of the plain int8 round trip (the eager int8 round trip reaches 0.11x of a copy)
 want kernels && timeout 120 python3 benchmarks/compression/kernels.py --device cuda --numel 67108864 --compile 2>&1 | tee "$out/kernels.md"
 want precision && timeout 180 python3 benchmarks/precision/bench_precision.py --device cuda --size gpt2-124m --steps 100 2>>"$out/stderr.log" \
