@@ -144,15 +144,87 @@ def load_distributed(model: nn.Module, optimizers: list[Optimizer], path: Path, 
     dcp.load(model_state_, checkpoint_id=path)
     set_model_state_dict(model, model_state_["state_dict"], options=StateDictOptions(strict=strict))
     indexed = has_indexed_param_groups(path)
+    held = {f"state_dict.{name}" for name in model_state_["state_dict"]}
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    partial = any(k.startswith("state_dict.") and k not in held for k in saved)  # this rank holds a part (pipeline)
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
         zero = sharded[i] if i < len(sharded) else None
+        if indexed and partial:
+            if zero is not None:
+                raise ValueError(
+                    f"ckpt_path={str(path)!r} keeps its optimizer param_groups by group index (written without a "
+                    "pipeline) and this run shards the optimizer states (shard_optimizer_states=True) over ranks "
+                    "holding part of the model: not supported. Resume once with shard_optimizer_states=False and "
+                    "save a folder, then resume that.")
+            _load_indexed_by_name(model, optimizer, path, key)
+            continue
         options = StateDictOptions(strict=zero is None, flatten_optimizer_state_dict=not indexed)
         with _paused(zero):  # with ZeRO-1 the template holds only the owned states: just those keys are read
             optim_state = {key: get_optimizer_state_dict(model, optimizer, options=options)}
         dcp.load(optim_state, checkpoint_id=path)
         set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key], options=options)
     return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+def _load_indexed_by_name(model: nn.Module, optimizer: Optimizer, path: Path, key: str) -> None:
+    """Load optimizer ``key`` of a folder whose param_groups are kept by group index into an optimizer holding a
+    part of the saved parameters in other groups (a pipeline stage): the states are keyed by parameter name in both
+    forms; each saved group's hyperparameters go to the parameters it lists by name. Collective (every rank reads)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    template = get_optimizer_state_dict(model, optimizer, options=options)  # "state.<name>.<state>", "param_groups.."
+    prefix = f"{key}.param_groups."
+    saved_groups: dict[str, Any] = {k: None for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+                                    if k.startswith(prefix)}
+    dcp.load(saved_groups, checkpoint_id=path)  # the groups' hyperparameters and parameter names (small objects)
+    groups: dict[int, dict[str, Any]] = {}
+    for k, value in saved_groups.items():
+        index, _, field = k[len(prefix):].partition(".")
+        groups.setdefault(int(index), {})[field] = value
+    flat, error = _param_groups_by_name(model, optimizer, template, [groups[i] for i in sorted(groups)], key)
+    failed = torch.tensor([error is not None])
+    if dist.is_initialized():  # every rank raises, or none: the states' load below is collective
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise ValueError(error or f"ckpt_path={str(path)!r}: another rank cannot map the saved param_groups of "
+                                  f"{key} to its parameters (see its error).")
+    states = {key: {k: v for k, v in template.items() if k.startswith("state.")}}
+    dcp.load(states, checkpoint_id=path)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict={**states[key], **flat}, options=options)
+
+
+def _param_groups_by_name(model: nn.Module, optimizer: Optimizer, template: dict[str, Any],
+                          saved: list[dict[str, Any]], key: str) -> tuple[dict[str, Any], str | None]:
+    """The flattened ``param_groups.<name>.<hyperparameter>`` entries of this rank's parameters from the ``saved``
+    groups (a hyperparameter the save lacks keeps the template's value), or why they cannot be mapped: a parameter
+    in no saved group, or one of this rank's groups joining saved groups of other hyperparameters."""
+    group_of = {name: group for group in saved for name in group.get("params", [])}
+    entries = {k: k[len("param_groups."):].rpartition(".") for k in template if k.startswith("param_groups.")}
+    missing = sorted({name for name, _, _ in entries.values()} - group_of.keys())
+    if missing:
+        return {}, (f"{key} of the checkpoint has no param_group holding {missing[:3]} ({len(missing)} parameters): "
+                    "the saved optimizer stepped other parameters. Resume with the model and configure_optimizers "
+                    "of the saving run.")
+    flat = {k: group_of[name].get(field, template[k]) for k, (name, _, field) in entries.items()}
+    name_of = {id(p): n.replace("._orig_mod", "").replace("_orig_mod.", "") for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        names = [name_of[id(p)] for p in group["params"] if id(p) in name_of]
+        for field in group:
+            values = {repr(flat.get(f"param_groups.{name}.{field}")): name for name in names}
+            if field != "params" and len(values) > 1:
+                (a, first), (b, second) = list(values.items())[:2]
+                return {}, (f"{key}: {first} and {second} are in one param_group of this run, but the checkpoint's "
+                            f"groups give them {field}={a} and {field}={b}. Resume with the param_groups of the saving "
+                            "run's configure_optimizers.")
+    return flat, None
 
 
 def load_full(model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[str, Any], strict: bool,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import resource
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -133,6 +134,8 @@ def setup_optimizer_states(optimizers: list[Optimizer], rank: int, world_size: i
     memory = memory_per_rank(inners, owners, world_size)  # with the partition ZeRO-1 deals or would deal
     if mesh is not None and mesh.dims.fsdp_enabled:  # parameter sharding already shards the states
         memory.pop("this layout + ZeRO-1")
+    if mesh is not None and mesh.dims.pp_enabled:
+        memory = _per_pipeline_rank(memory, mesh["pp"].get_group(), "this layout + ZeRO-1" if shard else "this layout")
     rank_zero_info(f"HybridParallelStrategy memory per rank:\n{format_memory_table(memory, shard)}")
     if not shard:
         return []
@@ -143,26 +146,70 @@ def setup_optimizer_states(optimizers: list[Optimizer], rank: int, world_size: i
     return handles
 
 
+def _per_pipeline_rank(memory: dict[str, MemoryPerRank], pp_group: dist.ProcessGroup,
+                       used: str) -> dict[str, MemoryPerRank]:
+    """The table's columns under a pipeline (collective over ``pp_group``, one rank of each stage): DDP holding the
+    whole model (the sum of every stage's unsharded figures) and what each pipeline rank holds of its own stages in
+    this run (``used``: the column of ``memory`` the run uses)."""
+    gathered: list[dict[str, MemoryPerRank] | None] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(gathered, memory, group=pp_group)
+    ddp = MemoryPerRank(*(sum(getattr(m["DDP"], f) for m in gathered) for f in ("params", "grads", "states")))
+    return {"DDP": ddp, **{f"pp rank {r}": m[used] for r, m in enumerate(gathered)}}
+
+
 def summary_rows(module: nn.Module, layout: Layout, num_sharded_layers: int, optimizers: list[Optimizer],
                  sharded: list[ShardedOptimizerStates], rank: int) -> dict[str, object]:
     """The layout, parameter and optimizer-state bytes per rank against DDP's, and the measured peak (CUDA: the
-    caching allocator's ``max_memory_allocated``; CPU: the process's peak resident set), as rows of a run summary."""
+    caching allocator's ``max_memory_allocated``; CPU: the process's peak resident set), as rows of a run summary.
+
+    Under a pipeline each rank holds its own stages (collective over the world, every rank calls it): the rows are
+    the most loaded rank's, DDP's figure is the whole model's, and ``..._per_pp_rank`` rows list each pipeline
+    rank's (the most loaded of its data-parallel replicas)."""
     params = list(module.parameters())
     full = sum(p.numel() * p.element_size() for p in params)
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
     dims = layout.dims
     mesh = f"dp={dims.dp} x tp={dims.tp}" + (f", dp_shard={dims.dp_shard}" if dims.fsdp_enabled else "")
+    device = params[0].device if params else torch.device("cpu")
+    states = sum(zero.state_bytes(o) for o in optimizers) if optimizers else None
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    zero_state = sum(z.partition.state_fraction(rank) * local for z in sharded) / len(sharded) if sharded else None
+    if dims.pp_enabled:
+        return _pipeline_rows(layout, rank, (full, local, states, zero_state, peak))
     rows: dict[str, object] = {"hybrid_mesh": f"{mesh} ({layout.placement})",
                                "hybrid_sharded_layers": num_sharded_layers,
                                "hybrid_param_bytes_vs_ddp": round(local / max(full, 1), 3),
                                **(layout.decision.summary() if layout.decision is not None else {})}
-    if optimizers:
-        rows["hybrid_optimizer_state_bytes"] = states = sum(zero.state_bytes(o) for o in optimizers)
+    if states is not None:
+        rows["hybrid_optimizer_state_bytes"] = states
         rows["hybrid_model_state_bytes"] = 2 * local + states  # parameters, their gradients, optimizer states
-    device = params[0].device if params else torch.device("cpu")
-    rows["peak_memory_bytes"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    if sharded:
-        state = sum(z.partition.state_fraction(rank) * local for z in sharded) / len(sharded)
-        rows["hybrid_optimizer_state_bytes_vs_ddp"] = round(state / max(full, 1), 3)
+    rows["peak_memory_bytes"] = peak
+    if zero_state is not None:
+        rows["hybrid_optimizer_state_bytes_vs_ddp"] = round(zero_state / max(full, 1), 3)
+    return rows
+
+
+def _pipeline_rows(layout: Layout, rank: int, figures: tuple[int, int, int | None, float | None, int]
+                   ) -> dict[str, object]:
+    """:func:`summary_rows` under a pipeline from this rank's ``figures`` (its stages' unsharded parameter bytes, what
+    it holds of them, its optimizer-state bytes, its ZeRO-1 state figure, its peak): every rank's gathered, the most
+    loaded one's and each ``pp`` rank's."""
+    dims = layout.dims
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (layout.order.index(rank) // (dims.dp * dims.tp), *figures))
+    whole = sum({pp_rank: full for pp_rank, full, *_ in gathered}.values())  # each stage's, once
+    per_pp = [[f for f in gathered if f[0] == r] for r in range(dims.pp)]
+    shard = f", dp_shard={dims.dp_shard}" if dims.fsdp_enabled else ""
+    rows: dict[str, object] = {"hybrid_mesh": f"pp={dims.pp} x dp={dims.dp} x tp={dims.tp}{shard} ({layout.placement})",
+                               "hybrid_param_bytes_vs_ddp": round(max(f[2] for f in gathered) / max(whole, 1), 3)}
+    if figures[2] is not None:
+        model_state = [max(2 * f[2] + f[3] for f in ranks) for ranks in per_pp]  # parameters, gradients, states
+        rows["hybrid_optimizer_state_bytes"] = max(f[3] for f in gathered)
+        rows["hybrid_model_state_bytes"] = max(model_state)
+        rows["hybrid_model_state_bytes_per_pp_rank"] = model_state
+    rows["peak_memory_bytes"] = max(f[5] for f in gathered)
+    rows["peak_memory_bytes_per_pp_rank"] = [max(f[5] for f in ranks) for ranks in per_pp]
+    if figures[3] is not None:
+        rows["hybrid_optimizer_state_bytes_vs_ddp"] = round(max(f[4] for f in gathered) / max(whole, 1), 3)
     return rows

@@ -5,8 +5,9 @@
 wraps them in torch's ``PipelineStage`` and builds the schedule; ``PipelineRunner.from_stage_modules`` does the last
 two for stage modules the caller built and prepared itself (materialised from the meta device, parallelised).
 ``step(inputs, targets)`` runs one forward and backward of the whole batch, cut into ``M`` equal micro-batches, and
-returns the mean micro-batch loss on every rank; ``eval_step`` runs the forwards only; ``clip_grad_norm_`` clips by
-the norm of all stages' gradients together.
+returns the mean micro-batch loss on every rank; ``eval_step`` runs the forwards only, ``predict_step`` too and
+returns the last stage's output on every rank; ``clip_grad_norm_`` clips by the norm of all stages' gradients
+together.
 
 Supports: the schedules ``1F1B``, ``Interleaved1F1B`` (two stages per rank), ``ZBVZeroBubble`` and ``DualPipeV`` (two
 stages per rank in V order), tested on gloo (CPU; NCCL runs the same torch code, untested here); gradient
@@ -349,6 +350,44 @@ class PipelineRunner:
             if self.holds_last_stage:
                 losses.append(self.loss_fn(hidden, target))
         return self._broadcast_loss(losses)
+
+    @torch.no_grad()
+    def predict_step(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Forwards only, as :meth:`eval_step`; returns the last stage's output for the whole batch (the micro-batches'
+        outputs concatenated), broadcast from the last stage's rank to every rank of the pipeline group.
+
+        Args:
+            inputs: the whole batch's model inputs, the same on every rank of the group (its size sets the
+                micro-batches: ``num_microbatches``, or one per sample for a smaller batch).
+        """
+        local = dict(zip(self.split.stage_indices(self._pp_rank), self.modules))
+        for module in self.modules:
+            module.eval()
+        last, outputs = self.split.num_stages - 1, []
+        for hidden in torch.tensor_split(inputs, min(self.num_microbatches, inputs.size(0))):
+            for index, module in sorted(local.items()):
+                if index > 0 and self._stage_rank(index - 1) != self._pp_rank:
+                    hidden = self._recv(index - 1)
+                hidden = module(hidden)
+                if index < last and self._stage_rank(index + 1) != self._pp_rank:
+                    self._send(hidden, index + 1)
+            if self.holds_last_stage:
+                outputs.append(hidden)
+        return self._broadcast_output(torch.cat(outputs) if self.holds_last_stage else None)
+
+    def _broadcast_output(self, output: torch.Tensor | None) -> torch.Tensor:
+        """``output`` (given on the last stage's rank only) on every rank of the group: a header, then the tensor."""
+        device, source = self.stages[0].device, self._stage_rank(-1)
+        header = torch.zeros(8, dtype=torch.int64, device=device)
+        if output is not None:
+            output = output.contiguous()
+            header[:2 + output.dim()] = torch.tensor([_DTYPES.index(output.dtype), output.dim(), *output.shape])
+        dist.broadcast(header, group_src=source, group=self.group)
+        if output is None:
+            dtype, ndim, *shape = header.tolist()
+            output = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
+        dist.broadcast(output, group_src=source, group=self.group)
+        return output
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

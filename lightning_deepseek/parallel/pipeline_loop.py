@@ -1,5 +1,5 @@
 """Lightning's loop through a pipeline: ``HybridParallelStrategy(pipeline_parallel_size=P)`` runs training,
-validation and test steps with :class:`~lightning_deepseek.parallel.pipeline.PipelineRunner`.
+validation, test and predict steps with :class:`~lightning_deepseek.parallel.pipeline.PipelineRunner`.
 
 Why our own: Lightning has no pipeline parallelism, and ``torch.distributed.pipelining`` gives schedules, not a
 loop: a LightningModule's ``training_step`` computes the loss of the whole model in one call, which cannot run when
@@ -20,6 +20,13 @@ The protocol (a LightningModule trained under a pipeline defines):
   ``"test"``: where ``self.log`` goes. The module's own ``training_step``, ``validation_step`` and ``test_step``
   are not called (Lightning still requires a ``training_step`` to exist). Lightning's ``on_train_batch_end`` hooks
   receive the loss as the step output.
+- ``pipeline_predict(output, batch)`` (optional): what ``trainer.predict`` returns for a batch from the last stage's
+  output of the whole batch (default: that output); the module's ``predict_step`` is not called.
+
+Predict: the forwards of each batch's inputs (the batch itself when a tensor or a one-element tuple or list, else
+the first of ``pipeline_batch``); the last stage's output is broadcast over the pipeline group (one broadcast of the
+output per batch), so every rank returns its data-parallel shard's predictions as under DDP, and the ranks of one
+pipeline the same ones. Under FSDP2 stages every replica must get the same number of predict batches.
 
 Data parallelism: the pipeline group is the mesh's ``pp`` dimension (outermost, torchtitan's order); the ranks
 holding the same stages form the ``dp`` group, each reads its own data shard (``DistributedSampler`` by its ``dp``
@@ -34,7 +41,7 @@ and optimizers as the module configures them (they see only the rank's stage par
 rank materialises its stages only). Costs: per optimizer step one all-reduce of the rank's stage gradients over
 ``dp`` (not overlapped with the backward, as DDP's buckets are), and the runner's costs.
 
-Does not support: manual optimisation, ``predict_step``, training batches of different sizes, tensor or expert
+Does not support: manual optimisation, training batches of different sizes, tensor or expert
 parallelism inside a stage, HSDP (a stage sharded over part of its replicas), ZeRO-1, FSDP2 resharding after forward
 and selective activation checkpointing under ZBVZeroBubble and DualPipeV (their split backward), loss scaling (FP16)
 and ``GradientCompression`` (no DDP wrapper), one-file checkpoints (``save_distributed_checkpoint=False``, and
@@ -43,7 +50,8 @@ resuming from a file: refused, the ranks hold other stages).
 Checkpoints: the DCP folder holds each rank's stages and their optimizer states under the whole model's parameter
 names (:mod:`.checkpoint`; states and hyperparameters keyed by name, not group index), so a pipelined run resumes at
 the same or another ``pp`` size, or without a pipeline. A folder written without a pipeline (param_groups by index,
-Lightning's ``ModelParallelStrategy`` form) is refused under one.
+Lightning's ``ModelParallelStrategy`` form) resumes under one, each saved group's hyperparameters mapped to this
+rank's parameters by name.
 """
 
 from __future__ import annotations
@@ -67,7 +75,6 @@ from typing_extensions import override
 
 from lightning_deepseek.parallel import clipping
 from lightning_deepseek.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_deepseek.parallel.checkpoint import has_indexed_param_groups, is_distributed_checkpoint
 from lightning_deepseek.parallel.dims import WorldMesh
 from lightning_deepseek.parallel.layout import Layout, LayoutSettings
 from lightning_deepseek.parallel.pipeline import PipelineRunner, check_pipeline_settings, min_microbatches
@@ -141,6 +148,18 @@ class PipelineLoop:
         loss = self._runner().eval_step(*self.split_batch(batch))
         self.on_loss(loss, batch, step)
         return loss
+
+    def predict_step(self, batch: Any) -> torch.Tensor:
+        """Forwards of ``batch``'s inputs through the pipeline; the last stage's output for the whole batch, on every
+        rank of the pipeline. The inputs: ``batch`` itself (a tensor, or a one-element tuple or list as a
+        ``TensorDataset`` of inputs gives), else the first of ``pipeline_batch(batch)``."""
+        if isinstance(batch, torch.Tensor):
+            inputs = batch
+        elif isinstance(batch, (tuple, list)) and len(batch) == 1:
+            inputs = batch[0]
+        else:
+            inputs = self.split_batch(batch)[0]
+        return self._runner().predict_step(inputs)
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -278,21 +297,16 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
         self.layout = self.layout or Layout(self.parallel_dims, "pipeline", self.world_mesh.order)
 
     def _check_pipeline_checkpoint(self, path: Path) -> None:
-        """Refuse, before any collective of the load, what a pipeline cannot resume: a one-file checkpoint (weights
-        and optimizer states keyed by the whole model's parameter order, which a rank holding a few stages lacks) or
-        a folder whose param_groups are stored by group index."""
+        """Refuse, before any collective of the load, what a pipeline cannot resume: a one-file checkpoint (optimizer
+        states keyed by the saving optimizer's parameter order, which a rank holding a few stages cannot map). A DCP
+        folder loads at any layout: one written without a pipeline (param_groups by group index) is mapped to this
+        rank's parameters by name (:mod:`.checkpoint`)."""
         if self._pipeline is not None and path.is_file():
             raise ValueError(
                 f"ckpt_path={str(path)!r} is one file and pipeline_parallel_size={self.parallel_dims.pp}: a pipeline "
                 "resumes from a torch.distributed.checkpoint folder only (what HybridParallelStrategy writes with "
                 "save_distributed_checkpoint=True, at any layout). Convert the file by resuming it with "
                 "pipeline_parallel_size=1 and saving a folder, then resume that.")
-        if self._pipeline is not None and is_distributed_checkpoint(path) and has_indexed_param_groups(path):
-            raise ValueError(
-                f"ckpt_path={str(path)!r} holds its optimizer param_groups by group index (a run without a pipeline "
-                f"writes them so, as Lightning's ModelParallelStrategy reads them), which the ranks of "
-                f"pipeline_parallel_size={self.parallel_dims.pp} do not share: resuming it under a pipeline is not "
-                "supported yet. Resume it with pipeline_parallel_size=1.")
 
     def _route_clipping(self) -> None:
         """Clip through the mesh-aware functions; by norm over every stage under a pipeline."""
@@ -324,10 +338,12 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            raise NotImplementedError("trainer.predict with pipeline_parallel_size > 1 is not supported: predict with "
-                                      "pipeline_parallel_size=1 (or on one process).")
-        return super().predict_step(*args, **kwargs)
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        with self.precision_plugin.predict_step_context():
+            output = self._pipeline.predict_step(args[0])
+        hook = getattr(self.lightning_module, "pipeline_predict", None)
+        return output if hook is None else hook(output, args[0])
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any

@@ -8,8 +8,8 @@ uninterrupted steps of the saving layout: the 10 resumed losses (the mean over t
 weights within 1e-6 relative.
 
 - 2 ranks: ``pp=2`` -> ``pp=2`` (the same layout), ``pp=2`` -> unsharded data parallelism (no pipeline); one-file
-  checkpoints, and a folder written without a pipeline (param_groups by index), raise under a pipeline, naming the
-  setting;
+  checkpoints raise under a pipeline, naming the setting (a folder written without a pipeline resumes under one:
+  ``test_pipeline_predict_resume.py``);
 - 4 ranks: ``pp=2 x dp=2`` -> ``pp=4``.
 """
 
@@ -99,16 +99,14 @@ class SaveAtStep(pl.Callback):
 
 
 def _errors(world_size: int, folder: Path) -> dict[str, str]:
-    """The message of a one-file checkpoint saved, and resumed, under a pipeline, and of a folder written without a
-    pipeline resumed under one."""
+    """The message of a one-file checkpoint saved, and resumed, under a pipeline."""
     messages = {}
     file = folder / "one.ckpt"
     if dist.get_rank() == 0:
         torch.save({}, file)
     dist.barrier()
-    indexed = folder / "dp.ckpt"  # written without a pipeline: the optimizer's param_groups by group index
     cases = {"save_file": (HybridParallelStrategy(pipeline_parallel_size=2, save_distributed_checkpoint=False), None),
-             "resume_file": (_strategy(2), file), "resume_indexed": (_strategy(2), indexed)}
+             "resume_file": (_strategy(2), file)}
     for name, (strategy, ckpt_path) in cases.items():
         try:
             make_trainer(world_size, strategy, max_steps=1).fit(
@@ -128,7 +126,7 @@ def _shared_folder() -> Path:
 def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
     root = _shared_folder()
     try:
-        results = {"pp2": _fit(world_size, 2, save=root / "pp2.ckpt"), "dp": _fit(world_size, 1, save=root / "dp.ckpt")}
+        results = {"pp2": _fit(world_size, 2, save=root / "pp2.ckpt")}
         results["pp2->pp2"] = _fit(world_size, 2, resume=root / "pp2.ckpt")
         results["pp2->dp"] = _fit(world_size, 1, resume=root / "pp2.ckpt")
         results["errors"] = _errors(world_size, root)
@@ -174,7 +172,6 @@ def test_pp2_resumes_without_a_pipeline(two_ranks: dict[str, Any]) -> None:
     ("save_file", "save_distributed_checkpoint=False with pipeline_parallel_size=2"),
     ("resume_file", "is one file and pipeline_parallel_size=2: a pipeline resumes from a torch.distributed.checkpoint "
                     "folder only"),
-    ("resume_indexed", "holds its optimizer param_groups by group index (a run without a pipeline writes them so"),
 ])
 def test_checkpoints_a_pipeline_cannot_resume_raise(two_ranks: dict[str, Any], case: str, message: str) -> None:
     assert message in two_ranks["errors"][case]

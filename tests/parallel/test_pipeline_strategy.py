@@ -130,13 +130,6 @@ def _errors(world_size: int) -> dict[str, str]:
             messages[name] = "no error"
         except ValueError as exc:
             messages[name] = str(exc)
-    try:
-        trainer = make_trainer(world_size, HybridParallelStrategy(pipeline_parallel_size=2), max_steps=1)
-        trainer.fit(PipelinedLM(n_layer=LAYERS), loader(token_data(4), 4))
-        trainer.predict(trainer.lightning_module, loader(token_data(4), 4))
-        messages["predict"] = "no error"
-    except NotImplementedError as exc:
-        messages["predict"] = str(exc)
     return messages
 
 
@@ -343,7 +336,6 @@ def test_lightning_gpt_logs_its_losses_through_the_pipeline(two_ranks: list[dict
     ("ragged_batches", "a training batch of 2 samples follows batches of 4"),
     ("too_many_stages", "pipeline_parallel_size=2 with pipeline_schedule='DualPipeV' needs 4 stages"),
     ("loss_scaling", "StagedPrecision has a loss scaler (FP16) and pipeline_parallel_size=2 runs the backward"),
-    ("predict", "trainer.predict with pipeline_parallel_size > 1 is not supported"),
 ])
 def test_bad_settings_raise_before_training_on_every_rank(two_ranks: list[dict[str, Any]], case: str,
                                                           message: str) -> None:
