@@ -18,7 +18,9 @@
 #      VM's near-ties noise or the model? (CPU only; it needs no GPU, only the device machine's idle cores.)
 #   6. the pipeline schedules' single-device path (one_device.py, #47): every schedule runs on one GPU, its gradients
 #      equal to the plain forward and backward, and its tokens/s beside it.
-# GPU_CHECKS picks steps (default: "cost-model tests large pipeline kernels precision fp8 fp8-wide"; "testbed" only if named).
+#   7. lds-plan's compute term: a 1B-class Llama-shaped model, BF16, eager and compiled, one device
+#      (planning/compute_efficiency.py, #48): measured FLOP/s over the preset's peak against compute_efficiency=0.4.
+# GPU_CHECKS picks steps (default: "cost-model tests large pipeline efficiency kernels precision fp8 fp8-wide"; "testbed" only if named).
 # At most 8 files come back: every step's stderr goes to stderr.log.
 # Usage, from the repository root on the device machine:  bash benchmarks/gpu_checks.sh "$OUT"
 # The device image has torch, Lightning and pytest; benchmarks/gpu_pack.sh packs the rest (torchao for step 4; omegaconf
@@ -35,7 +37,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >>"$out/env.
 { echo "uid $(id -u), $(nproc) cores"; for t in ip tc taskset; do echo "$t: $(command -v $t || echo missing)"; done
   ip netns add ldsprobe && ip netns exec ldsprobe tc qdisc add dev lo root tbf rate 1gbit burst 32kb latency 50ms \
     && echo "netns + tc tbf: ok"; ip netns del ldsprobe; } >>"$out/env.txt" 2>&1
-checks=" ${GPU_CHECKS:-cost-model tests large pipeline kernels precision fp8 fp8-wide} "
+checks=" ${GPU_CHECKS:-cost-model tests large pipeline efficiency kernels precision fp8 fp8-wide} "
 want() { [[ $checks == *" $1 "* ]]; }
 pin=$(command -v taskset >/dev/null && [ "$(nproc)" -ge 16 ] && echo "taskset -c 8-15")
 want cost-model && (OMP_NUM_THREADS=1 timeout 520 $pin python3 benchmarks/autotune/bench_cost_model.py --repeats 6 --steps 20 \
@@ -58,6 +60,9 @@ want large && timeout 180 python3 -c 'import sys; from lightning_deepseek.app.co
 # plain forward and backward, and what each schedule's bookkeeping costs in tokens/s.
 want pipeline && timeout 150 python3 benchmarks/pipeline/one_device.py --device cuda --size gpt2-124m --steps 20 \
   2>>"$out/stderr.log" | tee "$out/pipeline.md"
+# lds-plan's compute efficiency on this device (#48): the planner's FLOP count over the measured step and the BF16 peak.
+want efficiency && timeout 300 python3 benchmarks/planning/compute_efficiency.py --device cuda --steps 10 \
+  2>>"$out/stderr.log" | tee "$out/efficiency.md"
 # --compile adds inductor's fused kernel of the plain int8 round trip (the eager int8 round trip reaches 0.11x of a copy)
 want kernels && timeout 120 python3 benchmarks/compression/kernels.py --device cuda --numel 67108864 --compile 2>&1 | tee "$out/kernels.md"
 want precision && timeout 180 python3 benchmarks/precision/bench_precision.py --device cuda --size gpt2-124m --steps 100 2>>"$out/stderr.log" \
