@@ -35,7 +35,6 @@ def test_layer_kinds() -> None:
     (DENSE, PlanLayout()), (DENSE, PlanLayout(tp=2, shard_optimizer_states=True)),
     (DENSE, PlanLayout(dp_shard=4, activation_checkpointing="full")),
     (MIXED, PlanLayout(ep=2, shard_optimizer_states=True)),
-    (MIXED, PlanLayout(ep=2, dp_shard=2, activation_checkpointing="full")),
     (MIXED, PlanLayout(ep=2, dp_shard=2, activation_checkpointing="selective")),  # experts: an FSDP unit inside
 ])
 def test_representative_equals_full(spec: ModelSpec, layout: PlanLayout) -> None:
