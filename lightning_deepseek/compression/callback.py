@@ -15,6 +15,11 @@ where fp32 wins). Under ``HybridParallelStrategy`` with an ``"auto"`` size, the 
 (``strategy.request_compression``) to decide the bits with the sizes, in the same comparison, and reads them from
 ``strategy.layout`` (:mod:`lightning_deepseek.parallel.layout`).
 
+Pipelines: under ``HybridParallelStrategy(pipeline_parallel_size=P)`` (found by its ``pipeline_group``) the stages'
+gradient exchange over ``data_parallel_group`` is compressed with the same exchange, once per optimizer step after
+the schedule's backward (:mod:`lightning_deepseek.parallel.pipeline_exchange`; not overlapped, so its time is all
+exposed); not with ``bits="auto"`` or FSDP2-sharded stages (refused by the strategy).
+
 Parameter sharding: under ``HybridParallelStrategy(data_parallel_shard_size>1)`` every FSDP2 unit's gradient
 reduce-scatter is compressed instead (:mod:`lightning_deepseek.compression.reduce_scatter`; a DDP wrapper of
 parameters left unsharded stays fp32). Does not support: HSDP (``data_parallel_replicate`` > 1: FSDP's replicate
@@ -91,6 +96,16 @@ def find_ddp_module(strategy: Strategy) -> DistributedDataParallel | None:
         "'hybrid', or a strategy that exposes its data-parallel DDP module as `strategy.ddp_module`.")
 
 
+def _pipeline_replicas(strategy: Strategy) -> bool:
+    """Whether a pipelined strategy has stage replicas to exchange gradients with (else a warning)."""
+    size = dist.get_world_size(strategy.data_parallel_group)
+    if size <= 1:
+        rank_zero_warn(f"GradientCompression does nothing with a pipeline over all {strategy.world_size} ranks: every "
+                       "rank holds other stages, so no gradient is exchanged. Remove it, or train on a multiple of "
+                       "pipeline_parallel_size.")
+    return size > 1
+
+
 def shards_with_fsdp(strategy: Strategy, config: CompressionConfig) -> bool:
     """Whether ``strategy`` shards parameters with FSDP2, whose reduce-scatter is then compressed.
 
@@ -150,6 +165,7 @@ class GradientCompression(Callback):
         self._gpu_step: tuple | None = None  # CUDA: the last step's events, read at the next step (_gpu_timings)
         self.decision: Decision | None = None  # bits="auto": the timed copies' table and choice
         self._decided_by_strategy = False
+        self._on_pipeline = False  # the strategy runs a pipeline: its stages' dp exchange is compressed
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -169,21 +185,25 @@ class GradientCompression(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         config = self.config
-        fsdp = shards_with_fsdp(trainer.strategy, config)
+        self._on_pipeline = getattr(trainer.strategy, "pipeline_group", None) is not None
+        fsdp = not self._on_pipeline and shards_with_fsdp(trainer.strategy, config)
         if config.bits == "auto":
             bits = self._decide_bits(trainer, pl_module)
             if bits is None:
                 return
             config = dataclasses.replace(config, bits=bits)
-        ddp_module = None if fsdp else find_ddp_module(trainer.strategy)
-        if ddp_module is None and not fsdp:
+        ddp_module = None if fsdp or self._on_pipeline else find_ddp_module(trainer.strategy)
+        if ddp_module is None and not fsdp and not (self._on_pipeline and _pipeline_replicas(trainer.strategy)):
             return
         self._device = pl_module.device
         if self._device.type == "cpu":
             native.library()  # build the CPU kernels (or warn) now, not inside the first compressed step
         try:
-            self.hook_state = (install_fsdp_compression(pl_module, config) if ddp_module is None
-                               else register_compression_hook(ddp_module, config))
+            if self._on_pipeline:  # the stages' dp exchange (lightning_deepseek.parallel.pipeline_exchange)
+                self.hook_state = trainer.strategy.compress_pipeline_gradients(config)
+            else:
+                self.hook_state = (install_fsdp_compression(pl_module, config) if ddp_module is None
+                                   else register_compression_hook(ddp_module, config))
         except RuntimeError as exc:
             raise CompressionStrategyError(
                 f"GradientCompression could not install its hook ({exc}). A DDP module takes one comm hook: "
@@ -239,6 +259,35 @@ class GradientCompression(Callback):
             # DDP's backward returns only once every bucket's future is done: the time since DDP handed the hook
             # its last bucket (all backward compute finished) is communication, and compression, nothing overlapped.
             timings = (1e3 * (time.perf_counter() - state.last_bucket_time), 1e3 * state.compress_seconds)
+        self._record(pl_module, state, timings)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        # Under a pipeline the strategy runs the backward without Lightning's backward hooks: decide here.
+        if self._on_pipeline and self.hook_state is not None:
+            self._log_step = trainer._logger_connector.should_update_logs  # private: see on_before_backward
+            self.hook_state.track_error = self._log_step
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        state = self.hook_state
+        if not self._on_pipeline or state is None:
+            return
+        # The exchange ran at the end of the step's closure, after the schedule's backward: all of it is exposed
+        # (host time; on CUDA, where the host only launches work, not measured).
+        timings = None if self._device.type == "cuda" else (
+            1e3 * (time.perf_counter() - state.last_bucket_time), 1e3 * state.compress_seconds)
+        self._record(pl_module, state, timings)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._on_pipeline and stage == "fit" and self.hook_state is not None:
+            trainer.strategy.compress_pipeline_gradients(None)  # the split outlives the fit: a later one is plain
+
+    def _record(self, pl_module: pl.LightningModule, state: CompressionState | FSDPCompressionState,
+                timings: tuple[float, float] | None) -> None:
+        """Keep the exposed time for the summary; on logging steps, log the step's bytes, times and error."""
         if timings is not None:
             self._exposed_ms.append(timings[0])  # every step: the run summary's median
         if not self._log_step:

@@ -61,7 +61,7 @@ and it crashes on gloo), PowerSGD is low-rank (biased without warm start, not by
 # No `from __future__ import annotations`: DDP checks the hook's annotations against real classes.
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -313,10 +313,17 @@ def register_compression_hook(ddp_module: DistributedDataParallel, config: Compr
                         f"{type(ddp_module).__name__}. Wrap the model in DistributedDataParallel first.")
     config = CompressionConfig.from_settings("register_compression_hook", config, kwargs)
     config.check_decided("register_compression_hook")
-    group = ddp_module.process_group
-    state = CompressionState(config, group, _exchange_group(group))
-    named = list(ddp_module.module.named_parameters())
+    state = compression_state(ddp_module.process_group, ddp_module.module.named_parameters(), config)
+    ddp_module.register_comm_hook(state, compression_hook)
+    return state
+
+
+def compression_state(process_group: dist.ProcessGroup, named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+                      config: CompressionConfig) -> CompressionState:
+    """The state of the compressed exchange over ``process_group`` for ``named_parameters`` (residuals keyed by
+    these names, blocks in this order); collective over the world (it makes the phase-2 communicator)."""
+    state = CompressionState(config, process_group, _exchange_group(process_group))
+    named = list(named_parameters)
     state.param_names = {id(p): name for name, p in named}
     state.param_order = {id(p): i for i, (_, p) in enumerate(named)}
-    ddp_module.register_comm_hook(state, compression_hook)
     return state

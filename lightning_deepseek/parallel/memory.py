@@ -6,9 +6,10 @@ states are estimated from each optimizer's kind before its first step creates th
 (:func:`lightning_deepseek.parallel.zero.estimated_state_bytes`).
 
 ZeRO-1 (``shard_optimizer_states=True``, :mod:`lightning_deepseek.parallel.zero`) deals each parameter to an owner
-inside its *replica group*: the world for replicated parameters, ``dp`` for tensor-parallel shards, ``edp`` for
-expert slices. :func:`setup_optimizer_states` builds that partition (also without ZeRO-1, for the table's figure)
-and, when asked, shards the states.
+inside its *replica group*: the world for replicated parameters (under a pipeline the stage's ``dp`` ranks, those
+holding the same stages), ``dp`` for tensor-parallel shards, ``edp`` for expert slices.
+:func:`setup_optimizer_states` builds that partition (also without ZeRO-1, for the table's figure) and, when asked,
+shards the states.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def setup_optimizer_states(optimizers: list[Optimizer], rank: int, world_size: i
         rank: this rank.
         world_size: all ranks.
         mesh: the run's meshes (None: every parameter replicated over the world); tensor-parallel shards are
-            replicated over ``dp``, expert slices over ``edp``.
+            replicated over ``dp``, expert slices over ``edp``, a pipeline's stages over ``dp``.
         shard: ``shard_optimizer_states``.
         previous: the handles of an earlier setup in the same processes, removed first.
 
@@ -124,11 +125,12 @@ def setup_optimizer_states(optimizers: list[Optimizer], rank: int, world_size: i
     world = zero.ReplicaGroup(tuple(range(world_size)), None)
     dp = _replica_group(mesh["dp"]) if mesh is not None else world
     edp = _replica_group(mesh["edp"]) if mesh is not None and mesh.dims.ep_enabled else world
+    replicated = dp if mesh is not None and mesh.dims.pp > 1 else world  # a pipeline: the ranks holding the stage
 
     def replica_group_of(param: torch.Tensor) -> zero.ReplicaGroup:
         if is_expert_param(param):
             return edp  # expert slices: replicated over the expert-data-parallel group
-        return dp if isinstance(param, DTensor) else world
+        return dp if isinstance(param, DTensor) else replicated
     inners = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
     owners = [zero.partition([p for g in o.param_groups for p in g["params"]], replica_group_of) for o in inners]
     memory = memory_per_rank(inners, owners, world_size)  # with the partition ZeRO-1 deals or would deal

@@ -116,14 +116,16 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
                                **settings: object) -> None:
     """Validate ``HybridParallelStrategy``'s pipeline arguments on their own (no world size yet) and the other
     settings they compose with: inside a pipeline stage, data parallelism (replicated, or sharded by FSDP2 over all
-    the stage's ``dp`` ranks) and activation checkpointing.
+    the stage's ``dp`` ranks), activation checkpointing, ZeRO-1 (over the stage's ``dp`` ranks) and
+    ``GradientCompression`` (of the replicated stages' ``dp`` exchange, :mod:`.pipeline_exchange`).
 
     Args:
         pp_size, schedule, num_microbatches: ``pipeline_parallel_size``, ``pipeline_schedule``,
             ``pipeline_microbatches`` (None: the schedule's least).
         settings: the strategy's other arguments by name (``tensor_parallel_size=...``), and ``bits`` asked by a
-            ``GradientCompression``; those not yet composed with a pipeline must be at their off value, and
-            ``activation_checkpointing="selective"`` needs one backward per block (1F1B, Interleaved1F1B), and
+            ``GradientCompression`` (8 or 4 on replicated stages); those not yet composed with a pipeline must be at
+            their off value, ``activation_checkpointing="selective"`` needs one backward per block (1F1B,
+            Interleaved1F1B), and
             ``data_parallel_shard_size`` (FSDP2 over all of a stage's ``dp`` ranks) needs it or
             ``reshard_after_forward=False``.
 
@@ -154,13 +156,18 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
             "weights), and FSDP2 resharding after the forward gave gradients that drift from one process. Set "
             "reshard_after_forward=False, or use '1F1B' or 'Interleaved1F1B'.")
     bits = settings.pop("bits", None)
-    if bits is not None:
+    if bits == "auto":
         raise ValueError(
-            f"GradientCompression(bits={bits!r}) with pipeline_parallel_size={pp_size} is not supported yet: it "
-            "compresses DDP's all-reduce, and a pipeline averages its stages' gradients without DDP. Remove the "
-            "callback (lds-train: compression=none), or set pipeline_parallel_size=1.")
-    off = {"tensor_parallel_size": (1, "auto"), "expert_parallel_size": (1, "auto"), "data_parallel_shard_size": (1,),
-           "shard_optimizer_states": (False,)}
+            f"GradientCompression(bits='auto') with pipeline_parallel_size={pp_size}: the timed copies that decide "
+            "the bits do not run a pipeline. Pass bits=8 or bits=4 (lds-train: compression=int8 or int4).")
+    if bits is not None and shard != 1:
+        raise ValueError(
+            f"GradientCompression(bits={bits!r}) with data_parallel_shard_size={shard!r} and pipeline_parallel_size="
+            f"{pp_size} is not supported yet: FSDP2 reduce-scatters each stage's gradients itself, and its compressed "
+            "reduce-scatter is not composed with a pipeline. Set data_parallel_shard_size=1 (the stages' dp exchange "
+            "is then compressed), or remove the callback.")
+    settings.pop("shard_optimizer_states", None)  # over the stage's dp ranks (refused with FSDP2 by LayoutSettings)
+    off = {"tensor_parallel_size": (1, "auto"), "expert_parallel_size": (1, "auto"), "data_parallel_shard_size": (1,)}
     for name, value in settings.items():
         if value not in off[name] and not (name == "data_parallel_shard_size" and isinstance(value, int)):
             raise ValueError(

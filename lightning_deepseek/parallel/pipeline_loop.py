@@ -38,14 +38,17 @@ as torch's ``PipelineStage`` runs it); under ZBVZeroBubble and DualPipeV only wi
 Supports: every schedule of :mod:`.pipeline`; gradient accumulation (``grad_scale = 1 / accumulate_grad_batches``);
 clipping by norm (the norm over all stages, :meth:`.PipelineRunner.clip_grad_norm_`; by value untested); LR schedulers
 and optimizers as the module configures them (they see only the rank's stage parameters); meta-device models (each
-rank materialises its stages only). Costs: per optimizer step one all-reduce of the rank's stage gradients over
-``dp`` (not overlapped with the backward, as DDP's buckets are), and the runner's costs.
+rank materialises its stages only); ZeRO-1 over each stage's ``dp`` ranks; ``GradientCompression`` of the ``dp``
+exchange (:mod:`.pipeline_exchange`); FP16 loss scaling by ``StagedPrecision`` or ``'16-mixed'`` (each micro-batch's
+loss times the scale, an overflow anywhere skipping the step everywhere: :mod:`.pipeline_scaling`). Costs: per
+optimizer step one all-reduce of the rank's stage gradients over ``dp`` (not overlapped with the backward, as DDP's
+buckets are), and the runner's costs.
 
 Does not support: manual optimisation, training batches of different sizes, tensor or expert
-parallelism inside a stage, HSDP (a stage sharded over part of its replicas), ZeRO-1, FSDP2 resharding after forward
-and selective activation checkpointing under ZBVZeroBubble and DualPipeV (their split backward), loss scaling (FP16)
-and ``GradientCompression`` (no DDP wrapper), one-file checkpoints (``save_distributed_checkpoint=False``, and
-resuming from a file: refused, the ranks hold other stages).
+parallelism inside a stage, HSDP (a stage sharded over part of its replicas), FSDP2 resharding after forward and
+selective activation checkpointing under ZBVZeroBubble and DualPipeV (their split backward), ``GradientCompression``
+on FSDP2 stages or with ``bits="auto"``, one-file checkpoints (``save_distributed_checkpoint=False``, and resuming
+from a file: refused, the ranks hold other stages).
 
 Checkpoints: the DCP folder holds each rank's stages and their optimizer states under the whole model's parameter
 names (:mod:`.checkpoint`; states and hyperparameters keyed by name, not group index), so a pipelined run resumes at
@@ -59,7 +62,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -78,7 +81,13 @@ from lightning_deepseek.parallel.activation_checkpointing import apply_activatio
 from lightning_deepseek.parallel.dims import WorldMesh
 from lightning_deepseek.parallel.layout import Layout, LayoutSettings
 from lightning_deepseek.parallel.pipeline import PipelineRunner, check_pipeline_settings, min_microbatches
+from lightning_deepseek.parallel.pipeline_exchange import average_gradients, compress_exchange
+from lightning_deepseek.parallel.pipeline_scaling import loss_scale, prepare_loss_scaling
 from lightning_deepseek.parallel.pipeline_split import PipelineSplit, build_rank_module, plan_pipeline_split
+
+if TYPE_CHECKING:
+    from lightning_deepseek.compression.config import CompressionConfig
+    from lightning_deepseek.compression.state import CompressionState
 
 __all__ = ["PipelineLoop", "PipelineStrategyHooks", "split_lightning_module"]
 
@@ -101,6 +110,7 @@ class PipelineLoop:
     device: torch.device
     runner: PipelineRunner | None = None
     batch_size: int | None = None
+    compression: CompressionState | None = None  # set by GradientCompression (compress_pipeline_gradients)
     _pending: list[torch.Tensor | None] | None = None
 
     def _runner(self) -> PipelineRunner:
@@ -163,19 +173,11 @@ class PipelineLoop:
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Average this rank's stage gradients over its ``dp`` group (one flat all-reduce; a missing gradient
-        counts as zeros, so every replica sends the same layout)."""
+        """Average this rank's stage gradients over its ``dp`` group (:mod:`.pipeline_exchange`: one flat all-reduce,
+        or compressed where ``GradientCompression`` set ``compression``)."""
         if self.dp_group is None:
             return
-        params = [p for p in self._parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat.div_(dist.get_world_size(self.dp_group))
-        for p, piece in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(piece.view_as(p.grad))
+        average_gradients(self._parameters(), self.dp_group, self.compression)
 
 
 def _model_attribute(module: pl.LightningModule) -> str:
@@ -277,15 +279,20 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
         pipeline."""
         return self.model if isinstance(self.model, DistributedDataParallel) else None
 
+    def compress_pipeline_gradients(self, config: CompressionConfig | None) -> CompressionState | None:
+        """Called by ``GradientCompression``: exchange the stages' gradients over ``dp`` compressed with ``config``
+        (None: uncompressed again); collective over the world. Returns the exchange's state, None where nothing is
+        exchanged (one data-parallel rank, or FSDP2 reducing the stages)."""
+        assert self._pipeline is not None, "compress_pipeline_gradients needs pipeline_parallel_size > 1"
+        group = self._pipeline.dp_group
+        self._pipeline.compression = None if config is None or group is None else compress_exchange(
+            group, self.lightning_module.named_parameters(), config)
+        return self._pipeline.compression
+
     def _setup_pipeline(self, module: pl.LightningModule, meta: bool) -> None:
         """Split ``module`` once (a later setup, fit then test, keeps the split) and record the layout."""
         if self._pipeline is None:
-            if getattr(self.precision_plugin, "scaler", None) is not None:
-                raise ValueError(
-                    f"{type(self.precision_plugin).__name__} has a loss scaler (FP16) and pipeline_parallel_size="
-                    f"{self.parallel_dims.pp} runs the backward inside the schedule, unscaled: not supported yet. Use "
-                    "precision='bf16-mixed' or '32-true' (lds-train: precision=bf16 or fp32), or "
-                    "pipeline_parallel_size=1.")
+            prepare_loss_scaling(self.precision_plugin, self.parallel_dims.pp)  # FP16: one verdict for all ranks
             if not self._save_distributed_checkpoint:
                 raise ValueError(
                     f"save_distributed_checkpoint=False with pipeline_parallel_size={self.parallel_dims.pp}: each rank "
@@ -319,8 +326,9 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().training_step(*args, **kwargs)
-        with self.precision_plugin.train_step_context():
-            return self._pipeline.training_step(args[0], 1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+        with self.precision_plugin.train_step_context():  # FP16: each micro-batch's loss times the loss scale
+            scale = loss_scale(self.precision_plugin, self.root_device)
+            return self._pipeline.training_step(args[0], scale / self.lightning_module.trainer.accumulate_grad_batches)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

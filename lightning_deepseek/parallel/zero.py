@@ -2,9 +2,10 @@
 
 A parameter's *replica group* is the set of ranks that hold the same copy of it and, after the gradient
 reduction, the same gradient: the whole world for a replicated parameter (DDP averages it over the world), the
-``dp`` group for a tensor-parallel shard. Inside each replica group, parameters are dealt to owners (largest
-first, to the least loaded rank). At every optimizer step a rank steps only what it owns; then every owner
-broadcasts its updated parameters (one flat broadcast per owner and group) and the replicas agree again.
+``dp`` group for a tensor-parallel shard and for a pipeline stage's parameters (the ranks holding that stage).
+Inside each replica group, parameters are dealt to owners (largest first, to the least loaded rank). At every
+optimizer step a rank steps only what it owns; then every owner broadcasts its updated parameters (one flat
+broadcast per owner and group) and the replicas agree again.
 
 How the step skips what a rank does not own: a pre-step hook clears the gradients of the parameters owned by
 other ranks (right after the step's closure, where Lightning's gradient clipping and loss-scaler checks have run

@@ -25,7 +25,6 @@ from torch.distributed.tensor import DTensor
 
 from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.models import GPTConfig, LightningGPT
-from lightning_deepseek.precision import StagedPrecision
 from tests.helpers import run_distributed
 from tests.parallel.common import (
     TinyLM,
@@ -119,12 +118,10 @@ def _errors(world_size: int) -> dict[str, str]:
         "ragged_batches": (PipelinedLM(n_layer=LAYERS), dict(pipeline_parallel_size=2), 10, 4),
         "too_many_stages": (PipelinedLM(n_layer=2), dict(pipeline_parallel_size=2, pipeline_schedule="DualPipeV"),
                             8, 4),
-        "loss_scaling": (PipelinedLM(n_layer=LAYERS), dict(pipeline_parallel_size=2), 8, 4),
     }
     messages = {}
     for name, (module, strategy_kwargs, samples, batch) in cases.items():
-        trainer = make_trainer(world_size, HybridParallelStrategy(**strategy_kwargs), max_epochs=1,
-                               plugins=[StagedPrecision()] if name == "loss_scaling" else None)
+        trainer = make_trainer(world_size, HybridParallelStrategy(**strategy_kwargs), max_epochs=1)
         try:
             trainer.fit(module, loader(token_data(samples), batch))
             messages[name] = "no error"
@@ -335,7 +332,6 @@ def test_lightning_gpt_logs_its_losses_through_the_pipeline(two_ranks: list[dict
     ("batch_not_splitting", "the batch of 3 samples does not split into pipeline_microbatches=2"),
     ("ragged_batches", "a training batch of 2 samples follows batches of 4"),
     ("too_many_stages", "pipeline_parallel_size=2 with pipeline_schedule='DualPipeV' needs 4 stages"),
-    ("loss_scaling", "StagedPrecision has a loss scaler (FP16) and pipeline_parallel_size=2 runs the backward"),
 ])
 def test_bad_settings_raise_before_training_on_every_rank(two_ranks: list[dict[str, Any]], case: str,
                                                           message: str) -> None:

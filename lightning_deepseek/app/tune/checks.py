@@ -125,9 +125,10 @@ def check_tune(cfg: DictConfig, experts: int = 0) -> None:
 
 def check_pipeline(cfg: DictConfig) -> None:
     """A pipeline run (``strategy.pipeline_parallel_size`` > 1), before any process starts: the size divides the
-    processes, and the settings kept with it compose with a pipeline stage: the tensor- and expert-parallel sizes
-    (1 or auto) always, the compression where it is kept (``tune=none``, or forced; a calibration drops it
-    otherwise). The strategy finds the first and the last only in the running ranks."""
+    processes, and so does a tensor- or expert-parallel size inside its stages (:func:`check_stage_model_parallel`).
+    ``tune=none`` trains it with the compression set (the stages' data-parallel exchange compressed); a calibration
+    has one configuration, uncompressed, so a compression forced on it is an error pointing to ``tune=none``. The
+    strategy finds the first and the last only in the running ranks."""
     pp = pipeline_size(cfg)
     if pp == 1:
         return
@@ -136,20 +137,30 @@ def check_pipeline(cfg: DictConfig) -> None:
         raise ConfigError(f"strategy.pipeline_parallel_size={pp} does not divide the run's {per_node * nodes} "
                           f"process(es) (trainer.devices={cfg.trainer.get('devices')}, trainer.num_nodes={nodes}). "
                           f"Train with a multiple of {pp} processes, or set strategy.pipeline_parallel_size=1.")
-    for key in ("tensor_parallel_size", "expert_parallel_size"):
-        value = cfg.strategy.get(key, 1)
-        if value not in (1, "auto"):
-            raise ConfigError(f"strategy.{key}={value} with strategy.pipeline_parallel_size={pp} is not supported: "
-                              f"a pipeline stage runs without tensor or expert parallelism (docs/pipeline.md). Set "
-                              f"strategy.{key}=1, or strategy.pipeline_parallel_size=1.")
+    check_stage_model_parallel(cfg, pp, per_node * nodes)
     compression = compression_of(cfg)
-    kept = cfg.tune.mode == "none" or "compression" in forced_settings(cfg, task_overrides())
-    if kept and compression != "none":
-        how = "kept by tune=none" if cfg.tune.mode == "none" else "kept on the command line or in tune.keep"
-        raise ConfigError(f"compression={compression} ({how}) with strategy.pipeline_parallel_size={pp} is not "
-                          "supported: compression replaces DDP's all-reduce, and a pipeline averages its stages' "
-                          "gradients without DDP. Pass compression=none (with tune=auto, leaving compression out "
-                          "trains the pipeline uncompressed), or strategy.pipeline_parallel_size=1.")
+    if cfg.tune.mode != "none" and compression != "none" and "compression" in forced_settings(cfg, task_overrides()):
+        raise ConfigError(f"compression={compression} (kept on the command line or in tune.keep) with "
+                          f"strategy.pipeline_parallel_size={pp} and tune={cfg.tune.mode}: the calibration of a "
+                          "pipeline has one configuration, uncompressed. Pass tune=none to train the pipeline with "
+                          f"compression={compression}, or leave compression out.")
+
+
+def check_stage_model_parallel(cfg: DictConfig, pp: int, num_processes: int) -> None:
+    """Tensor or expert parallelism inside the stages of a pipeline: one of them (a number; ``auto`` is 1 under a
+    pipeline), and with the pipeline dividing the processes."""
+    sizes = {key: cfg.strategy.get(key, 1) for key in ("tensor_parallel_size", "expert_parallel_size")}
+    used = {key: value for key, value in sizes.items() if value not in (1, "auto")}
+    if len(used) == 2 or any(not isinstance(value, int) for value in used.values()):
+        named = " and ".join(f"strategy.{key}={value}" for key, value in used.items())
+        raise ConfigError(f"{named} with strategy.pipeline_parallel_size={pp} is not supported: a pipeline stage "
+                          "composes with tensor or expert parallelism given as a number, not both (docs/pipeline.md). "
+                          "Set one of them to 1, or strategy.pipeline_parallel_size=1.")
+    for key, value in used.items():
+        if cfg.trainer.get("devices", 1) not in ("auto", -1, "-1") and num_processes % (pp * value):
+            raise ConfigError(f"strategy.pipeline_parallel_size={pp} x strategy.{key}={value} does not divide the "
+                              f"run's {num_processes} process(es): each pipeline stage holds {value} or a multiple "
+                              f"of ranks. Train with a multiple of {pp * value} processes, or lower strategy.{key}.")
 
 
 def pipeline_reason(cfg: DictConfig) -> str | None:
@@ -158,9 +169,8 @@ def pipeline_reason(cfg: DictConfig) -> str | None:
     pp = pipeline_size(cfg)
     if pp == 1:
         return None
-    return (f"a pipeline (strategy.pipeline_parallel_size={pp}) is kept as set, on the hybrid strategy, and takes "
-            "neither gradient compression (it averages its stages' gradients without DDP) nor tensor or expert "
-            "parallelism inside a stage")
+    return (f"a pipeline (strategy.pipeline_parallel_size={pp}) is kept as set, on the hybrid strategy, uncompressed "
+            "(tune=none trains it with the compression set), with the tensor- or expert-parallel size set")
 
 
 def nothing_to_choose(cfg: DictConfig, experts: int = 0) -> str | None:

@@ -33,18 +33,22 @@ def test_a_pipeline_leaves_one_configuration_hybrid_uncompressed() -> None:
         assert configurations(cfg, forced=[], experts=4) == [Configuration("hybrid", compression="none")]
     cfg = _cfg(PIPELINE)  # the default tune=auto and compression=int8: no error, the calibration drops int8
     check_tune(cfg)
+    check_tune(_cfg(PIPELINE, "tune=none", "strategy.shard_optimizer_states=true"))  # int8 and ZeRO-1 kept: trained
     why = nothing_to_choose(cfg)
     assert "has nothing to choose from: a pipeline (strategy.pipeline_parallel_size=2) is kept" in why
     assert len(configurations(_cfg(), forced=[])) == 6 and nothing_to_choose(_cfg()) is None  # the demo: unchanged
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["tune=none"], "compression=int8 (kept by tune=none) with strategy.pipeline_parallel_size=2 is not supported"),
     (["tune.keep=[compression]"], "compression=int8 (kept on the command line or in tune.keep) with "
-                                  "strategy.pipeline_parallel_size=2 is not supported"),
+                                  "strategy.pipeline_parallel_size=2 and tune=auto: the calibration of a pipeline has "
+                                  "one configuration, uncompressed. Pass tune=none"),
     (["trainer.devices=1"], "strategy.pipeline_parallel_size=2 does not divide the run's 1 process(es)"),
-    (["strategy.tensor_parallel_size=2"], "strategy.tensor_parallel_size=2 with strategy.pipeline_parallel_size=2 "
-                                          "is not supported"),
+    (["strategy.tensor_parallel_size=2"], "strategy.pipeline_parallel_size=2 x strategy.tensor_parallel_size=2 "
+                                          "does not divide the run's 2 process(es)"),
+    (["trainer.devices=4", "allow_oversubscribe=true", "strategy.tensor_parallel_size=2", "strategy.expert_parallel_size=2"],
+     "strategy.tensor_parallel_size=2 and strategy.expert_parallel_size=2 with strategy.pipeline_parallel_size=2 is "
+     "not supported"),
     (["tune=quick"], "tune=quick has nothing to choose from: a pipeline (strategy.pipeline_parallel_size=2)"),
 ])
 def test_a_setting_a_pipeline_refuses_is_one_paragraph_and_exit_2(overrides: list[str], needle: str, tmp_path: Path,
