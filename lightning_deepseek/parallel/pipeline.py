@@ -116,16 +116,14 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
                                **settings: object) -> None:
     """Validate ``HybridParallelStrategy``'s pipeline arguments on their own (no world size yet) and the other
     settings they compose with: inside a pipeline stage, data parallelism (replicated, or sharded by FSDP2 over all
-    the stage's ``dp`` ranks), activation checkpointing, ZeRO-1 (over the stage's ``dp`` ranks) and
-    ``GradientCompression`` (of the replicated stages' ``dp`` exchange, :mod:`.pipeline_exchange`).
+    the stage's ``dp`` ranks) and activation checkpointing.
 
     Args:
         pp_size, schedule, num_microbatches: ``pipeline_parallel_size``, ``pipeline_schedule``,
             ``pipeline_microbatches`` (None: the schedule's least).
         settings: the strategy's other arguments by name (``tensor_parallel_size=...``), and ``bits`` asked by a
-            ``GradientCompression`` (8 or 4 on replicated stages); those not yet composed with a pipeline must be at
-            their off value, ``activation_checkpointing="selective"`` needs one backward per block (1F1B,
-            Interleaved1F1B), and
+            ``GradientCompression``; those not yet composed with a pipeline must be at their off value, and
+            ``activation_checkpointing="selective"`` needs one backward per block (1F1B, Interleaved1F1B), and
             ``data_parallel_shard_size`` (FSDP2 over all of a stage's ``dp`` ranks) needs it or
             ``reshard_after_forward=False``.
 
@@ -156,18 +154,13 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
             "weights), and FSDP2 resharding after the forward gave gradients that drift from one process. Set "
             "reshard_after_forward=False, or use '1F1B' or 'Interleaved1F1B'.")
     bits = settings.pop("bits", None)
-    if bits == "auto":
+    if bits is not None:
         raise ValueError(
-            f"GradientCompression(bits='auto') with pipeline_parallel_size={pp_size}: the timed copies that decide "
-            "the bits do not run a pipeline. Pass bits=8 or bits=4 (lds-train: compression=int8 or int4).")
-    if bits is not None and shard != 1:
-        raise ValueError(
-            f"GradientCompression(bits={bits!r}) with data_parallel_shard_size={shard!r} and pipeline_parallel_size="
-            f"{pp_size} is not supported yet: FSDP2 reduce-scatters each stage's gradients itself, and its compressed "
-            "reduce-scatter is not composed with a pipeline. Set data_parallel_shard_size=1 (the stages' dp exchange "
-            "is then compressed), or remove the callback.")
-    settings.pop("shard_optimizer_states", None)  # over the stage's dp ranks (refused with FSDP2 by LayoutSettings)
-    off = {"tensor_parallel_size": (1, "auto"), "expert_parallel_size": (1, "auto"), "data_parallel_shard_size": (1,)}
+            f"GradientCompression(bits={bits!r}) with pipeline_parallel_size={pp_size} is not supported yet: it "
+            "compresses DDP's all-reduce, and a pipeline averages its stages' gradients without DDP. Remove the "
+            "callback (lds-train: compression=none), or set pipeline_parallel_size=1.")
+    off = {"tensor_parallel_size": (1, "auto"), "expert_parallel_size": (1, "auto"), "data_parallel_shard_size": (1,),
+           "shard_optimizer_states": (False,)}
     for name, value in settings.items():
         if value not in off[name] and not (name == "data_parallel_shard_size" and isinstance(value, int)):
             raise ValueError(
@@ -339,24 +332,29 @@ class PipelineRunner:
         torch's ``schedule.eval()`` replays the training schedule's actions, whose backward ones fail without a
         backward on the V schedules ("can't steal_bwd_input if this stage doesn't have backward").
         """
-        local = dict(zip(self.split.stage_indices(self._pp_rank), self.modules))
         for module in self.modules:
             module.eval()
         num = self.num_microbatches
         inputs_mb = torch.tensor_split(inputs, num) if self.holds_first_stage else [None] * num
         targets_mb = torch.tensor_split(targets, num) if self.holds_last_stage else [None] * num
-        last = self.split.num_stages - 1
         losses = []
         for hidden, target in zip(inputs_mb, targets_mb):
-            for index, module in sorted(local.items()):
-                if index > 0 and self._stage_rank(index - 1) != self._pp_rank:
-                    hidden = self._recv(index - 1)
-                hidden = module(hidden)
-                if index < last and self._stage_rank(index + 1) != self._pp_rank:
-                    self._send(hidden, index + 1)
+            hidden = self._through_local_stages(hidden)
             if self.holds_last_stage:
                 losses.append(self.loss_fn(hidden, target))
         return self._broadcast_loss(losses)
+
+    def _through_local_stages(self, hidden: torch.Tensor | None) -> torch.Tensor:
+        """One micro-batch through this rank's stages in stage order, received from the previous stage's rank and
+        sent to the next's with plain sends and receives (any shape); the output of this rank's last stage."""
+        last = self.split.num_stages - 1
+        for index, module in sorted(zip(self.split.stage_indices(self._pp_rank), self.modules), key=lambda s: s[0]):
+            if index > 0 and self._stage_rank(index - 1) != self._pp_rank:
+                hidden = self._recv(index - 1)
+            hidden = module(hidden)
+            if index < last and self._stage_rank(index + 1) != self._pp_rank:
+                self._send(hidden, index + 1)
+        return hidden
 
     @torch.no_grad()
     def predict_step(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -367,17 +365,11 @@ class PipelineRunner:
             inputs: the whole batch's model inputs, the same on every rank of the group (its size sets the
                 micro-batches: ``num_microbatches``, or one per sample for a smaller batch).
         """
-        local = dict(zip(self.split.stage_indices(self._pp_rank), self.modules))
         for module in self.modules:
             module.eval()
-        last, outputs = self.split.num_stages - 1, []
+        outputs = []
         for hidden in torch.tensor_split(inputs, min(self.num_microbatches, inputs.size(0))):
-            for index, module in sorted(local.items()):
-                if index > 0 and self._stage_rank(index - 1) != self._pp_rank:
-                    hidden = self._recv(index - 1)
-                hidden = module(hidden)
-                if index < last and self._stage_rank(index + 1) != self._pp_rank:
-                    self._send(hidden, index + 1)
+            hidden = self._through_local_stages(hidden)
             if self.holds_last_stage:
                 outputs.append(hidden)
         return self._broadcast_output(torch.cat(outputs) if self.holds_last_stage else None)
