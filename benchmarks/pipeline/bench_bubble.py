@@ -91,14 +91,36 @@ def _measure(schedule: str, num_microbatches: int, args: argparse.Namespace) -> 
         computes.append(sum(sum(v) for v in totals.values()))
         for p in runner.parameters():
             p.grad = None
-    order = _one_f_one_b(ranks, num_microbatches) if schedule == "1F1B" else {
-        rank: [(a.computation_type.value if hasattr(a.computation_type, "value") else str(a.computation_type),
-                     a.stage_index, a.microbatch_index, [str(s) for s in (getattr(a, "sub_actions", None) or ())])
-                    for a in actions if a is not None]
-             for rank, actions in runner.schedule.pipeline_order.items()}
+    order = action_order(runner, schedule, ranks, num_microbatches)
     means = {k: statistics.mean(v) if v else 0.0 for k, v in totals.items()}
     return {"idle": 1 - statistics.median(c / w for c, w in zip(computes, walls)), "chunk": means,
             "order": order, "stage_rank": {s.index: s.rank for s in runner.split.stages}}
+
+
+def action_order(runner: PipelineRunner, schedule: str, ranks: int, num_microbatches: int) -> dict[int, list]:
+    """Per rank, the schedule's actions as ``(kind, stage, micro-batch, sub-actions)`` (torch's ``pipeline_order``)."""
+    if schedule == "1F1B":
+        return _one_f_one_b(ranks, num_microbatches)
+    return {rank: [(a.computation_type.value if hasattr(a.computation_type, "value") else str(a.computation_type),
+                    a.stage_index, a.microbatch_index, [str(s) for s in (getattr(a, "sub_actions", None) or ())])
+                   for a in actions if a is not None]
+            for rank, actions in runner.schedule.pipeline_order.items()}
+
+
+def spawn(worker: Any, args: argparse.Namespace, timeout: float = 3600) -> dict[int, Any]:
+    """Run ``worker(rank, world_size, port, args, queue)`` on ``args.ranks`` processes; what each puts, by rank."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
+    for proc in procs:
+        proc.start()
+    by_rank = dict(queue.get(timeout=timeout) for _ in procs)
+    for proc in procs:
+        proc.join()
+    return by_rank
 
 
 def _one_f_one_b(ranks: int, num_microbatches: int) -> dict[int, list]:
@@ -204,18 +226,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json", default=None, help="write the raw results here")
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     load_before = os.getloadavg()[0]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
-    for proc in procs:
-        proc.start()
-    by_rank = dict(queue.get(timeout=3600) for _ in procs)
-    for proc in procs:
-        proc.join()
+    by_rank = spawn(_worker, args)
     rows = []
     for i, first in enumerate(by_rank[0]):
         chunk = {k: statistics.mean(by_rank[r][i]["chunk"][k] for r in by_rank) for k in "FBIW"}

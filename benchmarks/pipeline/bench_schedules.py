@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import weakref
 from pathlib import Path
@@ -29,12 +28,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_bubble import UNIT, Chain, _one_f_one_b, formula, replay  # noqa: E402
+from bench_bubble import UNIT, Chain, action_order, formula, replay, spawn  # noqa: E402
 
 from lightning_deepseek.parallel.pipeline import PipelineRunner, min_microbatches  # noqa: E402
 from lightning_deepseek.parallel.pipeline_split import SCHEDULES  # noqa: E402
@@ -109,11 +107,7 @@ def _measure(schedule: str, num_microbatches: int, args: argparse.Namespace) -> 
     with meter.hooks():
         runner.step(batch, batch)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
-    order = _one_f_one_b(ranks, num_microbatches) if schedule == "1F1B" else {
-        rank: [(a.computation_type.value if hasattr(a.computation_type, "value") else str(a.computation_type),
-                a.stage_index, a.microbatch_index, [str(s) for s in (getattr(a, "sub_actions", None) or ())])
-               for a in actions if a is not None]
-        for rank, actions in runner.schedule.pipeline_order.items()}
+    order = action_order(runner, schedule, ranks, num_microbatches)
     return {"peak": meter.peak, "stages": len(runner.stages),
             "copies": sum(p.numel() * p.element_size() for p in params) / (whole / ranks),
             "order": order, "stage_rank": {s.index: s.rank for s in runner.split.stages}}
@@ -138,17 +132,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256, help="block width (4x hidden)")
     parser.add_argument("--rows", type=int, default=32, help="rows per micro-batch")
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
-    for proc in procs:
-        proc.start()
-    by_rank = dict(queue.get(timeout=1800) for _ in procs)
-    for proc in procs:
-        proc.join()
+    by_rank = spawn(_worker, args)
     unit = _unit(args)
     print(f"P={args.ranks}, chain of {2 * args.ranks} MLP blocks {args.width} -> {4 * args.width} -> {args.width}, "
           f"{args.rows} rows per micro-batch, torch {torch.__version__}; activation unit {unit:,} B "
