@@ -20,6 +20,7 @@ so). Costs: a ``bincount`` per layer and micro-batch, one all-reduce of ``L x E`
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +48,17 @@ class LoadCounter:
             layer.experts.register_forward_pre_hook(self._hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
 
     def _hook(self, i: int) -> Any:
-        # Imported here: parallel imports this package (the MoE protocol); a recomputed forward counts no tokens.
+        # Imported here: parallel imports this package (the MoE protocol); a recomputed forward counts no tokens, nor
+        # a pipeline stage's shape inference.
         from lightning_deepseek.parallel.activation_checkpointing import is_recomputing
+        from lightning_deepseek.parallel.pipeline import is_inferring_shapes
 
         grouped = self.layers[i].convention == "grouped"
+        owner = self.layers[i].experts  # a copy of the module (a pipeline stage's) carries the hook but counts nothing
 
         def count(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if module.training and torch.is_grad_enabled() and not is_recomputing():
+            if module is owner and module.training and torch.is_grad_enabled() and not is_recomputing() \
+                    and not is_inferring_shapes():
                 # top_k: (hidden, top_k_index, weights); grouped: (rows, num_tokens_per_expert), counted already
                 index = args[1] if len(args) > 1 else kwargs["num_tokens_per_expert" if grouped else "top_k_index"]
                 self.counts = self.counts.to(index.device)
@@ -69,6 +74,19 @@ class LoadCounter:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+    def follow(self, root: nn.Module) -> None:
+        """Count on the experts modules now in ``root`` (a pipeline replaced the model by its stages' copies): the
+        layers found keep their rows (matched by name), the others stay in ``counts`` (zero here, summed over the
+        ranks holding them) with nothing to update on this rank."""
+        found = {layer.name: layer for layer in find_expert_layers(root)}
+        if all(layer.name in found and found[layer.name].experts is layer.experts for layer in self.layers):
+            return
+        self.remove()
+        elsewhere = {"experts": nn.Module(), "bias": None, "router": None}  # not the discarded whole model's
+        self.layers = [found.get(layer.name, dataclasses.replace(layer, **elsewhere)) for layer in self.layers]
+        self._handles = [layer.experts.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+                         for i, layer in enumerate(self.layers) if layer.name in found]
 
 
 RULES = ("sign", "proportional")
@@ -136,6 +154,8 @@ class ExpertLoadBalancing(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._counter is not None:  # the strategy's setup may have replaced the model by its pipeline stages
+            self._counter.follow(pl_module)
         self._last_step = trainer.global_step  # the bias moves when global_step does: after an optimizer step
 
     @override

@@ -100,9 +100,10 @@ class ParallelDims:
                     f"data_parallel_shard_size={self.dp_shard} with {name}={size}: one must divide the other (each "
                     f"{name.split('_')[0]}-parallel group lies inside one shard group, or spans whole ones). Choose "
                     f"data_parallel_shard_size among {sizes}, or change {name}.")
-        if self.world_size % (self.pp * self.tp):
-            raise ParallelSizeError(f"pipeline_parallel_size={self.pp} x tensor_parallel_size={self.tp} does not "
-                                    f"divide the world size {self.world_size}: choose sizes whose product does.")
+        for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep)):
+            if self.world_size % (self.pp * size):
+                raise ParallelSizeError(f"pipeline_parallel_size={self.pp} x {name}={size} does not divide the world "
+                                        f"size {self.world_size}: choose sizes whose product does.")
 
     @property
     def dp(self) -> int:
@@ -111,8 +112,8 @@ class ParallelDims:
 
     @property
     def edp(self) -> int:
-        """Size of the ``edp`` mesh dimension: the ranks holding the same expert slice."""
-        return self.world_size // self.ep
+        """Size of the ``edp`` mesh dimension: the ranks holding the same expert slice (of one pipeline stage)."""
+        return self.world_size // (self.pp * self.ep)
 
     @property
     def dp_replicate(self) -> int:
@@ -188,10 +189,13 @@ class WorldMesh:
 
     @property
     def expert(self) -> DeviceMesh:
-        """The ``(edp, ep)`` mesh over the same order."""
-        ranks = torch.tensor(self.order).view(self.dims.edp, self.dims.ep)
-        return reused(("mesh", EXPERT_DIMS, self.dims.ep, self.device_type, self.order),
-                      lambda: DeviceMesh(self.device_type, ranks, mesh_dim_names=EXPERT_DIMS))
+        """The ``(edp, ep)`` mesh over the same order; where ``pp > 1``, ``(pp, edp, ep)``: each stage's ranks hold
+        all its experts between them (``mesh["edp", "ep"]`` is the rank's stage)."""
+        names, shape = (("pp", *EXPERT_DIMS), (self.dims.pp, self.dims.edp, self.dims.ep)) if self.dims.pp_enabled \
+            else (EXPERT_DIMS, (self.dims.edp, self.dims.ep))
+        ranks = torch.tensor(self.order).view(shape)
+        return reused(("mesh", names, shape, self.device_type, self.order),
+                      lambda: DeviceMesh(self.device_type, ranks, mesh_dim_names=names))
 
     def split(self, source: str, names: tuple[str, str]) -> DeviceMesh:
         """``mesh[source]`` (``"dp"`` or ``"edp"``) split into ``names`` = (replicate, shard) by
@@ -213,6 +217,6 @@ class WorldMesh:
                            (EXPERT_SHARD_DIMS, lambda: self.split("edp", EXPERT_SHARD_DIMS))):
             if set(wanted) <= set(dims):
                 mesh = make()
-                return mesh if wanted == dims else mesh[wanted if len(wanted) > 1 else wanted[0]]
+                return mesh if wanted == mesh.mesh_dim_names else mesh[wanted if len(wanted) > 1 else wanted[0]]
         known = dense_dims + EXPERT_DIMS + SHARD_DIMS + TP_SHARD_DIMS + EXPERT_SHARD_DIMS
         raise KeyError(f"no mesh dimension {names!r}: the meshes have {known}.")

@@ -116,14 +116,16 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
                                **settings: object) -> None:
     """Validate ``HybridParallelStrategy``'s pipeline arguments on their own (no world size yet) and the other
     settings they compose with: inside a pipeline stage, data parallelism (replicated, or sharded by FSDP2 over all
-    the stage's ``dp`` ranks) and activation checkpointing.
+    the stage's ``dp`` ranks), activation checkpointing, ZeRO-1 (over the stage's ``dp`` ranks) and
+    ``GradientCompression`` (of the replicated stages' ``dp`` exchange, :mod:`.pipeline_exchange`).
 
     Args:
         pp_size, schedule, num_microbatches: ``pipeline_parallel_size``, ``pipeline_schedule``,
             ``pipeline_microbatches`` (None: the schedule's least).
         settings: the strategy's other arguments by name (``tensor_parallel_size=...``), and ``bits`` asked by a
-            ``GradientCompression``; those not yet composed with a pipeline must be at their off value, and
-            ``activation_checkpointing="selective"`` needs one backward per block (1F1B, Interleaved1F1B), and
+            ``GradientCompression`` (8 or 4 on replicated stages); those not yet composed with a pipeline must be at
+            their off value, ``activation_checkpointing="selective"`` needs one backward per block (1F1B,
+            Interleaved1F1B), and
             ``data_parallel_shard_size`` (FSDP2 over all of a stage's ``dp`` ranks) needs it or
             ``reshard_after_forward=False``.
 
@@ -154,19 +156,69 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
             "weights), and FSDP2 resharding after the forward gave gradients that drift from one process. Set "
             "reshard_after_forward=False, or use '1F1B' or 'Interleaved1F1B'.")
     bits = settings.pop("bits", None)
-    if bits is not None:
+    if bits == "auto":
         raise ValueError(
-            f"GradientCompression(bits={bits!r}) with pipeline_parallel_size={pp_size} is not supported yet: it "
-            "compresses DDP's all-reduce, and a pipeline averages its stages' gradients without DDP. Remove the "
-            "callback (lds-train: compression=none), or set pipeline_parallel_size=1.")
-    off = {"tensor_parallel_size": (1, "auto"), "expert_parallel_size": (1, "auto"), "data_parallel_shard_size": (1,),
-           "shard_optimizer_states": (False,)}
-    for name, value in settings.items():
-        if value not in off[name] and not (name == "data_parallel_shard_size" and isinstance(value, int)):
+            f"GradientCompression(bits='auto') with pipeline_parallel_size={pp_size}: the timed copies that decide "
+            "the bits do not run a pipeline. Pass bits=8 or bits=4 (lds-train: compression=int8 or int4).")
+    if bits is not None and shard != 1:
+        raise ValueError(
+            f"GradientCompression(bits={bits!r}) with data_parallel_shard_size={shard!r} and pipeline_parallel_size="
+            f"{pp_size} is not supported yet: FSDP2 reduce-scatters each stage's gradients itself, and its compressed "
+            "reduce-scatter is not composed with a pipeline. Set data_parallel_shard_size=1 (the stages' dp exchange "
+            "is then compressed), or remove the callback.")
+    zero = settings.pop("shard_optimizer_states", None)  # over the stage's dp ranks (not with FSDP2: LayoutSettings)
+    _check_stage_model_parallel(pp_size, settings.pop("tensor_parallel_size", 1),
+                                settings.pop("expert_parallel_size", 1), shard, bits, bool(zero))
+    for name, value in settings.items():  # data_parallel_shard_size
+        if not isinstance(value, int):
             raise ValueError(
                 f"pipeline_parallel_size={pp_size} with {name}={value!r} is not supported yet (a pipeline stage "
                 "composes with data parallelism, FSDP2 and activation checkpointing). Set "
-                f"{name}={off[name][0]!r}, or pipeline_parallel_size=1.")
+                f"{name} to a number, or pipeline_parallel_size=1.")
+
+
+def _check_stage_model_parallel(pp_size: int, tp: object, ep: object, shard: object, bits: object, zero: bool) -> None:
+    """Tensor or expert parallelism inside the stages (:mod:`.pipeline_stage_parallel`): a size or ``"auto"`` (which
+    a pipeline resolves to 1), not both above 1, and without FSDP2, ZeRO-1 or compression of the stages' exchange."""
+    sizes = {"tensor_parallel_size": tp, "expert_parallel_size": ep}
+    for name, value in sizes.items():
+        if value == "per_node":
+            raise ValueError(f"pipeline_parallel_size={pp_size} with {name}='per_node' is not supported: give the "
+                             f"size as a number (dividing the ranks of one stage), or {name}=1.")
+    used = [f"{name}={value}" for name, value in sizes.items() if value not in (1, "auto")]
+    if len(used) == 2:
+        raise ValueError(f"pipeline_parallel_size={pp_size} with {used[0]} and {used[1]}: a pipeline stage composes "
+                         "with tensor or expert parallelism, not both yet. Set one of them to 1.")
+    for setting, value, off in (("data_parallel_shard_size", shard, 1), ("shard_optimizer_states", zero, False),
+                                ("GradientCompression(bits)", bits, None)):
+        if used and value != off:
+            raise ValueError(f"pipeline_parallel_size={pp_size} with {used[0]} and {setting}={value!r} is not "
+                             f"supported yet: the stages' tensor- or expert-parallel shards are averaged over dp by "
+                             f"the pipeline's own exchange only. Set {setting}={off!r}, or {used[0].split('=')[0]}=1.")
+
+
+_inferring_shapes = [False]
+
+
+def is_inferring_shapes() -> bool:
+    """Whether a stage runs torch's metadata inference: from 2.13 the real forward (with grad, on placeholder inputs)
+    before the first step; what counts routed tokens (``ExpertLoadBalancing``) skips it."""
+    return _inferring_shapes[0]
+
+
+def _flag_shape_inference(stage: PipelineStage) -> None:
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:  # torch < 2.13 infers shapes on meta tensors without grad
+        return
+
+    def flagged(*args: object, **kwargs: object) -> object:
+        _inferring_shapes[0] = True
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            _inferring_shapes[0] = False
+
+    stage._forward_metadata_inference = flagged
 
 
 def _skip_sends_to_itself(stage: PipelineStage, rank: int) -> None:
@@ -247,6 +299,7 @@ class PipelineRunner:
                   for module, i in zip(modules, indices)]
         for stage in stages:
             _skip_sends_to_itself(stage, pp_rank)
+            _flag_shape_inference(stage)
         runner = cls(split, modules, stages, None, group, num_microbatches, loss_fn)
         runner.schedule = _SCHEDULE_CLASSES[split.schedule](stages if split.stages_per_rank > 1 else stages[0],
                                                             num_microbatches, loss_fn=runner._scaled_loss(loss_fn))

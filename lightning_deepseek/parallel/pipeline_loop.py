@@ -35,6 +35,11 @@ the last accumulated batch and before clipping. With ``data_parallel_shard_size`
 shards each stage over it instead (every block, then the stage; the reduce-scatter at the end of each schedule step,
 as torch's ``PipelineStage`` runs it); under ZBVZeroBubble and DualPipeV only with ``reshard_after_forward=False``.
 
+Model parallelism inside a stage (:mod:`.pipeline_stage_parallel`): ``tensor_parallel_size`` (the ``tp`` ranks of a
+stage read the same batch; the automatic plan's feed-forward pairs sharded Megatron-style, stage boundaries plain
+full tensors) or ``expert_parallel_size`` (routed experts over ``ep`` of the stage's ``dp`` ranks, all-to-all
+dispatch; expert gradients summed over the stage's ``edp`` replicas); ``"auto"`` sizes resolve to 1 under a pipeline.
+
 Supports: every schedule of :mod:`.pipeline`; gradient accumulation (``grad_scale = 1 / accumulate_grad_batches``);
 clipping by norm (the norm over all stages, :meth:`.PipelineRunner.clip_grad_norm_`; by value untested); LR schedulers
 and optimizers as the module configures them (they see only the rank's stage parameters); meta-device models (each
@@ -44,11 +49,11 @@ loss times the scale, an overflow anywhere skipping the step everywhere: :mod:`.
 optimizer step one all-reduce of the rank's stage gradients over ``dp`` (not overlapped with the backward, as DDP's
 buckets are), and the runner's costs.
 
-Does not support: manual optimisation, training batches of different sizes, tensor or expert
-parallelism inside a stage, HSDP (a stage sharded over part of its replicas), FSDP2 resharding after forward and
-selective activation checkpointing under ZBVZeroBubble and DualPipeV (their split backward), ``GradientCompression``
-on FSDP2 stages or with ``bits="auto"``, one-file checkpoints (``save_distributed_checkpoint=False``, and resuming
-from a file: refused, the ranks hold other stages).
+Does not support: manual optimisation, training batches of different sizes, tensor and expert parallelism together
+inside a stage (or either with FSDP2, ZeRO-1 or ``GradientCompression``), HSDP (a stage sharded over part of its
+replicas), FSDP2 resharding after forward and selective activation checkpointing under ZBVZeroBubble and DualPipeV
+(their split backward), ``GradientCompression`` on FSDP2 stages or with ``bits="auto"``, one-file checkpoints
+(``save_distributed_checkpoint=False``, and resuming from a file: refused, the ranks hold other stages).
 
 Checkpoints: the DCP folder holds each rank's stages and their optimizer states under the whole model's parameter
 names (:mod:`.checkpoint`; states and hyperparameters keyed by name, not group index), so a pipelined run resumes at
@@ -79,11 +84,20 @@ from typing_extensions import override
 from lightning_deepseek.parallel import clipping
 from lightning_deepseek.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_deepseek.parallel.dims import WorldMesh
+from lightning_deepseek.parallel.expert_routing import ExpertRouting
 from lightning_deepseek.parallel.layout import Layout, LayoutSettings
 from lightning_deepseek.parallel.pipeline import PipelineRunner, check_pipeline_settings, min_microbatches
 from lightning_deepseek.parallel.pipeline_exchange import average_gradients, compress_exchange
 from lightning_deepseek.parallel.pipeline_scaling import loss_scale, prepare_loss_scaling
 from lightning_deepseek.parallel.pipeline_split import PipelineSplit, build_rank_module, plan_pipeline_split
+from lightning_deepseek.parallel.pipeline_stage_parallel import (
+    apply_stage_tensor_parallel,
+    check_stage_boundaries,
+    plan_stage_tensor_parallel,
+    reduce_stage_gradients,
+    setup_stage_expert_parallel,
+)
+from lightning_deepseek.parallel.topology import Topology
 
 if TYPE_CHECKING:
     from lightning_deepseek.compression.config import CompressionConfig
@@ -109,6 +123,7 @@ class PipelineLoop:
     on_loss: Callable[[torch.Tensor, Any, str], None]
     device: torch.device
     runner: PipelineRunner | None = None
+    expert_mesh: DeviceMesh | None = None  # this stage's (edp, ep) mesh under expert parallelism
     batch_size: int | None = None
     compression: CompressionState | None = None  # set by GradientCompression (compress_pipeline_gradients)
     _pending: list[torch.Tensor | None] | None = None
@@ -174,8 +189,12 @@ class PipelineLoop:
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Average this rank's stage gradients over its ``dp`` group (:mod:`.pipeline_exchange`: one flat all-reduce,
-        or compressed where ``GradientCompression`` set ``compression``)."""
+        or compressed where ``GradientCompression`` set ``compression``); uncompressed, tensor-parallel shards as their
+        local pieces and routed experts summed over their ``edp`` group (:func:`.reduce_stage_gradients`)."""
         if self.dp_group is None:
+            return
+        if self.compression is None:
+            reduce_stage_gradients(self._parameters(), self.dp_group, self.expert_mesh)
             return
         average_gradients(self._parameters(), self.dp_group, self.compression)
 
@@ -204,12 +223,14 @@ def _default_split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, settings: LayoutSettings,
-                           device: torch.device) -> PipelineLoop:
+                           device: torch.device, topology: Topology | None = None,
+                           routing: ExpertRouting | None = None) -> PipelineLoop:
     """Split ``module``'s model into pipeline stages and keep this rank's: the model attribute is replaced by the
     module holding this rank's stages (the whole model's parameter names), so ``configure_optimizers`` and
-    checkpoints see only them. Activation checkpointing is applied before the split, parameter sharding (FSDP2 over
-    the stage's ``dp`` group, ``data_parallel_shard_size`` equal to it) after. Works on the meta device (nothing is
-    allocated).
+    checkpoints see only them. The tensor-parallel plan is decided and activation checkpointing applied on the
+    whole model before the split; tensor and expert parallelism inside the stages (:mod:`.pipeline_stage_parallel`;
+    ``topology`` and ``routing`` as for the strategy's experts) and parameter sharding (FSDP2 over the stage's ``dp``
+    group, ``data_parallel_shard_size`` equal to it) after. Works on the meta device (nothing is allocated).
 
     Raises:
         ValueError: the module lacks the protocol (naming the hook) or the model cannot be split as asked.
@@ -230,10 +251,15 @@ def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, settings
             f"{dims.dp} or 1.")
     name = _model_attribute(module)
     pp_mesh = mesh["pp"]
-    apply_activation_checkpointing(getattr(module, name), settings.activation_checkpointing)  # on the whole model
-    split = plan_pipeline_split(getattr(module, name), dims.pp, settings.pp_schedule)
-    rank_module, stage_modules = build_rank_module(getattr(module, name), split, pp_mesh.get_local_rank())
+    tp_plan = plan_stage_tensor_parallel(module, settings, mesh)  # on the whole model: its names
+    whole = getattr(module, name)
+    apply_activation_checkpointing(whole, settings.activation_checkpointing)  # on the whole model
+    split = plan_pipeline_split(whole, dims.pp, settings.pp_schedule)
+    check_stage_boundaries(tp_plan, split, name, dims.tp)
+    rank_module, stage_modules = build_rank_module(whole, split, pp_mesh.get_local_rank())
     setattr(module, name, rank_module)
+    apply_stage_tensor_parallel(module, tp_plan, mesh["tp"])
+    expert_plan = setup_stage_expert_parallel(module, whole, mesh, topology, routing)
     if dims.fsdp_enabled:
         _shard_stages(split, pp_mesh.get_local_rank(), stage_modules, mesh["dp"], settings.reshard_after_forward)
     rank_zero_info(split.table())
@@ -241,7 +267,8 @@ def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, settings
     return PipelineLoop(split, stage_modules, pp_mesh.get_group(),
                         mesh["dp"].get_group() if dims.dp > 1 and not dims.fsdp_enabled else None,
                         settings.pp_microbatches or min_microbatches(settings.pp_schedule, dims.pp),
-                        module.pipeline_loss, getattr(module, "pipeline_batch", _default_split_batch), on_loss, device)
+                        module.pipeline_loss, getattr(module, "pipeline_batch", _default_split_batch), on_loss, device,
+                        expert_mesh=expert_plan.mesh if expert_plan is not None else None)
 
 
 def _shard_stages(split: PipelineSplit, pp_rank: int, stage_modules: list[nn.Module], dp_mesh: DeviceMesh,
@@ -300,7 +327,8 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
                     "save_distributed_checkpoint=True (a DCP folder, loadable at any layout).")
             if not meta:  # every rank builds its stages from rank 0's weights
                 _sync_module_states(module)
-            self._pipeline = split_lightning_module(module, self.world_mesh, self._settings, self.root_device)
+            self._pipeline = split_lightning_module(module, self.world_mesh, self._settings, self.root_device,
+                                                    self._topology, self.expert_routing)
         self.layout = self.layout or Layout(self.parallel_dims, "pipeline", self.world_mesh.order)
 
     def _check_pipeline_checkpoint(self, path: Path) -> None:

@@ -258,7 +258,7 @@ class HybridParallelStrategy(PipelineStrategyHooks):
         materialize(module, self.root_device)  # a meta model: each rank allocates and initialises its shards
         self.model_to_device()
         # Unsharded, each step is DDPStrategy's own; FSDP reduces its parameters' gradients itself.
-        sharded = any(isinstance(p, DTensor) for p in module.parameters())
+        sharded = self._pipeline is None and any(isinstance(p, DTensor) for p in module.parameters())  # else its loop
         self._has_shards = sharded and not self.parallel_dims.fsdp_enabled and self.layout.placement != "user"
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync:

@@ -62,18 +62,20 @@ class PipelinedLM(TinyLM):
 
 def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None = None,
          activation_checkpointing: str = "none", pp: int = 2, shard: int = 1, reshard_after_forward: bool = True,
-         precision: str = "32-true", **config: Any) -> dict[str, Any]:
+         precision: str = "32-true", tp: int = 1, ep: int = 1, callbacks: list[pl.Callback] | None = None,
+         **config: Any) -> dict[str, Any]:
     """Fit PipelinedLM for STEPS optimizer steps; every rank's losses, the full weights (gathered from the stages),
     the validation loss after fitting, and what each rank's optimizer holds."""
-    dp = world_size // pp
+    dp = world_size // (pp * tp)
     dataset = token_data(STEPS * accumulate * dp * MICRO)
     pl.seed_everything(0, verbose=False)
     module = PipelinedLM(n_layer=LAYERS, **config)
     strategy = HybridParallelStrategy(pipeline_parallel_size=pp, pipeline_schedule=schedule, pipeline_microbatches=4,
                                       activation_checkpointing=activation_checkpointing, data_parallel_shard_size=shard,
-                                      reshard_after_forward=reshard_after_forward)
+                                      reshard_after_forward=reshard_after_forward, tensor_parallel_size=tp,
+                                      expert_parallel_size=ep, min_shard_params=0)
     trainer = make_trainer(world_size, strategy, max_steps=STEPS, accumulate_grad_batches=accumulate,
-                           gradient_clip_val=clip, precision=precision)
+                           gradient_clip_val=clip, precision=precision, callbacks=callbacks)
     trainer.fit(module, loader(dataset, MICRO))
     val = trainer.validate(module, loader(token_data(4 * dp * MICRO, seed=3), MICRO), verbose=False)
     losses: list[Any] = [None] * world_size
@@ -81,12 +83,14 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
     states: list[Any] = [None] * world_size
     dist.all_gather_object(states, full_state(module))
     optimized = sum(p.numel() for group in trainer.optimizers[0].param_groups for p in group["params"])
-    return {"pp": pp, "losses": losses, "state": {k: v for s in states for k, v in s.items()},
+    return {"pp": pp, "dp": dp, "losses": losses, "state": {k: v for s in states for k, v in s.items()},
             "val": val[0]["validation_loss"], "optimized": optimized,
             "local": sum(p.numel() for p in module.parameters()),
             "sampler": strategy.distributed_sampler_kwargs, "table": strategy._pipeline.split.table(),
             "blocks": sorted({type(block).__name__ for block in module.model.blocks.values()}),
-            "sharded": all(isinstance(p, DTensor) for p in module.parameters())}
+            "sharded": all(isinstance(p, DTensor) for p in module.parameters()),
+            "shards": sorted(n for n, p in module.named_parameters() if isinstance(p, DTensor)),
+            "biases": {n: b.tolist() for n, b in module.named_buffers() if n.endswith("expert_bias")}}
 
 
 def _meta(world_size: int, shard: int = 1) -> dict[str, Any]:
@@ -221,11 +225,12 @@ def _reference_val(state: dict[str, np.ndarray], dp: int, **config: Any) -> floa
 
 
 def check_parity(results: list[dict[str, Any]], accumulate: int = 1, clip: float | None = None,
-                 **config: Any) -> None:
-    world_size = len(results)
-    dp = world_size // results[0]["pp"]
+                 after_step: Any = None, **config: Any) -> None:
+    """Losses, final weights and validation loss against one process on the global batch (``after_step``: as
+    ``reference_run``'s, e.g. the balancing bias update)."""
+    world_size, dp = len(results), results[0]["dp"]
     ref_losses, ref_state = reference_run(STEPS, dp * MICRO, token_data(STEPS * accumulate * dp * MICRO), clip=clip,
-                                          accumulate=accumulate, n_layer=LAYERS, **config)
+                                          accumulate=accumulate, after_step=after_step, n_layer=LAYERS, **config)
     per_rank = results[0]["losses"]
     for rank in range(world_size):  # every rank of a pipeline reports its loss
         assert per_rank[rank] == per_rank[(rank + dp) % world_size]
@@ -340,8 +345,6 @@ def test_bad_settings_raise_before_training_on_every_rank(two_ranks: list[dict[s
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "pipeline_parallel_size=2 with tensor_parallel_size=2 "
-     "is not supported yet"),
     (dict(pipeline_parallel_size=2, data_parallel_shard_size=2, pipeline_schedule="DualPipeV"),
      "data_parallel_shard_size=2 with pipeline_schedule='DualPipeV' needs reshard_after_forward=False"),
     (dict(pipeline_parallel_size=2, data_parallel_shard_size="auto"), "with data_parallel_shard_size='auto' is not"),

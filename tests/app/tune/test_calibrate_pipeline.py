@@ -46,7 +46,8 @@ def test_a_pipeline_leaves_one_configuration_hybrid_uncompressed() -> None:
     (["trainer.devices=1"], "strategy.pipeline_parallel_size=2 does not divide the run's 1 process(es)"),
     (["strategy.tensor_parallel_size=2"], "strategy.pipeline_parallel_size=2 x strategy.tensor_parallel_size=2 "
                                           "does not divide the run's 2 process(es)"),
-    (["trainer.devices=4", "allow_oversubscribe=true", "strategy.tensor_parallel_size=2", "strategy.expert_parallel_size=2"],
+    (["trainer.devices=4", "allow_oversubscribe=true", "strategy.tensor_parallel_size=2",
+      "strategy.expert_parallel_size=2"],
      "strategy.tensor_parallel_size=2 and strategy.expert_parallel_size=2 with strategy.pipeline_parallel_size=2 is "
      "not supported"),
     (["tune=quick"], "tune=quick has nothing to choose from: a pipeline (strategy.pipeline_parallel_size=2)"),

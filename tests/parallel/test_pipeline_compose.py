@@ -1,0 +1,90 @@
+"""Pipeline stages composed with tensor and expert parallelism (``HybridParallelStrategy(pipeline_parallel_size=2,
+tensor_parallel_size=2)`` and ``expert_parallel_size=2``) in Lightning's loop, on 4 real gloo processes, against one
+process on the same global batch (FP32, SGD with momentum, 20 optimizer steps, losses and final weights to 1e-5).
+
+One 4-rank spawn runs: pp=2 x tp=2 (our GPT's feed-forward layers sharded over each stage's two ranks, which read the
+same batch) with 1F1B, and with Interleaved1F1B under gradient accumulation and clipping; pp=2 x ep=2 (the MoE preset's
+routed experts sharded over each stage's two data-parallel ranks, DeepSeek-V3's shape) with DualPipeV, clipping and
+``ExpertLoadBalancing`` (its bias updates from every micro-batch's routed counts, as one process makes them).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import pytest
+from torch import nn
+
+from lightning_deepseek import HybridParallelStrategy
+from lightning_deepseek.moe import ExpertLoadBalancing
+from lightning_deepseek.parallel.pipeline_split import plan_pipeline_split
+from lightning_deepseek.parallel.pipeline_stage_parallel import check_stage_boundaries
+from lightning_deepseek.parallel.plan import Plan, PlanEntry
+from tests.helpers import run_distributed
+from tests.parallel.test_expert_strategy import RATE, _balancing
+from tests.parallel.test_pipeline_strategy import MOE, _fit, check_parity
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    os.chdir(tempfile.mkdtemp())  # ExpertLoadBalancing plots into the trainer's root folder
+    return {"tp": _fit(world_size, "1F1B", tp=2),
+            "tp_interleaved": _fit(world_size, "Interleaved1F1B", tp=2, accumulate=2, clip=0.5),
+            "ep": _fit(world_size, "DualPipeV", ep=2, clip=1.0, callbacks=[ExpertLoadBalancing(RATE)], **MOE)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict[str, Any]]:
+    return run_distributed(_four_ranks, 4, timeout=840)
+
+
+def test_pp2_x_tp2_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
+    check_parity([r["tp"] for r in four_ranks])
+    # the tp ranks of a stage read the same batch: one data-parallel replica
+    assert [r["tp"]["sampler"] for r in four_ranks] == [{"num_replicas": 1, "rank": 0}] * 4
+    first, last = four_ranks[0]["tp"]["shards"], four_ranks[2]["tp"]["shards"]
+    assert "model.blocks.0.mlp.fc1.weight" in first and "model.blocks.3.mlp.fc2.weight" in last
+    assert not any("attn" in name for name in first + last)  # the plan shards the feed-forward layers only
+
+
+def test_pp2_x_tp2_interleaved_with_accumulation_and_clipping(four_ranks: list[dict[str, Any]]) -> None:
+    check_parity([r["tp_interleaved"] for r in four_ranks], accumulate=2, clip=0.5)
+    assert "Interleaved1F1B, pp=2" in four_ranks[0]["tp_interleaved"]["table"]
+
+
+def test_pp2_x_ep2_dualpipev_with_load_balancing(four_ranks: list[dict[str, Any]]) -> None:
+    check_parity([r["ep"] for r in four_ranks], clip=1.0, after_step=_balancing, **MOE)
+    results = [r["ep"] for r in four_ranks]
+    assert [r["sampler"]["rank"] for r in results] == [0, 1, 0, 1]  # each ep group: the stage's two dp replicas
+    for first, second in ((results[0], results[1]), (results[2], results[3])):  # an ep group's biases agree
+        assert first["biases"] == second["biases"] and any(any(b) for b in first["biases"].values())
+        assert first["shards"] and all(".experts." in name for name in first["shards"])
+
+
+class _Chain(nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8), nn.Linear(8, 8))
+
+
+def test_a_stage_boundary_inside_a_tensor_parallel_pair_is_refused() -> None:
+    split = plan_pipeline_split(_Chain(), 2, split_points=["1"])  # stage 1 begins after the column-wise layer
+    plan = Plan((PlanEntry("model.0", "colwise", 288), PlanEntry("model.2", "rowwise", 264)))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with pipeline_parallel_size=2: pipeline stage 0 "
+                                         r"ends after the tensor-parallel layer 'model.0'"):
+        check_stage_boundaries(plan, split, "model", 2)
+    check_stage_boundaries(plan, plan_pipeline_split(_Chain(), 2, split_points=["3"]), "model", 2)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(tensor_parallel_size=2, expert_parallel_size=2), "a pipeline stage composes with tensor or expert "
+                                                           "parallelism, not both yet"),
+    (dict(expert_parallel_size=2, data_parallel_shard_size=2), "with expert_parallel_size=2 and "
+                                                               "data_parallel_shard_size=2 is not supported yet"),
+    (dict(tensor_parallel_size="per_node"), "with tensor_parallel_size='per_node' is not supported"),
+])
+def test_what_does_not_compose_yet_is_refused_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HybridParallelStrategy(pipeline_parallel_size=2, **kwargs)
