@@ -23,6 +23,13 @@ def _components(trainer: pl.Trainer) -> list[Any]:
     return [trainer.strategy, trainer.strategy.precision_plugin, *trainer.callbacks]
 
 
+def _num_data_shards(trainer: pl.Trainer) -> int:
+    """Ranks reading distinct batches: the distributed sampler's replicas (under a pipeline its ``dp`` size, the
+    ranks of one pipeline reading the same batch), else the world."""
+    sampler_kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return sampler_kwargs.get("num_replicas", trainer.world_size)
+
+
 class RunSummary(Callback):
     """Collects throughput and loss curves; on rank 0 prints a summary and writes it with a plot.
 
@@ -56,7 +63,7 @@ class RunSummary(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.train_seconds += time.perf_counter() - self._batch_start
-        self.num_tokens += batch[0].numel() * trainer.world_size
+        self.num_tokens += batch[0].numel() * _num_data_shards(trainer)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None and trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
             self.train_curve.append((trainer.global_step, float(loss.detach())))

@@ -6,7 +6,8 @@ DCP folder written without a pipeline, on real gloo processes.
   (param_groups by group index); each folder resumed at ``pp=2`` for 10 more steps: losses, final weights and
   learning rates within 1e-6 of the uninterrupted run. Then ``trainer.predict`` on the resumed ``pp=2`` model, the
   last batch smaller than the micro-batch count: the logits on both ranks within 1e-6 of one process with the same
-  weights; the strategy's summary rows and the memory table of its setup: per pipeline rank, against the whole model.
+  weights; the strategy's summary rows, ``RunSummary``'s (tokens counted once per global batch) and the memory table
+  of its setup: per pipeline rank, against the whole model.
   A module whose one param group joins saved groups of other hyperparameters raises on every rank, naming them.
 - 4 ranks (``pp=2 x dp=2``): predict with Lightning's distributed sampler (each replica its share of 10 samples)
   through a ``BasePredictionWriter`` and the ``pipeline_predict`` hook (log-probabilities): every sample written by
@@ -28,9 +29,11 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lightning_deepseek import HybridParallelStrategy
+from lightning_deepseek.app.summary import RunSummary
 from tests.helpers import run_distributed
-from tests.parallel.common import LogRecords, full_state, loader, make_trainer, token_data
+from tests.parallel.common import SEQ, LogRecords, full_state, loader, make_trainer, token_data
 from tests.parallel.test_pipeline_checkpoint import (
+    GLOBAL_BATCH,
     LAYERS,
     STEPS,
     TOL,
@@ -54,8 +57,8 @@ class OneGroupLM(ScheduledLM):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _fit(world_size: int, strategy: dict[str, Any], save: Path | None = None,
-         resume: Path | None = None) -> tuple[dict[str, Any], pl.Trainer, ScheduledLM]:
+def _fit(world_size: int, strategy: dict[str, Any], save: Path | None = None, resume: Path | None = None,
+         callbacks: list[pl.Callback] = ()) -> tuple[dict[str, Any], pl.Trainer, ScheduledLM]:
     """Fit ScheduledLM for 20 steps, saving after step 10 at ``save``, or from ``resume`` (seeded apart, so that only
     the checkpoint can make the runs agree): the mean loss of each global batch, the full weights, the last rates."""
     if resume is None:
@@ -64,7 +67,7 @@ def _fit(world_size: int, strategy: dict[str, Any], save: Path | None = None,
         torch.manual_seed(1 + dist.get_rank())
     module = ScheduledLM(n_layer=LAYERS, bias=False)
     trainer = make_trainer(world_size, HybridParallelStrategy(**strategy), max_steps=2 * STEPS,
-                           callbacks=[SaveAtStep(STEPS, save)] if save is not None else [],
+                           callbacks=[*callbacks, *([SaveAtStep(STEPS, save)] if save is not None else [])],
                            use_distributed_sampler=False)
     pp = strategy.get("pipeline_parallel_size", 1)
     trainer.fit(module, _shard(world_size, pp), ckpt_path=resume)
@@ -123,9 +126,12 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
         for name, strategy in SAVERS.items():
             results[name] = _fit(world_size, strategy, save=root / name)[0]
             del records.messages[:]
-            results[f"{name}->pp2"], trainer, module = _fit(world_size, PIPELINE, resume=root / name)
+            summary = RunSummary(root / f"summary_{rank}", plot=False)
+            results[f"{name}->pp2"], trainer, module = _fit(world_size, PIPELINE, resume=root / name,
+                                                            callbacks=[summary])
         results["table"] = next((m for m in records.messages if "memory per rank" in m), None)
         results["memory"] = _memory(trainer, module)
+        results["run_summary"] = {"tokens": summary.num_tokens, "report": summary.report}
         results["predict"] = _predict(trainer, module, samples=10, batch=4)  # after fitting: the split is kept
         results["weights"] = results["fsdp->pp2"]["state"]
         try:
@@ -206,6 +212,11 @@ def test_summary_memory_rows_are_per_pipeline_rank(two_ranks: list[dict[str, Any
     params_row = next(line for line in table.splitlines() if line.startswith("| parameters |"))
     cells = [cell.split()[0] for cell in params_row.strip("|").split("|")[1:]]
     assert cells == [f"{b / 2**20:.2f}" for b in (whole, memory[0]["params"], memory[1]["params"])]
+    # lds-train's RunSummary prints the same rows, and counts each global batch once (both ranks read it)
+    report = two_ranks[0]["run_summary"]["report"]
+    assert {k: report[k] for k in rows if k not in ("peak_memory_bytes", "peak_memory_bytes_per_pp_rank")} == {
+        k: v for k, v in rows.items() if k not in ("peak_memory_bytes", "peak_memory_bytes_per_pp_rank")}
+    assert [r["run_summary"]["tokens"] for r in two_ranks] == [STEPS * GLOBAL_BATCH * SEQ] * 2
 
 
 def test_predict_through_pp2_x_dp2_with_the_distributed_sampler_and_a_writer() -> None:
