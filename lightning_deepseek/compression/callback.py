@@ -101,8 +101,8 @@ def _pipeline_replicas(strategy: Strategy) -> bool:
     size = dist.get_world_size(strategy.data_parallel_group)
     if size <= 1:
         rank_zero_warn(f"GradientCompression does nothing with a pipeline over all {strategy.world_size} ranks: every "
-                       "rank holds other stages, so no gradient is exchanged. Remove it, or train on a multiple of "
-                       "pipeline_parallel_size.")
+                       "rank holds other stages, so no gradient is exchanged. Remove it, or train on 2 or more "
+                       "times pipeline_parallel_size ranks (replicas of each stage).")
     return size > 1
 
 

@@ -27,12 +27,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.utils.data import DataLoader, Subset
 
 from lightning_deepseek import GradientCompression, HybridParallelStrategy
 from lightning_deepseek.compression import CompressionConfig
+from lightning_deepseek.parallel.pipeline import check_pipeline_composition
 from lightning_deepseek.parallel.pipeline_exchange import average_gradients, compress_exchange
+from lightning_deepseek.parallel.pipeline_scaling import prepare_loss_scaling
 from lightning_deepseek.parallel.zero import state_bytes
 from lightning_deepseek.precision import StagedPrecision
 from tests.compression.test_hook import _all_grads, _one_step_bound
@@ -239,3 +241,22 @@ def test_fp16_loss_scaling_matches_one_process_under_fp16(four_ranks: list[dict[
     assert staged["losses"] == mixed["losses"]
     assert relative_error(staged["state"], mixed["state"]) == 0.0
     np.testing.assert_allclose(staged["losses"], _fp16_reference(), rtol=2e-5)  # measured 5e-6
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (dict(bits="auto"), "GradientCompression(bits='auto') with pipeline_parallel_size=2: the timed copies"),
+    (dict(bits=8, data_parallel_shard_size=2), "GradientCompression(bits=8) with data_parallel_shard_size=2 and "
+                                               "pipeline_parallel_size=2 is not supported yet"),
+])
+def test_compression_a_pipeline_cannot_take_is_refused(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_pipeline_composition(2, "1F1B", None, **settings)
+    check_pipeline_composition(2, "1F1B", None, bits=4, shard_optimizer_states=True)  # what the spawn trains
+
+
+def test_a_scaler_of_another_plugin_is_refused() -> None:
+    class OwnScaler(Precision):
+        scaler = object()
+
+    with pytest.raises(ValueError, match="OwnScaler has a loss scaler \\(object\\) and pipeline_parallel_size=2"):
+        prepare_loss_scaling(OwnScaler(), 2)
