@@ -136,9 +136,11 @@ def predictions(args: argparse.Namespace) -> dict[tuple[str, str], float | str]:
                 out[model, label] = "not planned (no pipelines in the planner yet)"
                 continue
             layout = {"ddp": PlanLayout(), "hsdp": PlanLayout(dp_shard=2)}.get(label)
-            if layout is None:
+            sequences = batch
+            if layout is None:  # a replica's batch (2 x batch sequences) in micro-batches of StepShape's size
                 layout = PlanLayout(pp=2, pp_schedule=label.split()[1], pp_microbatches=args.microbatches)
-            step = StepShape(batch, seq, "fp32")
+                sequences = 2 * batch // args.microbatches
+            step = StepShape(sequences, seq, "fp32")
             out[model, label] = plan(spec, 4, layout, cluster, step).step_seconds
     return out
 
@@ -171,6 +173,10 @@ def report(results: list[dict], planned: dict, args: argparse.Namespace, load: t
 def main(args: argparse.Namespace) -> None:
     from benchmarks.testbed import Testbed, run_ranks
 
+    if args.results:  # report (and plan) a saved run
+        saved = json.loads(Path(args.results).read_text())
+        print(report(saved["results"], predictions(args), args, tuple(saved["load"]), saved["argv"]))
+        return
     out = Path(tempfile.mkdtemp(prefix="ldpp-")) / "results.json"
     before = os.getloadavg()[0]
     print(f"start {time.strftime('%H:%M:%S', time.gmtime())} UTC, load {before:.1f}", flush=True)
@@ -182,10 +188,11 @@ def main(args: argparse.Namespace) -> None:
     after = os.getloadavg()[0]
     print(f"end {time.strftime('%H:%M:%S', time.gmtime())} UTC, load {after:.1f}", flush=True)
     results = json.loads(out.read_text())
+    argv = [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]
     if args.json:
-        Path(args.json).write_text(json.dumps(results))
+        Path(args.json).write_text(json.dumps({"results": results, "load": [before, after], "argv": argv}))
     planned = {} if args.no_plan else predictions(args)
-    print(report(results, planned, args, (before, after), [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))
+    print(report(results, planned, args, (before, after), argv))
 
 
 if __name__ == "__main__":
@@ -201,6 +208,7 @@ if __name__ == "__main__":
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--no-plan", action="store_true", help="skip the planner's predictions")
     parser.add_argument("--json", default=None, help="write the raw results here")
+    parser.add_argument("--results", default=None, help="report a --json file of an earlier run (no run)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     parsed = parser.parse_args()
