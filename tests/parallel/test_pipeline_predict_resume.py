@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
+from torch.distributed.tensor import DTensor
 
 from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.app.summary import RunSummary
@@ -46,7 +47,8 @@ from tests.parallel.test_pipeline_checkpoint import (
 from tests.parallel.test_pipeline_strategy import PipelinedLM
 
 pytestmark = pytest.mark.timeout(600)
-SAVERS = {"ddp": dict(tensor_parallel_size=1, min_shard_params=0), "fsdp": dict(data_parallel_shard_size=2)}
+SAVERS = {"ddp": dict(tensor_parallel_size=1, min_shard_params=0),
+          "fsdp": dict(tensor_parallel_size=1, data_parallel_shard_size=2)}
 PIPELINE = dict(pipeline_parallel_size=2, pipeline_microbatches=4)
 
 
@@ -77,7 +79,8 @@ def _fit(world_size: int, strategy: dict[str, Any], save: Path | None = None, re
     dist.all_gather_object(states, full_state(module))
     return ({"losses": [float(np.mean(step)) for step in zip(*losses[:world_size // pp])],
              "state": {k: v for s in states for k, v in s.items()},
-             "lrs": trainer.lr_scheduler_configs[0].scheduler.get_last_lr()}, trainer, module)
+             "lrs": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
+             "sharded": any(isinstance(p, DTensor) for p in module.parameters())}, trainer, module)
 
 
 def _memory(trainer: pl.Trainer, module: ScheduledLM) -> dict[str, Any]:
@@ -175,6 +178,7 @@ def _reference_logits(state: dict[str, np.ndarray] | None, samples: int) -> np.n
 @pytest.mark.parametrize("saver", list(SAVERS))
 def test_a_folder_written_without_a_pipeline_resumes_at_pp2(two_ranks: list[dict[str, Any]], saver: str) -> None:
     check_resumed(two_ranks[0][saver], two_ranks[0][f"{saver}->pp2"])
+    assert two_ranks[0][saver]["sharded"] == (saver == "fsdp")
 
 
 def test_a_param_group_joining_saved_groups_of_other_hyperparameters_raises_on_every_rank(
