@@ -5,7 +5,8 @@ process on the same global batch (FP32, SGD with momentum, 20 optimizer steps, l
 One 4-rank spawn runs: pp=2 x tp=2 (our GPT's feed-forward layers sharded over each stage's two ranks, which read the
 same batch) with 1F1B, and with Interleaved1F1B under gradient accumulation and clipping; pp=2 x ep=2 (the MoE preset's
 routed experts sharded over each stage's two data-parallel ranks, DeepSeek-V3's shape) with DualPipeV, clipping and
-``ExpertLoadBalancing`` (its bias updates from every micro-batch's routed counts, as one process makes them).
+``ExpertLoadBalancing`` (its bias updates from every micro-batch's routed counts, as one process makes them); HF Llama
+from a tiny config (random init) at pp=2 x tp=2 (losses).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import os
 import tempfile
 from typing import Any
 
+import numpy as np
 import pytest
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.moe import ExpertLoadBalancing
@@ -23,17 +26,37 @@ from lightning_deepseek.parallel.pipeline_split import plan_pipeline_split
 from lightning_deepseek.parallel.pipeline_stage_parallel import check_stage_boundaries
 from lightning_deepseek.parallel.plan import Plan, PlanEntry
 from tests.helpers import run_distributed
+from tests.parallel.common import loader, make_trainer, token_data
 from tests.parallel.test_expert_strategy import RATE, _balancing
-from tests.parallel.test_pipeline_strategy import MOE, _fit, check_parity
+from tests.parallel.test_pipeline_strategy import (
+    MICRO,
+    MOE,
+    STEPS,
+    TOL,
+    PipelinedLlama,
+    _fit,
+    _llama_reference,
+    check_parity,
+)
 
 pytestmark = pytest.mark.timeout(900)
+
+
+def _llama(world_size: int) -> dict[str, Any]:
+    """HF Llama (tiny config) at pp=2 x tp=2 (1F1B): its losses and its tensor-parallel parameters."""
+    module = PipelinedLlama()
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=4,
+                                      min_shard_params=0)
+    make_trainer(world_size, strategy, max_steps=STEPS).fit(module, loader(token_data(STEPS * MICRO), MICRO))
+    return {"losses": module.losses, "shards": [n for n, p in module.named_parameters() if isinstance(p, DTensor)]}
 
 
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
     os.chdir(tempfile.mkdtemp())  # ExpertLoadBalancing plots into the trainer's root folder
     return {"tp": _fit(world_size, "1F1B", tp=2),
             "tp_interleaved": _fit(world_size, "Interleaved1F1B", tp=2, accumulate=2, clip=0.5),
-            "ep": _fit(world_size, "DualPipeV", ep=2, clip=1.0, callbacks=[ExpertLoadBalancing(RATE)], **MOE)}
+            "ep": _fit(world_size, "DualPipeV", ep=2, clip=1.0, callbacks=[ExpertLoadBalancing(RATE)], **MOE),
+            "llama": _llama(world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +85,13 @@ def test_pp2_x_ep2_dualpipev_with_load_balancing(four_ranks: list[dict[str, Any]
     for first, second in ((results[0], results[1]), (results[2], results[3])):  # an ep group's biases agree
         assert first["biases"] == second["biases"] and any(any(b) for b in first["biases"].values())
         assert first["shards"] and all(".experts." in name for name in first["shards"])
+
+
+def test_pp2_x_tp2_hf_llama_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
+    reference = _llama_reference()
+    for result in four_ranks:
+        np.testing.assert_allclose(result["llama"]["losses"], reference, rtol=TOL)
+        assert len(result["llama"]["shards"]) == 12 and all(".mlp." in n for n in result["llama"]["shards"])
 
 
 class _Chain(nn.Sequential):
