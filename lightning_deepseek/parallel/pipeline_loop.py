@@ -26,7 +26,8 @@ The protocol (a LightningModule trained under a pipeline defines):
 Predict: the forwards of each batch's inputs (the batch itself when a tensor or a one-element tuple or list, else
 the first of ``pipeline_batch``); the last stage's output is broadcast over the pipeline group (one broadcast of the
 output per batch), so every rank returns its data-parallel shard's predictions as under DDP, and the ranks of one
-pipeline the same ones. Under FSDP2 stages every replica must get the same number of predict batches.
+pipeline the same ones. Under FSDP2 stages the replicas' predict shares must be of one size (their all-gathers pair
+up; checked before the first batch).
 
 Data parallelism: the pipeline group is the mesh's ``pp`` dimension (outermost, torchtitan's order); the ranks
 holding the same stages form the ``dp`` group, each reads its own data shard (``DistributedSampler`` by its ``dp``
@@ -380,6 +381,27 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
             output = self._pipeline.predict_step(args[0])
         hook = getattr(self.lightning_module, "pipeline_predict", None)
         return output if hook is None else hook(output, args[0])
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Under a pipeline with FSDP2 stages, refuse predict shares of different sizes on the ``dp`` replicas (one
+        gather of the sizes over ``dp``): their stages gather parameters in step, so the replica with fewer samples
+        would leave the others waiting. Every rank raises, before the first batch."""
+        dataloader = super().process_dataloader(dataloader)
+        predicting = self.lightning_module.trainer.predicting
+        if self._pipeline is None or not self.parallel_dims.fsdp_enabled or not predicting:
+            return dataloader
+        sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)
+        sizes: list[int | None] = [None] * self.parallel_dims.dp
+        dist.all_gather_object(sizes, len(sampler) if hasattr(sampler, "__len__") else None,
+                               group=self.world_mesh["dp"].get_group())
+        if len(set(sizes)) > 1:
+            raise ValueError(
+                f"trainer.predict with pipeline_parallel_size={self.parallel_dims.pp} and data_parallel_shard_size="
+                f"{self.parallel_dims.dp_shard}: the data-parallel replicas got {sizes} samples, and their FSDP2 "
+                "stages gather parameters in step (the shorter share would hang the others). Predict a multiple of "
+                f"{self.parallel_dims.dp} samples, or use data_parallel_shard_size=1.")
+        return dataloader
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any

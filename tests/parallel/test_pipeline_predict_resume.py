@@ -9,9 +9,10 @@ DCP folder written without a pipeline, on real gloo processes.
   weights; the strategy's summary rows, ``RunSummary``'s (tokens counted once per global batch) and the memory table
   of its setup: per pipeline rank, against the whole model.
   A module whose one param group joins saved groups of other hyperparameters raises on every rank, naming them.
-- 4 ranks (``pp=2 x dp=2``): predict with Lightning's distributed sampler (each replica its share of 10 samples)
-  through a ``BasePredictionWriter`` and the ``pipeline_predict`` hook (log-probabilities): every sample written by
-  the two ranks of one pipeline, within 1e-6 of one process.
+- 4 ranks (``pp=2 x dp=2``, replicated and FSDP2 stages): predict with Lightning's distributed sampler (each
+  replica its share of 10 samples) through a ``BasePredictionWriter`` and the ``pipeline_predict`` hook
+  (log-probabilities): every sample written by the two ranks of one pipeline, within 1e-6 of one process; under
+  FSDP2, 9 samples (shares of 5 and 4) raise on every rank before the first batch.
 """
 
 from __future__ import annotations
@@ -153,10 +154,18 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    pl.seed_everything(0, verbose=False)
-    module = LogProbLM(n_layer=LAYERS)
-    trainer = make_trainer(world_size, HybridParallelStrategy(pipeline_parallel_size=2))
-    return _predict(trainer, module, samples=10, batch=2)
+    """Predict at ``pp=2 x dp=2`` with replicated and with FSDP2 stages; the error of shares of unequal size under
+    FSDP2 (9 samples: 5 and 4)."""
+    results: dict[str, Any] = {}
+    for name, samples in (("replicated", 10), ("fsdp", 10), ("uneven", 9)):
+        pl.seed_everything(0, verbose=False)
+        strategy = HybridParallelStrategy(pipeline_parallel_size=2, data_parallel_shard_size=1 if name == "replicated"
+                                          else 2)
+        try:
+            results[name] = _predict(make_trainer(world_size, strategy), LogProbLM(n_layer=LAYERS), samples, batch=2)
+        except ValueError as exc:
+            results[name] = str(exc)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -227,11 +236,15 @@ def test_predict_through_pp2_x_dp2_with_the_distributed_sampler_and_a_writer() -
     results = run_distributed(_four_ranks, 4, timeout=300)
     reference = _reference_logits(None, 10)
     reference = reference - np.log(np.exp(reference).sum(-1, keepdims=True))
-    # pp outermost: ranks 0 and 2 form one pipeline (dp replica 0), ranks 1 and 3 the other
-    for first, second in ((0, 2), (1, 3)):
-        assert results[first]["indices"] == results[second]["indices"]
-        np.testing.assert_array_equal(results[first]["written"], results[second]["written"])
-    assert sorted(results[0]["indices"] + results[1]["indices"]) == list(range(10))
+    for name in ("replicated", "fsdp"):
+        predicted = [r[name] for r in results]
+        # pp outermost: ranks 0 and 2 form one pipeline (dp replica 0), ranks 1 and 3 the other
+        for first, second in ((0, 2), (1, 3)):
+            assert predicted[first]["indices"] == predicted[second]["indices"]
+            np.testing.assert_array_equal(predicted[first]["written"], predicted[second]["written"])
+        assert sorted(predicted[0]["indices"] + predicted[1]["indices"]) == list(range(10))
+        for result in predicted:
+            np.testing.assert_array_equal(result["written"], result["returned"])
+            np.testing.assert_allclose(result["written"], reference[result["indices"]], rtol=TOL, atol=TOL)
     for result in results:
-        np.testing.assert_array_equal(result["written"], result["returned"])
-        np.testing.assert_allclose(result["written"], reference[result["indices"]], rtol=TOL, atol=TOL)
+        assert "the data-parallel replicas got [5, 4] samples, and their FSDP2 stages gather" in result["uneven"]
