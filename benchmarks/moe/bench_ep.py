@@ -71,7 +71,7 @@ def run(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     topology = parse_topology(TOPOLOGY if world == 4 else "0,1")
     sent = {"peers": 0, "nodes": 0}
-    original = expert.all_to_all_single_autograd
+    original = expert.all_to_all_rows  # torch's autograd all-to-all outside a DualPipeV overlap
 
     def count(ranks: list[int], splits: list[int], row: int) -> None:
         for peer, size in zip(ranks, splits):
@@ -87,7 +87,7 @@ def run(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
             count(ranks, output_split_sizes, row)
         return original(tensor, output_split_sizes, input_split_sizes, group)
 
-    expert.all_to_all_single_autograd = expert_dispatch.all_to_all_single_autograd = counting
+    expert.all_to_all_rows = expert_dispatch.all_to_all_single_autograd = counting
     data = torch.randint(0, 256, (args.steps, args.micro, SEQ + 1), generator=torch.Generator().manual_seed(rank))
     results: dict[str, dict] = {mode: {"times": []} for mode in modes(world)}
     for _ in range(args.repeats):

@@ -55,13 +55,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd  # the only differentiable one
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_deepseek.moe.protocol import ExpertLayer, find_expert_layers
 from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.gradients import reduce_shard_gradients
+from lightning_deepseek.parallel.pipeline_overlap import all_to_all_rows
 
 EP_DIM, REPLICA_DIM = "ep", "edp"
 
@@ -146,10 +146,11 @@ def exchange_pairs(rows: torch.Tensor, counts: torch.Tensor, num_local: int, gro
     received = received.view(size, num_local)
     send_splits = counts.view(size, num_local).sum(1).tolist()
     recv_splits = received.sum(1).tolist()
-    rows = all_to_all_single_autograd(rows, recv_splits, send_splits, group)
+    # torch's autograd all-to-all, or the DualPipeV overlap's asynchronous one (lets another micro-batch compute)
+    rows = all_to_all_rows(rows, recv_splits, send_splits, group)
     local_index = torch.repeat_interleave(torch.arange(num_local, device=counts.device).repeat(size),
                                           received.flatten())
-    return all_to_all_single_autograd(compute(rows, local_index), send_splits, recv_splits, group)
+    return all_to_all_rows(compute(rows, local_index), send_splits, recv_splits, group)
 
 
 @contextmanager

@@ -24,8 +24,9 @@ each micro-batch's loss.
 Costs: one broadcast of the loss per call (from the rank holding the last stage), one all-reduce of a scalar per clip;
 activations of up to ``P`` micro-batches per stage in flight (1F1B), ``P + 1`` for DualPipeV; V and interleaved
 schedules hold two stage copies' worth of modules per rank (each a different half of the rank's blocks, not duplicates).
-``ScheduleDualPipeV`` orders forwards and backwards as DualPipe does but runs them one after the other: it does not
-overlap one micro-batch's communication with another's compute (DeepSeek's overlapped forward-backward is not built).
+``ScheduleDualPipeV`` orders forwards and backwards as DualPipe does but runs them one after the other;
+``pipeline_overlap=True`` overlaps one micro-batch's MoE all-to-alls with the other's compute
+(:mod:`.pipeline_overlap`).
 
 ``eval_step`` does not run the schedule: it sends each micro-batch through the stages in stage order (see its
 docstring), so it takes any batch shape; its bubble is that of a forward-only pass (GPipe's, or worse on V orders).
@@ -52,6 +53,7 @@ from torch.distributed.pipelining import (
 )
 
 from lightning_deepseek.parallel.clipping import total_grad_norm
+from lightning_deepseek.parallel.pipeline_overlap import check_pipeline_overlap, enable_pipeline_overlap
 from lightning_deepseek.parallel.pipeline_split import (
     SCHEDULES,
     PipelineSplit,
@@ -251,7 +253,8 @@ class PipelineRunner:
     @classmethod
     def build(cls, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
               group: dist.ProcessGroup | None = None, schedule: str = "1F1B", num_microbatches: int = 4,
-              split_points: Sequence[str] | None = None, device: torch.device | str = "cpu") -> PipelineRunner:
+              split_points: Sequence[str] | None = None, device: torch.device | str = "cpu",
+              pipeline_overlap: bool = False) -> PipelineRunner:
         """Split ``model``, build this rank's stages and the schedule.
 
         Args:
@@ -262,6 +265,8 @@ class PipelineRunner:
             num_microbatches: micro-batches per ``step``.
             split_points: names of the modules where stages begin, instead of the balanced split.
             device: where the stages run.
+            pipeline_overlap: DualPipeV only: overlap each MoE all-to-all of one micro-batch with another's compute
+                (:mod:`.pipeline_overlap`).
 
         Raises:
             ValueError: bad settings (see :func:`check_pipeline_settings`, :func:`.plan_pipeline_split`), before any
@@ -269,15 +274,16 @@ class PipelineRunner:
         """
         pp_size, pp_rank = dist.get_world_size(group), dist.get_rank(group)
         check_pipeline_settings(pp_size, pp_size, schedule, num_microbatches)
+        check_pipeline_overlap(pipeline_overlap, schedule)
         split = plan_pipeline_split(model, pp_size, schedule, split_points)
         modules = [build_stage_module(model, split, i).to(device) for i in split.stage_indices(pp_rank)]
-        return cls.from_stage_modules(split, modules, loss_fn, group, num_microbatches, device)
+        return cls.from_stage_modules(split, modules, loss_fn, group, num_microbatches, device, pipeline_overlap)
 
     @classmethod
     def from_stage_modules(cls, split: PipelineSplit, modules: list[nn.Module],
                            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                            group: dist.ProcessGroup | None, num_microbatches: int,
-                           device: torch.device | str = "cpu") -> PipelineRunner:
+                           device: torch.device | str = "cpu", pipeline_overlap: bool = False) -> PipelineRunner:
         """Wrap stage modules built and prepared by the caller (materialised from meta, tensor-parallel, sharded).
 
         Args:
@@ -287,9 +293,11 @@ class PipelineRunner:
             group: the pipeline process group (default: the whole world).
             num_microbatches: micro-batches per ``step``.
             device: where the stages run.
+            pipeline_overlap: see :meth:`build`.
         """
         pp_rank = dist.get_rank(group)
         check_pipeline_settings(split.pp_size, split.pp_size, split.schedule, num_microbatches)
+        check_pipeline_overlap(pipeline_overlap, split.schedule)
         device = torch.device(device)
         indices = split.stage_indices(pp_rank)
         if len(modules) != len(indices):
@@ -303,6 +311,8 @@ class PipelineRunner:
         runner = cls(split, modules, stages, None, group, num_microbatches, loss_fn)
         runner.schedule = _SCHEDULE_CLASSES[split.schedule](stages if split.stages_per_rank > 1 else stages[0],
                                                             num_microbatches, loss_fn=runner._scaled_loss(loss_fn))
+        if pipeline_overlap:
+            enable_pipeline_overlap(runner.schedule)
         return runner
 
     def _scaled_loss(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
