@@ -96,7 +96,8 @@ def run_plan(cfg: DictConfig) -> int:
     if cfg.output == "json":
         print(json.dumps({"fitting": [r.to_dict() for r in result.fitting],
                           "not_fitting": [r.to_dict() for r in result.not_fitting],
-                          "rejected": [{"layout": vars(layout), "reason": why} for layout, why in result.rejected]},
+                          "rejected": [{"layout": vars(layout), "reason": why} for layout, why in result.rejected],
+                          "pruned": [{"layout": vars(layout), "reason": why} for layout, why in result.pruned]},
                          indent=1))
     else:
         print(_search_table(result, cfg.top))
@@ -112,8 +113,8 @@ def _search_table(result: Any, top: int) -> str:
                      f"{report.tokens_per_second_per_gpu:,.0f} | {report.mfu:.1%} | "
                      f"{report.memory.steady_peak / 2**30:.1f} | "
                      f"{result.why(report)} |")
-    counts = (f"{len(result.fitting)} layouts fit, {len(result.not_fitting)} do not, {len(result.rejected)} "
-              "refused by the strategy")
+    counts = (f"{len(result.fitting)} layouts fit, {len(result.not_fitting)} do not, {len(result.rejected)} refused "
+              f"by the strategy, {len(result.pruned)} not planned (their model states alone exceed the device)")
     refused = [f"- {layout.describe(0).split(' ', 1)[1]}: {why}" for layout, why in result.rejected[:5]]
     return "\n".join([*lines, "", counts, *refused])
 

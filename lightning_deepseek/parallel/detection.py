@@ -24,13 +24,17 @@ the definition of a feed-forward block; a block with ``h == d`` is not detected 
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 _NORM_CLASSES = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+_PLAIN = (bool, int, float, str, type(None))
+_probe_results: dict[tuple, bool] | None = None  # open inside ``cached_probes``
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,41 @@ def is_norm_like(module: nn.Module, width: int) -> bool:
         return False
     if params and type(module).__name__.lower().endswith("norm"):
         return True
-    return _is_scale_invariant(module, width, params[0] if params else None)
+    key = _probe_key(module, width) if _probe_results is not None and not params else None
+    if key is None:
+        return _is_scale_invariant(module, width, params[0] if params else None)
+    if key not in _probe_results:
+        _probe_results[key] = _is_scale_invariant(module, width, None)
+    return _probe_results[key]
+
+
+@contextlib.contextmanager
+def cached_probes() -> Iterator[None]:
+    """Inside, the scale-invariance probe of a module without parameters, buffers, hooks or non-plain attributes
+    (an activation) runs once per (class, plain attributes, width), not once per module: what ``lds-plan`` needs,
+    which detects the blocks of one model many times (a probe of a wide activation costs milliseconds). The
+    result is the probe's own: such a module's output depends on its class, attributes and input only."""
+    global _probe_results
+    if _probe_results is not None:  # nested: the outer cache serves
+        yield
+        return
+    _probe_results = {}
+    try:
+        yield
+    finally:
+        _probe_results = None
+
+
+def _probe_key(module: nn.Module, width: int) -> tuple | None:
+    """``(class, width, plain attributes)``, or None where the module holds anything else (a buffer, a hook, a
+    tensor or callable attribute): then it is probed itself."""
+    attributes = []
+    for name, value in vars(module).items():
+        if isinstance(value, _PLAIN):
+            attributes.append((name, value))
+        elif not (isinstance(value, (dict, set, list, tuple)) and not value):
+            return None
+    return type(module), width, tuple(attributes)
 
 
 @torch.no_grad()

@@ -34,7 +34,8 @@ hold (no CUDA context, allocator caching or fragmentation: real peaks run higher
 
 Costs: seconds to a minute of CPU (benchmarks/planning/REPORT.md), growing with the fake step's op count: with
 ``depth="representative"`` (:mod:`.depth`) three or four blocks of each kind are stepped, not every block; no
-device, no weights.
+device, no weights. Plans of one model share a :class:`.cache.PlanCache` where given one (``layout="auto"``); block
+detection probes each kind of activation once per plan (``cached_probes``; once per search under ``"auto"``).
 Not supported: pipelines, gradient accumulation, compression; uneven routing; optimizers other than torch's AdamW.
 """
 
@@ -59,6 +60,7 @@ from torch.utils.flop_counter import sdpa_backward_flop, sdpa_flop
 
 from lightning_deepseek.moe.protocol import find_expert_layers
 from lightning_deepseek.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_deepseek.parallel.detection import cached_probes
 from lightning_deepseek.parallel.dims import ParallelDims, WorldMesh
 from lightning_deepseek.parallel.expert import reduce_expert_gradients
 from lightning_deepseek.parallel.expert_plan import setup_expert_parallel
@@ -69,6 +71,7 @@ from lightning_deepseek.parallel.placement import Placement, comm_volume, place
 from lightning_deepseek.parallel.plan import Plan, decide_plan
 from lightning_deepseek.parallel.styles import apply_tensor_parallel, reduce_tensor_parallel_gradients
 from lightning_deepseek.parallel.topology import Topology
+from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.counting import CollectiveCall, CollectiveCounter, FlopCounter, LocalOpsOnly
 from lightning_deepseek.planning.depth import check_depth, extrapolate, full_sizes, keep_blocks, layer_kinds
@@ -128,12 +131,13 @@ def ddp_buckets(sizes: list[int], bucket_cap_bytes: int) -> list[int]:
 
 
 def plan(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: ClusterSpec,
-         step: StepShape | None = None, depth: str = "representative") -> PlanReport:
+         step: StepShape | None = None, depth: str = "representative", cache: PlanCache | None = None) -> PlanReport:
     """Set up the strategy's layout for rank 0 of a fake world and step once; the report (see the module docstring).
 
     Args:
         depth: ``"representative"``: step copies with three or four blocks of each kind and extrapolate
             (:mod:`.depth`: model states, FLOPs and bytes exact; the peak approximate); ``"full"``: step every block.
+        cache: what plans of the same model share (:mod:`.cache`; ``search`` passes one); None: a fresh one.
 
     Raises:
         ValueError: a size does not divide the world size or an expert count (the strategy's own messages).
@@ -142,33 +146,43 @@ def plan(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: Cluster
     step = step or StepShape()
     started = time.perf_counter()
     topology = cluster_topology(world_size, cluster.gpus_per_node)
-    with fake_world(world_size), warnings.catch_warnings(), _quiet_set_up():
+    with fake_world(world_size), cached_probes(), warnings.catch_warnings(), _quiet_set_up():
         warnings.simplefilter("ignore")  # the strategy's and torch's set-up warnings are for real runs
-        measured = _measure(model, world_size, layout, step, topology, cluster, depth)
+        measured = _measure(model, world_size, layout, step, topology, cluster, depth,
+                            PlanCache() if cache is None else cache)
     return estimate(model.name, world_size, layout, cluster, step, measured, time.perf_counter() - started)
 
 
 def _measure(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
-             cluster: ClusterSpec, depth: str) -> StepMeasurement:
+             cluster: ClusterSpec, depth: str, cache: PlanCache) -> StepMeasurement:
     """The whole model's step, or its representative copies' extrapolated (:mod:`.depth`); then DDP's buckets."""
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        module = model.build()
-    kinds = layer_kinds(module) if depth == "representative" else None
+    built: list[nn.Module] = []
+
+    def whole() -> nn.Module:  # the whole model, built once and only where a value below is not cached
+        if not built:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                built.append(model.build())
+        return built[0]
+
+    key = _cache_key(model, world_size, cluster, step)
+    kinds = cache.get(("kinds", key), lambda: layer_kinds(whole())) if depth == "representative" else None
     if kinds is None or not kinds.worth_it:
-        measured = _step(model, world_size, layout, step, topology, cluster)
+        measured = _step(model, world_size, layout, step, topology, cluster, cache)
         sizes = [size for _, size in measured.param_sizes]
     else:  # the placement the whole model's tensor-parallel traffic decides, for every copy
         dims = ParallelDims(world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard)
-        tp_plan = decide_plan(module, "auto", world_size, dims.tp, False, step.min_shard_params)
-        placement = _placement(module, tp_plan, dims, layout.placement, step, topology, cluster).policy
-        base = _step(model, world_size, layout, step, topology, cluster, kinds.base, placement)
-        extras = {kind: _step(model, world_size, layout, step, topology, cluster, kinds.with_one_more(kind),
+        placement = cache.get(("placement", key, dims.dp, dims.tp, layout.placement), lambda: _placement(
+            whole(), _tp_plan(cache, key, None, whole(), world_size, dims.tp, step), dims, layout.placement, step,
+            topology, cluster).policy)
+        base = _step(model, world_size, layout, step, topology, cluster, cache, kinds.base, placement)
+        extras = {kind: _step(model, world_size, layout, step, topology, cluster, cache, kinds.with_one_more(kind),
                               placement) for kind in kinds.extended}
         measured = extrapolate(base, extras, kinds)
         sizes = full_sizes(list(base.param_sizes), kinds)
         if layout.shard_optimizer_states:  # ZeRO-1 deals the owners over every parameter: its step on the whole
-            whole = _step(model, world_size, layout, step, topology, cluster, placement=placement, optimizer_only=True)
-            measured = _with_optimizer_of(measured, whole)
+            states = _step(model, world_size, layout, step, topology, cluster, cache, placement=placement,
+                           optimizer_only=True)
+            measured = _with_optimizer_of(measured, states)
     buckets = ddp_buckets(sizes, int(step.bucket_cap_mb * 2**20)) if world_size > 1 else []
     calls = [CollectiveCall("all_reduce", dist.group.WORLD.group_name, b, "ddp") for b in buckets]
     if buckets and measured.buffer_bytes:  # DDP's broadcast_buffers (its default): rank 0's buffers before forward
@@ -241,11 +255,36 @@ def mesh_groups(mesh: WorldMesh, dims: ParallelDims, topology: Topology) -> dict
     return infos
 
 
+def _cache_key(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepShape) -> tuple:
+    """What every value a plan caches is computed from, besides the layout."""
+    return repr(model), world_size, repr(cluster), step
+
+
+def _tp_plan(cache: PlanCache, key: tuple, keep: tuple[int, ...] | None, module: nn.Module, world_size: int,
+             tp: int, step: StepShape) -> Plan:
+    """The strategy's tensor-parallel plan of ``module`` (the copy keeping ``keep``; None: the whole model)."""
+    return cache.get(("tp_plan", key, keep, tp),
+                     lambda: decide_plan(module, "auto", world_size, tp, False, step.min_shard_params))
+
+
 def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
-          cluster: ClusterSpec, keep: tuple[int, ...] | None = None, placement: str | None = None,
+          cluster: ClusterSpec, cache: PlanCache, keep: tuple[int, ...] | None = None, placement: str | None = None,
           optimizer_only: bool = False) -> StepMeasurement:
     """One step of the model (of the copy keeping the blocks at positions ``keep``), without DDP's buckets;
-    ``optimizer_only``: zero gradients in place of forward and backward (the optimizer's states and collectives)."""
+    ``optimizer_only``: zero gradients in place of forward and backward (the optimizer's states and collectives),
+    the same under every activation checkpointing (it runs no forward): cached without it."""
+    key = _cache_key(model, world_size, cluster, step)
+    checkpointing = "none" if optimizer_only else layout.activation_checkpointing
+    settings = dataclasses.replace(layout, placement=placement or layout.placement,
+                                   activation_checkpointing=checkpointing)
+    return cache.get(("step", key, settings, keep, optimizer_only), lambda: _step_once(
+        model, world_size, layout, step, topology, cluster, cache, keep, placement, optimizer_only))
+
+
+def _step_once(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
+               cluster: ClusterSpec, cache: PlanCache, keep: tuple[int, ...] | None, placement: str | None,
+               optimizer_only: bool) -> StepMeasurement:
+    """:func:`_step`'s measurement, made."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         module = model.build()
@@ -253,7 +292,7 @@ def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape
     dims = ParallelDims(world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard)
     layers = find_expert_layers(module)
     dims.check_experts(layers)
-    tp_plan = decide_plan(module, "auto", world_size, dims.tp, False, step.min_shard_params)
+    tp_plan = _tp_plan(cache, _cache_key(model, world_size, cluster, step), keep, module, world_size, dims.tp, step)
     placed = _placement(module, tp_plan, dims, placement or layout.placement, step, topology, cluster)
     mesh = dims.build_mesh("cpu", [rank for row in placed.grid for rank in row])
     if dims.ep_enabled:

@@ -9,35 +9,49 @@ placement is the strategy's ``"auto"``. A layout the strategy refuses (a ``tp`` 
 listed as rejected with the strategy's reason. Pipeline stages and their schedule, micro-batches and compression
 each become one more axis of :func:`candidate_layouts` when the strategy has them.
 
-Costs: one plan per candidate (see :mod:`.planner`), each of a few representative blocks (:mod:`.depth`); nothing
-is cached between candidates yet (each builds its model and fake world again).
+Costs: one plan per candidate (see :mod:`.planner`), each of a few representative blocks (:mod:`.depth`). With
+``cache=True`` (the default) the candidates share what does not change between them (:mod:`.cache`: block kinds,
+tensor-parallel plans, placements, ZeRO-1's whole-model optimizer step across checkpointing modes) and a candidate
+is not planned when a planned one shows that its model states alone exceed the device: the same layout under
+another activation checkpointing (model states do not depend on it), or, for plain DDP, the same layout with ZeRO-1
+(which holds fewer optimizer states and the same parameters, gradients and buckets). The later steps' peak holds the
+parameters, gradients, optimizer states and DDP's buckets at once (the optimizer step), so a pruned layout is one
+that would not fit: such layouts are listed in :attr:`SearchResult.pruned` with the bound, not planned. The fitting
+plans are those of ``cache=False`` (``tests/planning/test_cache.py``); the speed is in benchmarks/planning/REPORT.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_deepseek.moe.protocol import find_expert_layers
 from lightning_deepseek.parallel.activation_checkpointing import MODES as AC_MODES
+from lightning_deepseek.parallel.detection import cached_probes
+from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
 from lightning_deepseek.planning.planner import plan
 from lightning_deepseek.planning.report import GIB, PlanReport
 
+Bound = tuple[PlanLayout, int]  # a planned layout and its model states per rank (bytes)
+
 
 @dataclass(frozen=True)
 class SearchResult:
     """Every candidate's outcome: the plans that fit (fastest first), those that do not (smallest peak first),
-    and the layouts the strategy refused, with its reason."""
+    the layouts the strategy refused, with its reason, and those not planned because their model states alone
+    exceed the device (with the bound; see the module docstring)."""
 
     fitting: tuple[PlanReport, ...]
     not_fitting: tuple[PlanReport, ...]
     rejected: tuple[tuple[PlanLayout, str], ...]
+    pruned: tuple[tuple[PlanLayout, str], ...] = ()
 
     def why(self, report: PlanReport) -> str:
         """One line: where its step time goes, its memory headroom, and how it compares with the fastest."""
@@ -72,16 +86,57 @@ def candidate_layouts(world_size: int, gpus_per_node: int, experts: list[int]) -
 
 
 def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepShape,
-           layouts: list[PlanLayout] | None = None, depth: str = "representative") -> SearchResult:
-    """Plan every candidate layout (default: :func:`candidate_layouts`; ``depth`` as :func:`plan`'s) and rank them."""
+           layouts: list[PlanLayout] | None = None, depth: str = "representative", cache: bool = True) -> SearchResult:
+    """Plan every candidate layout (default: :func:`candidate_layouts`; ``depth`` as :func:`plan`'s) and rank them.
+
+    Args:
+        cache: share what does not change between layouts and prune those whose model states cannot fit (see the
+            module docstring); False: every layout planned afresh, nothing pruned (the reference).
+    """
     if layouts is None:
         layouts = candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model))
-    reports, rejected = [], []
-    for layout in layouts:
+    with cached_probes() if cache else contextlib.nullcontext():
+        return _search(model, world_size, cluster, step, layouts, depth, PlanCache() if cache else None)
+
+
+def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepShape, layouts: list[PlanLayout],
+            depth: str, shared: PlanCache | None) -> SearchResult:
+    cache = shared is not None
+    reports, rejected, pruned = [], [], []
+    states: dict[PlanLayout, Bound] = {}  # by layout without checkpointing: its model states
+    for index in sorted(range(len(layouts)), key=lambda i: not layouts[i].shard_optimizer_states):  # ZeRO-1 first
+        layout = layouts[index]
+        bound = _states_bound(layout, states) if cache else None
+        if bound is not None and bound[1] > cluster.memory_bytes:
+            pruned.append((index, layout, f"model states alone {bound[1] / GIB:.1f} GiB (those of "
+                           f"{bound[0].describe(world_size)}) exceed the {cluster.memory_bytes / GIB:.1f} GiB of a "
+                           "device"))
+            continue
         try:
-            reports.append(plan(model, world_size, layout, cluster, step, depth))
+            report = plan(model, world_size, layout, cluster, step, depth, shared)
         except ValueError as exc:
-            rejected.append((layout, str(exc)))
+            rejected.append((index, layout, str(exc)))
+            continue
+        reports.append(report)
+        memory = report.memory
+        states.setdefault(_without_checkpointing(layout),
+                          (layout, memory.params + memory.grads + memory.states + memory.ddp_buckets))
     fitting = sorted((r for r in reports if r.fits), key=lambda r: r.step_seconds)
     not_fitting = sorted((r for r in reports if not r.fits), key=lambda r: r.memory.steady_peak)
-    return SearchResult(tuple(fitting), tuple(not_fitting), tuple(rejected))
+    return SearchResult(tuple(fitting), tuple(not_fitting), tuple((lay, why) for _, lay, why in sorted(rejected)),
+                        tuple((lay, why) for _, lay, why in sorted(pruned)))
+
+
+def _without_checkpointing(layout: PlanLayout) -> PlanLayout:
+    return replace(layout, activation_checkpointing="none")
+
+
+def _states_bound(layout: PlanLayout, states: dict[PlanLayout, Bound]) -> Bound | None:
+    """A planned layout's model states that ``layout``'s are at least: the same layout under another activation
+    checkpointing, or, for plain DDP (no ZeRO-1, no FSDP2), the same with ZeRO-1; None where none is planned yet."""
+    same = _without_checkpointing(layout)
+    if same in states:
+        return states[same]
+    if not layout.shard_optimizer_states and layout.dp_shard == 1:
+        return states.get(replace(same, shard_optimizer_states=True))
+    return None

@@ -1,0 +1,67 @@
+"""``layout="auto"``'s shared cache and pruning (:mod:`lightning_deepseek.planning.cache`, :func:`.search.search`):
+a search with a shared cache gives every layout the plan a fresh cache gives it (equal numbers); a layout pruned by
+its model states would not have fit; the cached norm probes of block detection find the blocks the uncached ones do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lightning_deepseek.parallel.detection import cached_probes
+from lightning_deepseek.parallel.plan import plan_blocks
+from lightning_deepseek.planning import PlanLayout
+from lightning_deepseek.planning.report import PlanReport
+from lightning_deepseek.planning.search import SearchResult, search
+from tests.planning.test_against_real_runs import CLUSTER
+from tests.planning.test_depth import DENSE, MIXED, STEP
+
+LAYOUTS = [PlanLayout(shard_optimizer_states=True), PlanLayout(shard_optimizer_states=True,
+                                                               activation_checkpointing="full"),
+           PlanLayout(), PlanLayout(tp=2, shard_optimizer_states=True), PlanLayout(dp_shard=4,
+                                                                                   activation_checkpointing="full")]
+
+
+def _numbers(report: PlanReport) -> PlanReport:
+    return dataclasses.replace(report, plan_seconds=0.0)
+
+
+def _states(report: PlanReport) -> int:
+    m = report.memory
+    return m.params + m.grads + m.states + m.ddp_buckets
+
+
+@pytest.fixture(scope="module")
+def uncached() -> SearchResult:
+    return search(DENSE, 4, CLUSTER, STEP, LAYOUTS, cache=False)
+
+
+def test_shared_cache_equals_fresh_plans(uncached: SearchResult) -> None:
+    cached = search(DENSE, 4, CLUSTER, STEP, LAYOUTS)
+    assert not cached.pruned and not uncached.rejected and len(uncached.fitting) == len(LAYOUTS)
+    assert [_numbers(r) for r in cached.fitting] == [_numbers(r) for r in uncached.fitting]
+
+
+def test_pruned_layouts_would_not_fit(uncached: SearchResult) -> None:
+    zero1 = next(r for r in uncached.fitting if r.layout == LAYOUTS[0])
+    capacity = _states(zero1) - 1  # ZeRO-1's model states alone exceed it: so do ac=full's and plain DDP's
+    small = dataclasses.replace(CLUSTER, memory_gib=capacity / 2**30)
+    assert small.memory_bytes == capacity
+    cached = search(DENSE, 4, small, STEP, LAYOUTS)
+    assert [layout for layout, _ in cached.pruned] == [LAYOUTS[1], LAYOUTS[2]]
+    assert "exceed" in cached.pruned[0][1]
+    by_layout = {r.layout: r for r in uncached.fitting}
+    assert all(by_layout[layout].memory.steady_peak > capacity for layout, _ in cached.pruned)
+    expected = sorted((r for r in uncached.fitting if r.memory.steady_peak <= capacity), key=lambda r: r.step_seconds)
+    assert [_numbers(dataclasses.replace(r, memory_capacity=capacity)) for r in expected] == [
+        _numbers(r) for r in cached.fitting]
+
+
+def test_cached_probes_find_the_same_blocks() -> None:
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = MIXED.build()
+    with cached_probes():
+        cached = plan_blocks(model)
+    assert cached == plan_blocks(model) and cached
