@@ -117,14 +117,15 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(results))
 
 
-def predictions(args: argparse.Namespace) -> dict[tuple[str, str], float | str]:
-    """The planner's step seconds per (model, configuration), or why there is none."""
+def predictions(args: argparse.Namespace) -> dict[tuple[str, str], tuple[float, int] | str]:
+    """The planner's (step seconds, bytes a rank hands to collectives and sends across nodes) per (model,
+    configuration), or why there is none."""
     from lightning_deepseek.app.plan import resolve_cluster
     from lightning_deepseek.planning import ModelSpec, PlanLayout, StepShape, plan
 
     cluster = resolve_cluster("testbed")
     fields = {f.name for f in dataclasses.fields(PlanLayout)}
-    out: dict[tuple[str, str], float | str] = {}
+    out: dict[tuple[str, str], tuple[float, int] | str] = {}
     for model in args.models.split(","):
         config, batch, seq = MODELS[model]
         spec = ModelSpec(f"gpt-{model}", "lds", config)
@@ -140,33 +141,40 @@ def predictions(args: argparse.Namespace) -> dict[tuple[str, str], float | str]:
             if layout is None:  # a replica's batch (2 x batch sequences) in micro-batches of StepShape's size
                 layout = PlanLayout(pp=2, pp_schedule=label.split()[1], pp_microbatches=args.microbatches)
                 sequences = 2 * batch // args.microbatches
-            step = StepShape(sequences, seq, "fp32")
-            out[model, label] = plan(spec, 4, layout, cluster, step).step_seconds
+            made = plan(spec, 4, layout, cluster, StepShape(sequences, seq, "fp32"))
+            out[model, label] = made.step_seconds, sum(t.num_bytes for t in made.traffic if t.link == "inter")
     return out
 
 
 def report(results: list[dict], planned: dict, args: argparse.Namespace, load: tuple[float, float],
            argv: list[str]) -> str:
+    """One row per configuration; per model the measured step (median of the repetitions' medians, their range),
+    tokens/s, the speed-up over ``ddp`` paired within each repetition (median, range), and the plan."""
+    models, configs = args.models.split(","), args.configs.split(",")
     lines = [f"Command: `.venv/bin/python {' '.join(argv)}` (testbed 2 x 2, {args.rate}; load average "
-             f"{load[0]:.1f} before, {load[1]:.1f} after; {args.repeats} interleaved repetitions, "
-             f"{args.steps - SKIP} timed steps each)", ""]
-    lines += ["| model | configuration | step, median (min-max of repetition medians) | tokens/s | vs ddp | "
-              "planned step | plan error | crossing groups |", "|---|---|---|---|---|---|---|---|"]
-    for model in args.models.split(","):
-        _, batch, seq = MODELS[model]
-        tokens = 4 * batch * seq
-        ddp = statistics.median(r["step_s"] for r in results if r["model"] == model and r["config"] == "ddp")
-        for label in args.configs.split(","):
-            runs = [r for r in results if r["model"] == model and r["config"] == label]
-            step = statistics.median(r["step_s"] for r in runs)
-            spread = f"{1e3 * min(r['step_s'] for r in runs):.0f}-{1e3 * max(r['step_s'] for r in runs):.0f}"
-            pred = planned.get((model, label), "")
-            cells = (f"{1e3 * pred:.0f} ms", f"{100 * (pred - step) / step:+.0f}%") if isinstance(pred, float) \
-                else (pred, "")
-            groups = "; ".join(f"{k} {v}" for k, v in runs[0]["groups"].items() if v)
-            lines.append(f"| {model} ({runs[0]['params'] / 1e6:.1f} M, {batch}x{seq}) | {label} | "
-                         f"{1e3 * step:.0f} ms ({spread}) | {tokens / step:,.0f} | {ddp / step:.2f}x | "
-                         f"{cells[0]} | {cells[1]} | {groups} |")
+             f"{load[0]:.1f} before, {load[1]:.1f} after; {1 + max(r['repeat'] for r in results)} interleaved "
+             f"repetitions, {len(results[0]['steps'])} timed steps each)", ""]
+    head = [f"{m} ({MODELS[m][0]['n_layer']} layers, {MODELS[m][1]}x{MODELS[m][2]} tokens/rank)" for m in models]
+    lines += ["| configuration | " + " | ".join(f"{h}: step, tokens/s, vs ddp | plan: step (error), MiB across"
+                                                for h in head) + " |", "|---|" + "---|---|" * len(models)]
+    for label in configs:
+        cells = []
+        for model in models:
+            runs = {r["repeat"]: r["step_s"] for r in results if r["model"] == model and r["config"] == label}
+            ddp = {r["repeat"]: r["step_s"] for r in results if r["model"] == model and r["config"] == "ddp"}
+            step = statistics.median(runs.values())
+            paired = [ddp[k] / runs[k] for k in runs]
+            _, batch, seq = MODELS[model]
+            cells.append(f"{1e3 * step:.0f} ms ({1e3 * min(runs.values()):.0f}-{1e3 * max(runs.values()):.0f}), "
+                         f"{4 * batch * seq / step:,.0f}, {statistics.median(paired):.2f}x "
+                         f"({min(paired):.2f}-{max(paired):.2f})")
+            pred = planned.get((model, label), "not planned")
+            cells.append(pred if isinstance(pred, str) else
+                         f"{1e3 * pred[0]:.0f} ms ({100 * (pred[0] - step) / step:+.0f}%), {pred[1] / 2**20:.2f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    groups = {r["config"]: r["groups"] for r in results if r["groups"]}
+    lines += ["", "groups: " + "; ".join(f"{c}: " + ", ".join(f"{k} {v}" for k, v in g.items())
+                                         for c, g in groups.items())]
     return "\n".join(lines)
 
 
