@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator  # see LocalOpsOnly
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # no public way to bypass
@@ -157,3 +159,16 @@ class FlopCounter(TorchDispatchMode):
         if formula is not None:
             self.total += formula(*args, **kwargs, out_val=out)
         return out
+
+
+class MicroBatchMemTracker(MemTracker):
+    """torch's ``MemTracker`` over a step that runs a root module once per micro-batch (a pipeline stage): where
+    ``MemTracker`` refuses a root module's second forward ("multiple iterative calls"), its per-module statistics
+    are cleared and the forward tracked afresh (the totals and the running peak are kept)."""
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        try:
+            super()._pre_fw_hook(module, inputs)
+        except NotImplementedError:
+            self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)

@@ -2,11 +2,11 @@
 
 ``PlanLayout`` holds the strategy's layout settings: ``tensor_parallel_size``, ``expert_parallel_size``,
 ``shard_optimizer_states`` (ZeRO-1), ``placement``, FSDP2's ``data_parallel_shard_size`` and
-``reshard_after_forward``, and ``activation_checkpointing``; the data-parallel size is what is left of the world.
-They are validated by the strategy's own ``LayoutSettings``. Each setting the strategy gains (pipeline stages and
-schedule, micro-batches) is one more field here, one more axis of
-:func:`lightning_deepseek.planning.search.candidate_layouts`, and one more argument handed to the strategy's own
-code by the planner.
+``reshard_after_forward``, ``activation_checkpointing``, and the pipeline's ``pipeline_parallel_size``,
+``pipeline_schedule`` and ``pipeline_microbatches``; the data-parallel size is what is left of the world. They are
+validated by the strategy's own ``LayoutSettings``. Each setting the strategy gains is one more field here, one more
+axis of :func:`lightning_deepseek.planning.search.candidate_layouts`, and one more argument handed to the strategy's
+own code by the planner.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lightning_deepseek.parallel.layout import LayoutSettings
+from lightning_deepseek.parallel.pipeline import min_microbatches
 
 DTYPES = ("fp32", "bf16")
 
@@ -31,6 +32,10 @@ class PlanLayout:
         dp_shard: ``data_parallel_shard_size`` (FSDP2; the other data-parallel ranks replicate the shards: HSDP).
         reshard_after_forward: FSDP2's: free each block's gathered parameters after its forward.
         activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` per transformer block.
+        pp: ``pipeline_parallel_size`` (1: no pipeline).
+        pp_schedule: ``pipeline_schedule`` (``"1F1B"``, ``"Interleaved1F1B"``, ``"ZBVZeroBubble"``, ``"DualPipeV"``).
+        pp_microbatches: ``pipeline_microbatches`` (None: the schedule's least); each of
+            :attr:`StepShape.micro_batch_size` sequences.
     """
 
     tp: int = 1
@@ -40,6 +45,9 @@ class PlanLayout:
     dp_shard: int = 1
     reshard_after_forward: bool = True
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None
 
     def __post_init__(self) -> None:
         for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep)):
@@ -48,17 +56,28 @@ class PlanLayout:
         if self.dp_shard == "auto":
             raise ValueError("data_parallel_shard_size='auto' is the processes per node: give the number for a plan "
                              "(the cluster's gpus_per_node).")
-        LayoutSettings(self.tp, self.ep, self.dp_shard, placement=self.placement,  # the strategy's own checks
-                       reshard_after_forward=self.reshard_after_forward,
-                       activation_checkpointing=self.activation_checkpointing,
-                       shard_optimizer_states=self.shard_optimizer_states)
+        self.settings()  # the strategy's own checks
+
+    def settings(self) -> LayoutSettings:
+        """The strategy's ``LayoutSettings`` of this layout."""
+        return LayoutSettings(self.tp, self.ep, self.dp_shard, placement=self.placement,
+                              reshard_after_forward=self.reshard_after_forward,
+                              activation_checkpointing=self.activation_checkpointing,
+                              shard_optimizer_states=self.shard_optimizer_states, pp=self.pp,
+                              pp_schedule=self.pp_schedule, pp_microbatches=self.pp_microbatches)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step (1 without a pipeline)."""
+        return 1 if self.pp == 1 else self.pp_microbatches or min_microbatches(self.pp_schedule, self.pp)
 
     def describe(self, world_size: int) -> str:
-        parts = [f"dp={world_size // self.tp}", f"tp={self.tp}"]
+        parts = [f"dp={world_size // (self.tp * self.pp)}", f"tp={self.tp}"]
+        parts += [f"pp={self.pp} {self.pp_schedule} x{self.num_microbatches}"] if self.pp > 1 else []
         parts += [f"ep={self.ep}"] if self.ep > 1 else []
         parts += ["zero1"] if self.shard_optimizer_states else []
         if self.dp_shard > 1:
-            replicas = world_size // self.dp_shard if world_size else 0
+            replicas = world_size // (self.dp_shard * self.pp) if world_size else 0
             parts += [f"fsdp={self.dp_shard}" + (f"x{replicas}" if replicas > 1 else "")]
             parts += [] if self.reshard_after_forward else ["no-reshard"]
         parts += [f"ac={self.activation_checkpointing}"] if self.activation_checkpointing != "none" else []
@@ -70,7 +89,7 @@ class StepShape:
     """One training step of a plan.
 
     Args:
-        micro_batch_size: sequences per rank and step.
+        micro_batch_size: sequences per rank and step (under a pipeline: per micro-batch).
         seq_len: tokens per sequence.
         dtype: ``"fp32"``, or ``"bf16"``: FP32 parameters, gradients and AdamW states, BF16 autocast compute (the
             peak FLOPs of this dtype count).

@@ -72,3 +72,7 @@ class ModelSpec:
             logits = model(input_ids)
             return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1))
         return model(input_ids=input_ids, labels=input_ids).loss
+
+    def loss_from_logits(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The same loss from the last pipeline stage's logits (the pipeline's ``pipeline_loss``)."""
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1))

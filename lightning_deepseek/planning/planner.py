@@ -19,9 +19,10 @@ The steps, the strategy's own code for each (:mod:`lightning_deepseek.parallel`)
    ``bucket_cap_mb`` (DDP's rule); its buckets are also memory (``gradient_as_bucket_view=False``, the default);
    with it, DDP's broadcast of the module's buffers before forward (``broadcast_buffers=True``, its default).
 
-Only rank 0 is stepped: in today's layouts (dp, tp, ep, ZeRO-1, FSDP2) every rank holds the same shapes but ZeRO-1's
-owned states, whose maximum over ranks comes from the partition (``memory_per_rank``, the strategy's own table).
-Pipeline stages will make ranks differ: one step per distinct stage, a loop here.
+Only rank 0 is stepped: without a pipeline every rank holds the same shapes but ZeRO-1's owned states, whose maximum
+over ranks comes from the partition (``memory_per_rank``, the strategy's own table). Pipelined layouts
+(``pipeline_parallel_size > 1``) are planned by :mod:`.pipeline`: one set-up per distinct pipeline rank, composed
+over torch's action table of the schedule.
 
 Assumptions (each printed with the plan): routed experts receive tokens evenly (:mod:`.routing`); the compute
 reaches ``compute_efficiency`` of the cluster's dense peak for ``dtype``; AdamW's step is memory-bound (28 bytes
@@ -36,7 +37,7 @@ Costs: seconds to a minute of CPU (benchmarks/planning/REPORT.md), growing with 
 ``depth="representative"`` (:mod:`.depth`) three or four blocks of each kind are stepped, not every block; no
 device, no weights. Plans of one model share a :class:`.cache.PlanCache` where given one (``layout="auto"``); block
 detection probes each kind of activation once per plan (``cached_probes``; once per search under ``"auto"``).
-Not supported: pipelines, gradient accumulation, compression; uneven routing; optimizers other than torch's AdamW.
+Not supported: gradient accumulation, compression; uneven routing; optimizers other than torch's AdamW.
 """
 
 from __future__ import annotations
@@ -144,6 +145,10 @@ def plan(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: Cluster
     """
     check_depth(depth)
     step = step or StepShape()
+    if layout.pp > 1:
+        from lightning_deepseek.planning.pipeline import plan_pipeline  # it builds on this module
+
+        return plan_pipeline(model, world_size, layout, cluster, step)
     started = time.perf_counter()
     topology = cluster_topology(world_size, cluster.gpus_per_node)
     with fake_world(world_size), cached_probes(), warnings.catch_warnings(), _quiet_set_up():
@@ -226,7 +231,7 @@ def _quiet_set_up() -> Iterator[None]:
 def mesh_groups(mesh: WorldMesh, dims: ParallelDims, topology: Topology) -> dict[str, GroupInfo]:
     """Every group this rank is in, by process-group name: its mesh dimensions (``"tp/world"`` where the ``tp``
     group is the whole world), size and link class."""
-    wanted = ["dp", "tp"] + (["edp", "ep"] if dims.ep_enabled else [])
+    wanted = ["dp", "tp"] + (["pp"] if dims.pp_enabled else []) + (["edp", "ep"] if dims.ep_enabled else [])
     if dims.fsdp_enabled:
         wanted += ["dp_shard", "dp_replicate"] + (["dp_shard_tp", "dp_replicate_tp"] if dims.tp_enabled else [])
         wanted += ["edp_shard", "edp_replicate"] if dims.ep_enabled else []

@@ -43,6 +43,66 @@ class Traffic:
 
 
 @dataclass(frozen=True)
+class StageRow:
+    """One pipeline stage: its pipeline rank, the micro-batches it holds in flight at most (torch's action table),
+    the activations one micro-batch holds, its forward and backward seconds per micro-batch."""
+
+    stage: int
+    pp_rank: int
+    in_flight: int
+    activations: int
+    forward_seconds: float
+    backward_seconds: float
+
+
+@dataclass(frozen=True)
+class PipelineRankRow:
+    """What one pipeline rank holds: model states, the activations of its in-flight micro-batches at its peak, the
+    receive buffers torch's stages keep (one per micro-batch and direction), and its peak of the later steps."""
+
+    pp_rank: int
+    stages: tuple[int, ...]
+    params: int
+    grads: int
+    states: int
+    activations: int
+    buffers: int
+    peak: int
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A pipelined plan's schedule: each rank and stage, the replayed step (``makespan``: the schedule's compute and
+    bubble, point-to-point transfers included) and how much of it is bubble and exposed transfer."""
+
+    schedule: str
+    pp: int
+    num_microbatches: int
+    ranks: tuple[PipelineRankRow, ...]
+    stages: tuple[StageRow, ...]
+    makespan: float
+    bubble_seconds: float
+    p2p_exposed_seconds: float
+
+    def table(self, unit: str = "GiB", scale: int = GIB) -> str:
+        share = self.bubble_seconds / self.makespan if self.makespan else 0.0
+        lines = [f"pipeline: {self.schedule}, pp={self.pp}, {self.num_microbatches} micro-batches; schedule "
+                 f"{self.makespan:.3f} s of which bubble {self.bubble_seconds:.3f} s ({share:.1%}), exposed "
+                 f"point-to-point {self.p2p_exposed_seconds:.4f} s",
+                 "", "| pp rank | stages | params | grads | optimizer states | held activations | receive buffers | "
+                 f"peak ({unit}) |", "|---|---|---|---|---|---|---|---|"]
+        for r in self.ranks:
+            values = (r.params, r.grads, r.states, r.activations, r.buffers, r.peak)
+            lines.append(f"| {r.pp_rank} | {','.join(map(str, r.stages))} | "
+                         + " | ".join(f"{v / scale:,.2f}" for v in values) + " |")
+        lines += ["", "| stage | pp rank | in flight (micro-batches) | activations per micro-batch (MiB) | forward s | "
+                  "backward s |", "|---|---|---|---|---|---|"]
+        lines += [f"| {s.stage} | {s.pp_rank} | {s.in_flight} | {s.activations / 2**20:,.1f} | "
+                  f"{s.forward_seconds:.4f} | {s.backward_seconds:.4f} |" for s in self.stages]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
 class PlanReport:
     """One plan: the layout, rank 0's memory and traffic, the predicted step, the assumptions behind it."""
 
@@ -65,6 +125,7 @@ class PlanReport:
     mfu: float
     plan_seconds: float
     assumptions: tuple[str, ...]
+    pipeline: PipelinePlan | None = None
 
     @property
     def fits(self) -> bool:
@@ -89,24 +150,28 @@ class PlanReport:
         lines = [f"lds-plan: {self.model} on {self.world_size} x {self.cluster}, layout {layout}"
                  f" (placement {self.placement}, {self.num_sharded_layers} tensor-parallel layers), micro-batch "
                  f"{self.step.micro_batch_size} x {self.step.seq_len} tokens, {self.step.dtype}",
-                 "", "| memory per rank (rank 0) | GiB |", "|---|---|"]
+                 "", "", "|---|---|"]
         rows = [("parameters", m.params), ("gradients", m.grads), ("optimizer states", m.states)]
         rows += [("optimizer states, most loaded rank", m.states_max)] if m.states_max != m.states else []
-        rows += [("activations at the end of forward", m.activations), ("DDP buckets", m.ddp_buckets),
+        held = "activations at the end of forward" if self.pipeline is None else "activations held (most in flight)"
+        rows += [(held, m.activations), ("DDP buckets", m.ddp_buckets),
                  ("peak, first step", m.peak), ("peak, later steps (optimizer states held)", m.steady_peak),
                  ("device memory", self.memory_capacity)]
         unit, scale = ("GiB", GIB) if m.steady_peak >= GIB else ("MiB", 2**20)
-        lines[2] = f"| memory per rank (rank 0) | {unit} |"
+        who = "rank 0" if self.pipeline is None else "the most loaded pipeline rank"
+        lines[2] = f"| memory per rank ({who}) | {unit} |"
         lines += [f"| {name} | {value / scale:,.2f} |" for name, value in rows]
         verdict = "fits" if self.fits else f"does NOT fit: {(m.steady_peak - self.memory_capacity) / GIB:.2f} GiB over"
         lines += [f"\n{verdict}", "", "| mesh dim | op | group | link | calls | MiB per step | seconds | exposed |",
                   "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {t.dim} | {t.op} | {t.group_size} | {t.link} | {t.calls} | {t.num_bytes / 2**20:,.3f} | "
                   f"{t.seconds:.4f} | {t.exposed_seconds:.4f} |" for t in self.traffic]
+        lines += ["", self.pipeline.table(unit, scale)] if self.pipeline is not None else []
+        bubble = f" + pipeline bubble {self.pipeline.bubble_seconds:.3f} s" if self.pipeline is not None else ""
         lines += ["", f"step: {self.step_seconds:.3f} s = compute {self.compute_seconds:.3f} s "
                   f"({self.flops / 1e12:.1f} TFLOP) + optimizer {self.optimizer_seconds:.3f} s + exposed "
-                  f"communication {self.comm_seconds:.3f} s; {self.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, "
-                  f"MFU {self.mfu:.1%}",
+                  f"communication {self.comm_seconds:.3f} s{bubble}; {self.tokens_per_second_per_gpu:,.0f} tokens/s "
+                  f"per GPU, MFU {self.mfu:.1%}",
                   f"planned in {self.plan_seconds:.1f} s", "assumptions:"]
         lines += [f"- {a}" for a in self.assumptions]
         return "\n".join(lines)

@@ -5,9 +5,10 @@ The axes: ``tensor_parallel_size`` (the divisors of the world size up to the GPU
 crossing nodes gathers activations over the slow link), ``expert_parallel_size`` (the divisors of the world size
 that divide every MoE layer's expert count; 1 for dense models), the sharding (none, ZeRO-1, FSDP2 over a node with
 replicas across nodes (HSDP), FSDP2 over the world) and activation checkpointing (none, selective, full);
-placement is the strategy's ``"auto"``. A layout the strategy refuses (a ``tp`` dividing no feed-forward width) is
-listed as rejected with the strategy's reason. Pipeline stages and their schedule, micro-batches and compression
-each become one more axis of :func:`candidate_layouts` when the strategy has them.
+placement is the strategy's ``"auto"``; pipeline stages (``pp`` of 2, 4, 8) and their schedule
+(:func:`pipelined_layouts`, at the schedule's least micro-batches). A layout the strategy refuses (a ``tp``
+dividing no feed-forward width) is listed as rejected with the strategy's reason. Micro-batch counts and
+compression each become one more axis of :func:`candidate_layouts` when wanted.
 
 Costs: one plan per candidate (see :mod:`.planner`), each of a few representative blocks (:mod:`.depth`). With
 ``cache=True`` (the default) the candidates share what does not change between them (:mod:`.cache`: block kinds,
@@ -27,10 +28,13 @@ import math
 from dataclasses import dataclass, replace
 from itertools import product
 
+import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_deepseek.moe.protocol import find_expert_layers
 from lightning_deepseek.parallel.activation_checkpointing import MODES as AC_MODES
+from lightning_deepseek.parallel.activation_checkpointing import find_transformer_blocks
+from lightning_deepseek.parallel.pipeline_split import SCHEDULES
 from lightning_deepseek.parallel.detection import cached_probes
 from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
@@ -38,6 +42,8 @@ from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
 from lightning_deepseek.planning.planner import plan
 from lightning_deepseek.planning.report import GIB, PlanReport
+
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # FSDP2 under them needs reshard_after_forward=False
 
 Bound = tuple[PlanLayout, int]  # a planned layout and its model states per rank (bytes)
 
@@ -74,15 +80,43 @@ def expert_counts(model: ModelSpec) -> list[int]:
     return [layer.num_experts for layer in find_expert_layers(module)]
 
 
-def candidate_layouts(world_size: int, gpus_per_node: int, experts: list[int]) -> list[PlanLayout]:
-    """Every layout of the axes the strategy has (see the module docstring)."""
+def block_count(model: ModelSpec) -> int:
+    """The transformer blocks of ``model`` (built on the meta device): what a pipeline splits."""
+    with torch.device("meta"):
+        module = model.build()
+    return len(find_transformer_blocks(module))
+
+
+def candidate_layouts(world_size: int, gpus_per_node: int, experts: list[int], num_blocks: int = 0
+                      ) -> list[PlanLayout]:
+    """Every layout of the axes the strategy has (see the module docstring); pipelined ones where the model has
+    ``num_blocks`` transformer blocks to split."""
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     tps = [d for d in divisors if d <= gpus_per_node]
     eps = [d for d in divisors if experts and math.gcd(*experts) % d == 0] or [1]
     shards = sorted({d for d in (min(gpus_per_node, world_size), world_size) if d > 1 and world_size % d == 0})
     sharding = [(False, 1), (True, 1)] + [(False, d) for d in shards]  # ZeRO-1 and FSDP2 exclude each other
     return [PlanLayout(tp, ep, zero, dp_shard=shard, activation_checkpointing=ac)
-            for tp, ep, (zero, shard), ac in product(tps, eps, sharding, AC_MODES)]
+            for tp, ep, (zero, shard), ac in product(tps, eps, sharding, AC_MODES)] + pipelined_layouts(
+        world_size, tps, num_blocks)
+
+
+def pipelined_layouts(world_size: int, tps: list[int], num_blocks: int) -> list[PlanLayout]:
+    """The pipelined candidates: ``pp`` a divisor of the world up to 8 whose stages the model's ``num_blocks``
+    fill, every schedule at its least micro-batches, unsharded or FSDP2 over each stage's ``dp`` ranks, each
+    checkpointing mode; the combinations the strategy refuses (its ``LayoutSettings``) are left out."""
+    layouts = []
+    for pp, schedule, tp, ac in product([d for d in (2, 4, 8) if world_size % d == 0], SCHEDULES, tps, AC_MODES):
+        dp = world_size // (pp * tp)
+        if world_size % (pp * tp) or pp * (1 if schedule == "1F1B" else 2) > num_blocks:
+            continue
+        for shard in sorted({1, dp}):
+            try:
+                layouts.append(PlanLayout(tp, dp_shard=shard, activation_checkpointing=ac, pp=pp,
+                                          pp_schedule=schedule, reshard_after_forward=schedule not in V_SCHEDULES))
+            except ValueError:
+                continue
+    return layouts
 
 
 def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepShape,
@@ -94,7 +128,7 @@ def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepSh
             module docstring); False: every layout planned afresh, nothing pruned (the reference).
     """
     if layouts is None:
-        layouts = candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model))
+        layouts = candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model), block_count(model))
     with cached_probes() if cache else contextlib.nullcontext():
         return _search(model, world_size, cluster, step, layouts, depth, PlanCache() if cache else None)
 
@@ -137,6 +171,6 @@ def _states_bound(layout: PlanLayout, states: dict[PlanLayout, Bound]) -> Bound 
     same = _without_checkpointing(layout)
     if same in states:
         return states[same]
-    if not layout.shard_optimizer_states and layout.dp_shard == 1:
+    if not layout.shard_optimizer_states and layout.dp_shard == 1 and layout.pp == 1:  # no ZeRO-1 under a pipeline
         return states.get(replace(same, shard_optimizer_states=True))
     return None

@@ -11,7 +11,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
@@ -19,7 +18,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.parallel import Cluster
 from lightning_deepseek.planning import ModelSpec, PlanLayout
-from lightning_deepseek.planning.counting import CollectiveCounter, LocalOpsOnly
+from lightning_deepseek.planning.counting import CollectiveCounter, LocalOpsOnly, MicroBatchMemTracker
 from lightning_deepseek.planning.planner import cluster_topology, local_bytes, mesh_groups, snapshot_bytes
 
 
@@ -34,18 +33,26 @@ class PlannedModule(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.spec.loss(self.model, batch[0])
 
+    def pipeline_batch(self, batch: tuple[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch[0], batch[0]
+
+    def pipeline_loss(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.spec.loss_from_logits(logits, input_ids)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
 
 
 class StepCounter(pl.Callback):
     """Counts one training step: collectives by (mesh dimension, op), gradient bytes before the optimizer step,
-    parameter and optimizer-state bytes after it."""
+    parameter and optimizer-state bytes after it; under a pipeline, the step ``counted`` (the first step also
+    infers the stages' shapes) and the receive buffers torch's stages hold."""
 
-    def __init__(self, gpus_per_node: int) -> None:
+    def __init__(self, gpus_per_node: int, counted: int = 0) -> None:
         self.gpus_per_node = gpus_per_node
+        self.counted = counted
         self.counter = CollectiveCounter()
-        self.tracker = MemTracker()
+        self.tracker = MicroBatchMemTracker()
         self.local_ops = LocalOpsOnly()
         self.ddp_bytes: list[int] = []
         self.result: dict[str, Any] = {}
@@ -63,16 +70,22 @@ class StepCounter(pl.Callback):
             ddp.register_comm_hook(None, counting)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if idx != self.counted:
+            return
         self.tracker.track_external(pl_module, *trainer.strategy.optimizers)
         self.tracker.__enter__()
         self.counter.__enter__()
         self.local_ops.__enter__()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step != self.counted:
+            return
         self.result["grads"] = local_bytes([p.grad for p in pl_module.parameters() if p.grad is not None])
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            idx: int) -> None:
+        if idx != self.counted:
+            return
         self.local_ops.__exit__(None, None, None)
         self.counter.__exit__(None, None, None)
         self.tracker.__exit__(None, None, None)
@@ -91,7 +104,23 @@ class StepCounter(pl.Callback):
         self.result.update(params=local_bytes(list(pl_module.parameters())),
                            states=local_bytes(states),
                            traffic=traffic, peak=snapshot_bytes(peak, "Total"),
-                           sharded=any(isinstance(p, DTensor) for p in pl_module.parameters()))
+                           sharded=any(isinstance(p, DTensor) for p in pl_module.parameters()),
+                           buffers=_receive_buffers(strategy))
+
+
+def _receive_buffers(strategy: HybridParallelStrategy) -> int:
+    """Bytes of the receive buffers torch's pipeline stages keep between steps (none without a pipeline)."""
+    pipeline = strategy._pipeline
+    if pipeline is None or pipeline.runner is None:
+        return 0
+    storages = {}
+    for stage in pipeline.runner.stages:  # torch's stages hold them in these dicts of chunk -> infos (no public API)
+        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+            for info in infos:
+                buffer = getattr(info, "buffer", None)
+                if isinstance(buffer, torch.Tensor):
+                    storages[buffer.untyped_storage().data_ptr()] = buffer.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def real_step(spec: ModelSpec, layout: PlanLayout, world_size: int, micro_batch_size: int, seq_len: int,
@@ -101,17 +130,21 @@ def real_step(spec: ModelSpec, layout: PlanLayout, world_size: int, micro_batch_
     module = PlannedModule(spec)
     topology = ";".join(",".join(map(str, island)) for island in cluster_topology(world_size, gpus_per_node).islands)
     cluster = Cluster(topology=topology, link_costs={"intra": {"bandwidth_gbit": 16}, "inter": {"bandwidth_gbit": 1}})
+    pipeline = dict(pipeline_parallel_size=layout.pp, pipeline_schedule=layout.pp_schedule,
+                    pipeline_microbatches=layout.pp_microbatches) if layout.pp > 1 else {}
     strategy = HybridParallelStrategy(tensor_parallel_size=layout.tp, expert_parallel_size=layout.ep,
                                       shard_optimizer_states=layout.shard_optimizer_states, min_shard_params=0,
                                       data_parallel_shard_size=layout.dp_shard,
                                       reshard_after_forward=layout.reshard_after_forward,
                                       activation_checkpointing=layout.activation_checkpointing,
-                                      placement=layout.placement, cluster=cluster)
-    counter = StepCounter(gpus_per_node)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=1, logger=False,
+                                      placement=layout.placement, cluster=cluster, **pipeline)
+    steps = 2 if layout.pp > 1 else 1  # a pipeline's first step also infers the stages' shapes: count the second
+    counter = StepCounter(gpus_per_node, counted=steps - 1)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=[counter])
-    tokens = torch.randint(0, spec.vocab_size, (world_size * micro_batch_size, seq_len))
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=micro_batch_size)
+    batch = micro_batch_size * layout.num_microbatches
+    tokens = torch.randint(0, spec.vocab_size, (world_size * batch * steps, seq_len))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=batch)
     trainer.fit(module, data)
     return counter.result
