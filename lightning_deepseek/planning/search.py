@@ -34,8 +34,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lightning_deepseek.moe.protocol import find_expert_layers
 from lightning_deepseek.parallel.activation_checkpointing import MODES as AC_MODES
 from lightning_deepseek.parallel.activation_checkpointing import find_transformer_blocks
-from lightning_deepseek.parallel.pipeline_split import SCHEDULES
 from lightning_deepseek.parallel.detection import cached_probes
+from lightning_deepseek.parallel.dims import ParallelDims
+from lightning_deepseek.parallel.pipeline_split import SCHEDULES
+from lightning_deepseek.parallel.plan import decide_plan
 from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
@@ -138,8 +140,14 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
     cache = shared is not None
     reports, rejected, pruned = [], [], []
     states: dict[PlanLayout, Bound] = {}  # by layout without checkpointing: its model states
+    shards = ParameterShards.of(model, world_size, step, tuple({lay.tp for lay in layouts})) if cache else None
     for index in sorted(range(len(layouts)), key=lambda i: not layouts[i].shard_optimizer_states):  # ZeRO-1 first
         layout = layouts[index]
+        least = shards.least_states(layout) if shards is not None else None
+        if least is not None and least > cluster.memory_bytes:
+            pruned.append((index, layout, f"model states alone at least {least / GIB:.1f} GiB (every parameter at "
+                           f"its most sharded) exceed the {cluster.memory_bytes / GIB:.1f} GiB of a device"))
+            continue
         bound = _states_bound(layout, states) if cache else None
         if bound is not None and bound[1] > cluster.memory_bytes:
             pruned.append((index, layout, f"model states alone {bound[1] / GIB:.1f} GiB (those of "
@@ -159,6 +167,59 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
     not_fitting = sorted((r for r in reports if not r.fits), key=lambda r: r.memory.steady_peak)
     return SearchResult(tuple(fitting), tuple(not_fitting), tuple((lay, why) for _, lay, why in sorted(rejected)),
                         tuple((lay, why) for _, lay, why in sorted(pruned)))
+
+
+@dataclass(frozen=True)
+class ParameterShards:
+    """The trainable parameters of a model by how far a layout can shard them, for a bound of a rank's model states
+    that needs no plan: ``(bytes per element, elements)`` of the experts' parameters, of the tensor-parallel plan's
+    layers per ``tp`` size (the strategy's own ``decide_plan``), and of the rest."""
+
+    world_size: int
+    experts: tuple[tuple[int, int], ...]
+    planned: dict[int, tuple[tuple[int, int], ...]]
+    other: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, model: ModelSpec, world_size: int, step: StepShape, tps: tuple[int, ...] = (1, 2, 4, 8)
+           ) -> ParameterShards:
+        """Built on fake tensors; ``planned`` for the ``tps`` the strategy can plan (a refused size is absent)."""
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            module = model.build()
+        expert_ids = {id(p) for layer in find_expert_layers(module) for p in layer.experts.parameters()}
+        trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        planned = {}
+        for tp in (t for t in tps if world_size % t == 0 and t > 1):
+            try:
+                layers = set(decide_plan(module, "auto", world_size, tp, False, step.min_shard_params).names)
+            except ValueError:
+                continue
+            planned[tp] = tuple((p.element_size(), p.numel()) for name, p in trainable
+                                if name.rpartition(".")[0] in layers and id(p) not in expert_ids)
+        experts = tuple((p.element_size(), p.numel()) for _, p in trainable if id(p) in expert_ids)
+        return cls(world_size, experts, planned,
+                   tuple((p.element_size(), p.numel()) for _, p in trainable if id(p) not in expert_ids))
+
+    def least_states(self, layout: PlanLayout) -> int | None:
+        """Bytes of parameters, gradients and AdamW states a rank holds at least under ``layout``: every parameter
+        split over as many ranks as the layout can split it (experts over ``ep x tp x dp_shard``, the tensor-parallel
+        layers over ``tp x dp_shard``, the rest over ``dp_shard``; ZeRO-1's states left out, rank 0 may own few);
+        None for a ``tp`` the strategy refuses or a pipeline (its stages hold parts of the model)."""
+        if getattr(layout, "pp", 1) > 1 or (layout.tp > 1 and layout.tp not in self.planned):
+            return None
+        try:  # sizes the strategy refuses are left to the plan, which reports its reason
+            ParallelDims(self.world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard)
+        except ValueError:
+            return None
+        planned = self.planned.get(layout.tp, ())
+        copies = 2 if layout.shard_optimizer_states else 4  # parameter, gradient (and two AdamW moments)
+
+        def held(params: tuple[tuple[int, int], ...], split: int) -> int:
+            return sum(size * numel // split for size, numel in params)
+
+        tp_bytes = held(planned, layout.tp * layout.dp_shard)
+        rest = held(self.other, layout.dp_shard) - held(planned, layout.dp_shard)
+        return copies * (held(self.experts, layout.ep * layout.tp * layout.dp_shard) + tp_bytes + rest)
 
 
 def _without_checkpointing(layout: PlanLayout) -> PlanLayout:

@@ -14,7 +14,7 @@ from lightning_deepseek.parallel.detection import cached_probes
 from lightning_deepseek.parallel.plan import plan_blocks
 from lightning_deepseek.planning import PlanLayout
 from lightning_deepseek.planning.report import PlanReport
-from lightning_deepseek.planning.search import SearchResult, search
+from lightning_deepseek.planning.search import ParameterShards, SearchResult, search
 from tests.planning.test_against_real_runs import CLUSTER
 from tests.planning.test_depth import DENSE, MIXED, STEP
 
@@ -57,6 +57,13 @@ def test_pruned_layouts_would_not_fit(uncached: SearchResult) -> None:
     expected = sorted((r for r in uncached.fitting if r.memory.steady_peak <= capacity), key=lambda r: r.step_seconds)
     assert [_numbers(dataclasses.replace(r, memory_capacity=capacity)) for r in expected] == [
         _numbers(r) for r in cached.fitting]
+
+
+def test_least_states_bound_the_planned_states(uncached: SearchResult) -> None:
+    shards = ParameterShards.of(DENSE, 4, STEP, (1, 2))
+    for report in uncached.fitting:
+        least = shards.least_states(report.layout)
+        assert least is not None and 0.5 * _states(report) < least <= _states(report), report.layout
 
 
 def test_cached_probes_find_the_same_blocks() -> None:
