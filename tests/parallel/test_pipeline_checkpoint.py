@@ -48,10 +48,11 @@ class ScheduledLM(PipelinedLM):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _strategy(pp: int) -> HybridParallelStrategy:
+def _strategy(pp: int, tp: int = 1) -> HybridParallelStrategy:
     if pp == 1:
         return HybridParallelStrategy(tensor_parallel_size=1, min_shard_params=0)
-    return HybridParallelStrategy(pipeline_parallel_size=pp, pipeline_microbatches=4)
+    return HybridParallelStrategy(pipeline_parallel_size=pp, pipeline_microbatches=4, tensor_parallel_size=tp,
+                                  min_shard_params=0)
 
 
 def _shard(world_size: int, pp: int) -> DataLoader:
@@ -63,24 +64,25 @@ def _shard(world_size: int, pp: int) -> DataLoader:
     return loader(Subset(token_data(GLOBAL_BATCH), range(start, start + share)), share)
 
 
-def _fit(world_size: int, pp: int, save: Path | None = None, resume: Path | None = None) -> dict[str, Any]:
-    """Fit ScheduledLM at ``pp`` (1: no pipeline) for 20 steps, saving the checkpoint after step 10 at ``save``, or
-    from ``resume`` (seeded apart from the saving run, so that only the checkpoint can make them agree). The mean
-    loss of each global batch, the full weights and the last learning rates."""
+def _fit(world_size: int, pp: int, save: Path | None = None, resume: Path | None = None, tp: int = 1
+         ) -> dict[str, Any]:
+    """Fit ScheduledLM at ``pp`` (1: no pipeline) and ``tp`` for 20 steps, saving the checkpoint after step 10 at
+    ``save``, or from ``resume`` (seeded apart from the saving run, so that only the checkpoint can make them agree).
+    The mean loss of each global batch, the full weights and the last learning rates."""
     if resume is None:
         pl.seed_everything(0, verbose=False)
     else:
         torch.manual_seed(1 + dist.get_rank())
     module = ScheduledLM(n_layer=LAYERS, bias=False)
     saving = [SaveAtStep(STEPS, save)] if save is not None else []
-    trainer = make_trainer(world_size, _strategy(pp), max_steps=2 * STEPS, callbacks=saving,
+    trainer = make_trainer(world_size, _strategy(pp, tp), max_steps=2 * STEPS, callbacks=saving,
                            use_distributed_sampler=False)
-    trainer.fit(module, _shard(world_size, pp), ckpt_path=resume)
+    trainer.fit(module, _shard(world_size, pp * tp), ckpt_path=resume)  # a stage's tp ranks read the same share
     losses: list[Any] = [None] * world_size
     dist.all_gather_object(losses, module.losses)
     states: list[Any] = [None] * world_size
     dist.all_gather_object(states, full_state(module))
-    replicas = losses[:world_size // pp]
+    replicas = losses[:world_size // pp:tp]
     return {"losses": [float(np.mean(step)) for step in zip(*replicas)],
             "state": {k: v for s in states for k, v in s.items()},
             "lrs": trainer.lr_scheduler_configs[0].scheduler.get_last_lr()}

@@ -6,17 +6,20 @@ One 4-rank spawn runs: pp=2 x tp=2 (our GPT's feed-forward layers sharded over e
 same batch) with 1F1B, and with Interleaved1F1B under gradient accumulation and clipping; pp=2 x ep=2 (the MoE preset's
 routed experts sharded over each stage's two data-parallel ranks, DeepSeek-V3's shape) with DualPipeV, clipping and
 ``ExpertLoadBalancing`` (its bias updates from every micro-batch's routed counts, as one process makes them); HF Llama
-from a tiny config (random init) at pp=2 x tp=2 (losses).
+from a tiny config (random init) at pp=2 x tp=2 (losses); a pp=2 x tp=2 DCP checkpoint resumed at the same layout and
+without tp (``test_pipeline_checkpoint.py``'s runs: 10 + 10 steps against 20 uninterrupted, 1e-6).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from typing import Any
 
 import numpy as np
 import pytest
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -28,6 +31,8 @@ from lightning_deepseek.parallel.plan import Plan, PlanEntry
 from tests.helpers import run_distributed
 from tests.parallel.common import loader, make_trainer, token_data
 from tests.parallel.test_expert_strategy import RATE, _balancing
+from tests.parallel.test_pipeline_checkpoint import _fit as fit_scheduled
+from tests.parallel.test_pipeline_checkpoint import _shared_folder, check_resumed
 from tests.parallel.test_pipeline_strategy import (
     MICRO,
     MOE,
@@ -51,12 +56,25 @@ def _llama(world_size: int) -> dict[str, Any]:
     return {"losses": module.losses, "shards": [n for n, p in module.named_parameters() if isinstance(p, DTensor)]}
 
 
+def _checkpoints(world_size: int) -> dict[str, Any]:
+    """A pp=2 x tp=2 run's DCP checkpoint (tensor-parallel shards, AdamW states, LR schedule) resumed at the same
+    layout and at pp=2 x dp=2 (no tp: the shards loaded whole)."""
+    root = _shared_folder()
+    results = {"saved": fit_scheduled(world_size, 2, save=root / "tp.ckpt", tp=2)}
+    results["same"] = fit_scheduled(world_size, 2, resume=root / "tp.ckpt", tp=2)
+    results["dp"] = fit_scheduled(world_size, 2, resume=root / "tp.ckpt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root)
+    return results
+
+
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
     os.chdir(tempfile.mkdtemp())  # ExpertLoadBalancing plots into the trainer's root folder
     return {"tp": _fit(world_size, "1F1B", tp=2),
             "tp_interleaved": _fit(world_size, "Interleaved1F1B", tp=2, accumulate=2, clip=0.5),
             "ep": _fit(world_size, "DualPipeV", ep=2, clip=1.0, callbacks=[ExpertLoadBalancing(RATE)], **MOE),
-            "llama": _llama(world_size)}
+            "llama": _llama(world_size), "checkpoints": _checkpoints(world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +110,12 @@ def test_pp2_x_tp2_hf_llama_matches_one_process(four_ranks: list[dict[str, Any]]
     for result in four_ranks:
         np.testing.assert_allclose(result["llama"]["losses"], reference, rtol=TOL)
         assert len(result["llama"]["shards"]) == 12 and all(".mlp." in n for n in result["llama"]["shards"])
+
+
+def test_pp2_x_tp2_checkpoint_resumes_with_and_without_tp(four_ranks: list[dict[str, Any]]) -> None:
+    runs = four_ranks[0]["checkpoints"]
+    check_resumed(runs["saved"], runs["same"])
+    check_resumed(runs["saved"], runs["dp"])
 
 
 class _Chain(nn.Sequential):
