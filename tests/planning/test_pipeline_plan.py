@@ -1,0 +1,54 @@
+"""Pipelined plans without a process group of their own: the schedules' orders (1F1B's written out, torch's tables
+replayed), and one large-world plan of each of two schedules (1,024 fake ranks, FSDP2 over each stage's 256 ``dp``
+ranks): the micro-batches each stage holds in flight as torch's tables give them, the point-to-point bytes per step,
+the model states per pipeline rank, and the smaller bubble of the interleaved schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_deepseek.models.config import PRESETS
+from lightning_deepseek.planning import ModelSpec, PlanLayout, StepShape, plan
+from lightning_deepseek.planning.cluster import ClusterSpec
+from lightning_deepseek.planning.schedule import held_forwards, one_f_one_b, replay
+
+DEEP = ModelSpec("lds-tiny-8", "lds", dict(PRESETS["tiny"], n_layer=8))
+H100 = ClusterSpec.from_mapping(dict(name="h100-like", gpus_per_node=8, peak_tflops={"bf16": 989.5},
+                                     memory_gib=79.6, memory_bandwidth_gbs=3350,
+                                     links={"intra": {"bandwidth_gbs": 450, "latency_us": 3},
+                                            "inter": {"bandwidth_gbs": 50, "latency_us": 5}}), "test")
+MICRO, SEQ, WORLD, PP, M = 2, 64, 1024, 4, 8
+
+
+def test_one_f_one_b_order_and_bubble() -> None:
+    order = one_f_one_b(PP, M)
+    assert {rank: held_forwards(actions) for rank, actions in order.items()} == {r: {r: PP - r} for r in range(PP)}
+    cost = {(kind, stage): seconds for stage in range(PP) for kind, seconds in (("F", 1.0), ("B", 2.0))}
+    run = replay(order, {stage: stage for stage in range(PP)}, cost)
+    assert run.makespan == pytest.approx((M + PP - 1) * 3.0)  # the (P - 1) / (M + P - 1) bubble of 1F1B
+    assert run.busy == {r: M * 3.0 for r in range(PP)}
+    delayed = replay(order, {stage: stage for stage in range(PP)}, cost, {("F", 0): 0.5})
+    assert delayed.makespan > run.makespan and delayed.busy == run.busy  # stage 0's outputs reach stage 1 later
+
+
+def test_large_world_pipelined_plans() -> None:
+    step = StepShape(MICRO, SEQ, "bf16")
+    reports = {schedule: plan(DEEP, WORLD, PlanLayout(pp=PP, pp_schedule=schedule, pp_microbatches=M,
+                                                      dp_shard=WORLD // PP), H100, step)
+               for schedule in ("1F1B", "Interleaved1F1B")}
+    one, interleaved = reports["1F1B"].pipeline, reports["Interleaved1F1B"].pipeline
+    assert one is not None and interleaved is not None
+    assert {s.stage: s.in_flight for s in one.stages} == {0: 4, 1: 3, 2: 2, 3: 1}
+    # torch's ScheduleInterleaved1F1B table at 4 ranks and 8 micro-batches (stage s on rank s mod 4)
+    assert {s.stage: s.in_flight for s in interleaved.stages} == {0: 8, 1: 8, 2: 7, 3: 5, 4: 4, 5: 4, 6: 3, 7: 1}
+    assert interleaved.bubble_seconds / interleaved.makespan < one.bubble_seconds / one.makespan
+    hidden_bytes = MICRO * SEQ * PRESETS["tiny"]["n_embd"] * 4  # FP32 hidden states per micro-batch
+    for report, sends in ((reports["1F1B"], M), (reports["Interleaved1F1B"], 3 * M)):  # rank 0: its stages' sends
+        worst = max(report.pipeline.ranks, key=lambda row: row.peak)
+        assert worst.pp_rank == 0 and report.memory.steady_peak == worst.peak
+        sent = {(t.dim, t.op): t.num_bytes for t in report.traffic}
+        assert sent["pp", "send"] == sent["pp", "recv"] == sends * hidden_bytes
+        assert sent["dp", "reduce_scatter"] > 0 and sent["dp", "all_gather"] > 0  # FSDP2 over each stage's dp
+        for row in report.pipeline.ranks:
+            assert row.grads == row.params and row.states >= 2 * row.params
+            assert row.peak >= row.params + row.states + row.grads + row.activations + row.buffers
