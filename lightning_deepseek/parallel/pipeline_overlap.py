@@ -15,8 +15,8 @@ the same stages), and every number is the one the schedule computes without the 
 order within each micro-batch (tested bitwise on gloo).
 
 Supports: the ``DualPipeV`` schedule (the only one with ``OVERLAP_F_B`` actions; :func:`check_pipeline_overlap`
-refuses the others), the flat expert dispatch. Costs: one thread start per ``OVERLAP_F_B`` action and two baton
-hand-overs per all-to-all; it hides an all-to-all only behind compute the other micro-batch has before its own next
+refuses the others), the flat expert dispatch. Costs: one long-lived thread per process, and two baton hand-overs
+per all-to-all; it hides an all-to-all only behind compute the other micro-batch has before its own next
 all-to-all, and only while both stages still have MoE layers to run (after that the rest runs as before).
 :func:`record_exposed_all_to_all` measures the time spent waiting on the row all-to-alls (also without the overlap).
 
@@ -27,9 +27,11 @@ block under the overlap (untested), and CUDA streams (on GPUs the backward threa
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,6 +206,42 @@ def _wait_received(schedule: Any, stages: dict[int, Any], forward: Any, backward
         _wait_batch_p2p(schedule.bwd_recv_ops.pop((backward.stage_index, backward.microbatch_index)))
 
 
+class _BackwardThread:
+    """One long-lived thread per process that runs the backward halves: a new thread per action would start a thread
+    and redo the per-thread set-up of the math libraries every time."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="pipeline-overlap-backward", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            self._tasks.get()()
+
+    def run(self, task: Callable[[], None]) -> threading.Event:
+        """Start ``task`` there; the event is set when it has returned."""
+        done = threading.Event()
+
+        def wrapped() -> None:
+            try:
+                task()
+            finally:
+                done.set()
+
+        self._tasks.put(wrapped)
+        return done
+
+
+_backward_thread: list[_BackwardThread] = []
+
+
+def _the_backward_thread() -> _BackwardThread:
+    if not _backward_thread or _backward_thread[0].pid != os.getpid():  # a forked child has no copy of the thread
+        _backward_thread[:] = [_BackwardThread()]
+    return _backward_thread[0]
+
+
 def overlapped_forward_backward(action: Any, ctx: Any) -> None:
     """torch's custom function for one ``OVERLAP_F_B`` action: its forward here, its backward in a second thread,
     taking turns at each row all-to-all (see the module docstring). torch has no public runtime API: the action's
@@ -213,10 +251,8 @@ def overlapped_forward_backward(action: Any, ctx: Any) -> None:
     stages = {stage.stage_index: stage for stage in schedule._stages}
     _wait_received(schedule, stages, forward, backward)
     baton, errors = _Baton(), []
-    num_threads = torch.get_num_threads()
 
     def run_backward() -> None:
-        torch.set_num_threads(num_threads)  # a new thread's OpenMP team takes every core otherwise
         with _holding(baton, "backward"):
             baton.wait_turn("backward")
             try:
@@ -224,13 +260,12 @@ def overlapped_forward_backward(action: Any, ctx: Any) -> None:
             except BaseException as error:  # re-raised in the calling thread
                 errors.append(error)
 
-    thread = threading.Thread(target=run_backward, name="pipeline-overlap-backward", daemon=True)
-    thread.start()
+    done = _the_backward_thread().run(run_backward)
     try:
         with _holding(baton, "forward"):
             _run_forward(schedule, stages, forward, ctx)
     finally:
-        thread.join()
+        done.wait()
     if errors:
         raise errors[0]
 
