@@ -13,12 +13,13 @@ compression each become one more axis of :func:`candidate_layouts` when wanted.
 Costs: one plan per candidate (see :mod:`.planner`), each of a few representative blocks (:mod:`.depth`). With
 ``cache=True`` (the default) the candidates share what does not change between them (:mod:`.cache`: block kinds,
 tensor-parallel plans, placements, ZeRO-1's whole-model optimizer step across checkpointing modes) and a candidate
-is not planned when a planned one shows that its model states alone exceed the device: the same layout under
-another activation checkpointing (model states do not depend on it), or, for plain DDP, the same layout with ZeRO-1
-(which holds fewer optimizer states and the same parameters, gradients and buckets). The later steps' peak holds the
-parameters, gradients, optimizer states and DDP's buckets at once (the optimizer step), so a pruned layout is one
-that would not fit: such layouts are listed in :attr:`SearchResult.pruned` with the bound, not planned. The fitting
-plans are those of ``cache=False`` (``tests/planning/test_cache.py``); the speed is in benchmarks/planning/REPORT.md.
+is not planned when its model states alone exceed the device: at least those of every parameter at its most sharded
+(:class:`ParameterShards`, from the model alone, before any plan), or those a planned layout showed: the same layout
+under another activation checkpointing (model states do not depend on it), or, for plain DDP, the same layout with
+ZeRO-1 (which holds fewer optimizer states and the same parameters, gradients and buckets). The later steps' peak
+holds the parameters, gradients, optimizer states and DDP's buckets at once (the optimizer step), so a pruned layout
+is one that would not fit: such layouts are listed in :attr:`SearchResult.pruned` with the bound, not planned. The
+fitting plans are those of ``cache=False`` (``tests/planning/test_cache.py``); the speed: benchmarks/planning/REPORT.md.
 """
 
 from __future__ import annotations
