@@ -1,0 +1,57 @@
+"""The speed of ``lds-plan layout=auto`` (:func:`lightning_deepseek.planning.search.search`): CPU seconds of this
+process (``time.process_time``: the machine is shared, wall time is not the tool's) and layouts per CPU second, for
+the searches of benchmarks/planning/REPORT.md; with ``--uncached`` also the same search planning every layout
+afresh (``cache=False``) and a check that both give the same fitting plans.
+
+Usage: ``PYTHONPATH=. .venv/bin/python benchmarks/planning/bench_search.py CASE [--pipelined] [--uncached]`` with
+CASE one of ``llama3-8b``, ``llama3-70b``, ``deepseek-v3``; ``--pipelined``: the pipelined candidates (pp > 1)
+instead of the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+from lightning_deepseek.app.plan import resolve_cluster, resolve_model
+from lightning_deepseek.planning import StepShape
+from lightning_deepseek.planning.search import block_count, candidate_layouts, expert_counts, search
+
+CASES = {  # model, world size, cluster, step
+    "llama3-8b": ("llama3-8b", 64, "h100", StepShape(2, 8192)),
+    "llama3-70b": ("llama3-70b", 256, "h100", StepShape(2, 8192)),
+    "deepseek-v3": ("deepseek-v3", 2048, "h800", StepShape(1, 4096)),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case", choices=sorted(CASES))
+    parser.add_argument("--pipelined", action="store_true")
+    parser.add_argument("--uncached", action="store_true")
+    args = parser.parse_args()
+    name, world_size, cluster_name, step = CASES[args.case]
+    model, cluster = resolve_model(name), resolve_cluster(cluster_name)
+    layouts = [layout for layout in candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model),
+                                                      block_count(model)) if (layout.pp > 1) == args.pipelined]
+    runs = [True, False] if args.uncached else [True]
+    results = {}
+    for cache in runs:
+        started = time.process_time()
+        result = search(model, world_size, cluster, step, layouts, cache=cache)
+        seconds = time.process_time() - started
+        results[cache] = result
+        planned = len(result.fitting) + len(result.not_fitting)
+        print(f"| {args.case} x {world_size} {'pp>1' if args.pipelined else 'pp=1'} | "
+              f"{'cached' if cache else 'uncached'} | {len(layouts)} | {planned} planned, {len(result.pruned)} "
+              f"pruned, {len(result.rejected)} refused, {len(result.fitting)} fit | {seconds:.1f} | "
+              f"{len(layouts) / seconds:.3f} |", flush=True)
+    if args.uncached:
+        same = [dataclasses.replace(r, plan_seconds=0.0) for r in results[True].fitting] == [
+            dataclasses.replace(r, plan_seconds=0.0) for r in results[False].fitting]
+        print(f"fitting plans equal with and without the cache: {same}")
+
+
+if __name__ == "__main__":
+    main()
