@@ -85,6 +85,7 @@ from typing_extensions import override
 from lightning_deepseek.parallel import clipping
 from lightning_deepseek.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_deepseek.parallel.dims import WorldMesh
+from lightning_deepseek.parallel.expert_plan import ExpertParallelPlan
 from lightning_deepseek.parallel.expert_routing import ExpertRouting
 from lightning_deepseek.parallel.layout import Layout, LayoutSettings
 from lightning_deepseek.parallel.pipeline import PipelineRunner, check_pipeline_settings, min_microbatches
@@ -124,10 +125,15 @@ class PipelineLoop:
     on_loss: Callable[[torch.Tensor, Any, str], None]
     device: torch.device
     runner: PipelineRunner | None = None
-    expert_mesh: DeviceMesh | None = None  # this stage's (edp, ep) mesh under expert parallelism
+    expert_plan: ExpertParallelPlan | None = None  # this rank's stages' experts under expert parallelism
     batch_size: int | None = None
     compression: CompressionState | None = None  # set by GradientCompression (compress_pipeline_gradients)
     _pending: list[torch.Tensor | None] | None = None
+
+    @property
+    def expert_mesh(self) -> DeviceMesh | None:
+        """This stage's ``(edp, ep)`` mesh under expert parallelism (None without it, or without MoE layers)."""
+        return self.expert_plan.mesh if self.expert_plan is not None else None
 
     def _runner(self) -> PipelineRunner:
         if self.runner is None:
@@ -269,7 +275,7 @@ def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, settings
                         mesh["dp"].get_group() if dims.dp > 1 and not dims.fsdp_enabled else None,
                         settings.pp_microbatches or min_microbatches(settings.pp_schedule, dims.pp),
                         module.pipeline_loss, getattr(module, "pipeline_batch", _default_split_batch), on_loss, device,
-                        expert_mesh=expert_plan.mesh if expert_plan is not None else None)
+                        expert_plan=expert_plan)
 
 
 def _shard_stages(split: PipelineSplit, pp_rank: int, stage_modules: list[nn.Module], dp_mesh: DeviceMesh,
@@ -330,6 +336,7 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
                 _sync_module_states(module)
             self._pipeline = split_lightning_module(module, self.world_mesh, self._settings, self.root_device,
                                                     self._topology, self.expert_routing)
+            self._expert_plan = self._pipeline.expert_plan  # the summary's rows
         self.layout = self.layout or Layout(self.parallel_dims, "pipeline", self.world_mesh.order)
 
     def _check_pipeline_checkpoint(self, path: Path) -> None:
