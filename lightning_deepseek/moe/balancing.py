@@ -80,8 +80,9 @@ class LoadCounter:
         layers found keep their rows (matched by name), the others stay in ``counts`` (zero here, summed over the
         ranks holding them) with nothing to update on this rank."""
         found = {layer.name: layer for layer in find_expert_layers(root)}
-        if all(layer.name in found and found[layer.name].experts is layer.experts for layer in self.layers):
-            return
+        held = {id(layer.experts) for layer in found.values()}
+        if all(id(layer.experts) in held for layer in self.layers):
+            return  # the same modules (sharded or wrapped in place)
         self.remove()
         elsewhere = {"experts": nn.Module(), "bias": None, "router": None}  # not the discarded whole model's
         self.layers = [found.get(layer.name, dataclasses.replace(layer, **elsewhere)) for layer in self.layers]
