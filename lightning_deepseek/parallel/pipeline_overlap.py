@@ -38,7 +38,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single_autograd  # the only differentiable one
+
+# torch's runtime has no public API for an action's parts: its own wait on received tensors and action type
+from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleDualPipeV, _wait_batch_p2p
 
 __all__ = ["ExposedAllToAll", "all_to_all_rows", "check_pipeline_overlap", "enable_pipeline_overlap",
            "overlapped_forward_backward", "record_exposed_all_to_all"]
@@ -197,8 +200,6 @@ def _run_backward(schedule: Any, stages: dict[int, Any], action: Any) -> None:
 
 def _wait_received(schedule: Any, stages: dict[int, Any], forward: Any, backward: Any) -> None:
     """Wait for the forward's input and the backward's gradient where they come from another rank."""
-    from torch.distributed.pipelining.schedules import _wait_batch_p2p
-
     f_stage, b_stage = stages[forward.stage_index], stages[backward.stage_index]
     if not f_stage.is_first and forward.stage_index - 1 not in stages:
         _wait_batch_p2p(schedule.fwd_recv_ops.pop((forward.stage_index, forward.microbatch_index)))
@@ -272,8 +273,6 @@ def overlapped_forward_backward(action: Any, ctx: Any) -> None:
 
 def enable_pipeline_overlap(schedule: Any) -> None:
     """Run ``schedule``'s ``OVERLAP_F_B`` actions through :func:`overlapped_forward_backward`."""
-    from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleDualPipeV
-
     if not isinstance(schedule, ScheduleDualPipeV):
         raise ValueError(f"{SETTING}=True needs torch's ScheduleDualPipeV, not {type(schedule).__name__}: use "
                          f"pipeline_schedule='DualPipeV', or {SETTING}=False.")
