@@ -13,7 +13,7 @@ Supports: the schedules ``1F1B``, ``Interleaved1F1B`` (two stages per rank), ``Z
 stages per rank in V order), tested on gloo (CPU; NCCL runs the same torch code, untested here); gradient
 accumulation across calls (``step`` adds to ``.grad``; ``grad_scale`` weights a call, e.g.
 ``1 / accumulate_grad_batches``). The clip reduces DTensor shards inside a stage over their meshes first (the
-shared :func:`.clipping.total_grad_norm`); stages holding tensor- or expert-parallel DTensors are not tested yet.
+shared :func:`.clipping.total_grad_norm`: tested with tensor- and expert-parallel stages, ``test_pipeline_compose.py``).
 
 Gradient scaling: the schedule divides the gradients by ``M`` after each step (torch's ``scale_grads=True``), so
 gradients injected inside the forward (the MoE layer's auxiliary loss) are averaged over micro-batches like the
