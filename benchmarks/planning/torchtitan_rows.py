@@ -1,13 +1,17 @@
 """Plans of torchtitan's published Llama 3.1 H100 rows (benchmarks/llama3_h100_202412_torchtitan.md in
 pytorch/torchtitan) in the strategy's nearest layout, printed as JSON lines for REPORT.md.
 
-Each row is planned at its world size, local batch and sequence length (8192), with FSDP2 and the row's activation
-checkpointing, BF16 autocast, on the h100 preset. torchtitan's FSDP32 x TP8 holds 1/256 of every parameter per rank;
-the strategy's tensor parallelism shards the feed-forward layers only, so its nearest is tp=8 with parameters
-sharded over all 256 ranks, and each rank its own 2 of the tp group's 16 sequences. Not planned: torch.compile and
-Float8 (eager BF16 FLOPs), the 405B rows (pipeline stages: the planner does not plan them yet). Calibration
-targets, not tuned to: compute_efficiency stays the preset default.
-Usage: ``python benchmarks/planning/torchtitan_rows.py [row name ...]``.
+Each row is planned at its world size, local batch and sequence length (8192), with the row's activation
+checkpointing, BF16 autocast, on the h100 preset; FSDP2 units under StagedPrecision's BF16 stage policy (BF16
+gathers, FP32 reduce: ``StepShape.fsdp_bf16``, as torchtitan's FSDP mixed precision), or plain autocast with
+``--no-fsdp-bf16``. torchtitan's FSDP32 x TP8 holds 1/256 of every parameter per rank; the strategy's tensor
+parallelism shards the feed-forward layers only, so its nearest is tp=8 with parameters sharded over all 256 ranks,
+and each rank its own 2 of the tp group's 16 sequences. 405B (FSDP8 x TP8 x PP8, local batch 32 as 32 micro-batches
+of one sequence): the strategy composes tp with a pipeline but not yet with FSDP2 inside the stages, so its nearest
+is tp=8 x pp=8 with the stage replicated over its 8 dp ranks (the pipeline's flat all-reduce). Not planned:
+torch.compile and Float8 (eager BF16 FLOPs), async TP. Calibration targets, not tuned to: compute_efficiency stays
+the preset default.
+Usage: ``python benchmarks/planning/torchtitan_rows.py [--no-fsdp-bf16] [row name ...]``.
 """
 
 from __future__ import annotations
@@ -19,29 +23,38 @@ import time
 from lightning_deepseek.app.plan import resolve_cluster, resolve_model
 from lightning_deepseek.planning import PlanLayout, StepShape, plan
 
-ROWS = [  # (name, model, world, layout, local batch, published tokens/s/GPU, published GiB)
+ROWS = [  # (name, model, world, layout, sequences per micro-batch, published tokens/s/GPU, published GiB)
     ("8B FSDP8 bs2 selective AC", "llama3-8b", 8, PlanLayout(dp_shard=8, activation_checkpointing="selective"), 2,
      5762, 82.4),
     ("8B FSDP128 bs2 selective AC", "llama3-8b", 128,
      PlanLayout(dp_shard=128, activation_checkpointing="selective"), 2, 5605, 67.0),
     ("70B FSDP32xTP8 bs16 full AC", "llama3-70b", 256,  # torchtitan's 16 sequences per tp group: 2 per rank here
      PlanLayout(tp=8, dp_shard=256, activation_checkpointing="full"), 2, 829, 71.9),
+    ("405B FSDP8xTP8xPP8 bs32 full AC 1F1B", "llama3-405b", 512,
+     PlanLayout(tp=8, pp=8, pp_schedule="1F1B", pp_microbatches=32, activation_checkpointing="full"), 1, 100, 82.5),
+    ("405B FSDP8xTP8xPP8 bs32 full AC Interleaved1F1B", "llama3-405b", 512,
+     PlanLayout(tp=8, pp=8, pp_schedule="Interleaved1F1B", pp_microbatches=32, activation_checkpointing="full"), 1,
+     128, 72.7),
 ]
 
 if __name__ == "__main__":
     cluster = resolve_cluster("h100")
-    wanted = sys.argv[1:] or [row[0] for row in ROWS]
+    args = sys.argv[1:]
+    fsdp_bf16 = "--no-fsdp-bf16" not in args
+    wanted = [a for a in args if not a.startswith("--")] or [row[0] for row in ROWS]
     for name, model, world, layout, batch, tokens, gib in ROWS:
         if name not in wanted:
             continue
         started = time.process_time()
-        report = plan(resolve_model(model), world, layout, cluster, StepShape(batch, 8192, "bf16"))
+        report = plan(resolve_model(model), world, layout, cluster, StepShape(batch, 8192, "bf16", fsdp_bf16=fsdp_bf16))
+        bubble = report.pipeline.bubble_seconds / report.pipeline.makespan if report.pipeline else None
         print(json.dumps({"row": name, "published_tokens": tokens, "published_gib": gib,
                           "planned_tokens": round(report.tokens_per_second_per_gpu),
                           "planned_gib": round(report.memory.steady_peak / 2**30, 1),
                           "first_step_gib": round(report.memory.peak / 2**30, 1), "fits": report.fits,
-                          "layout": report.layout.describe(world),
+                          "layout": report.layout.describe(world), "fsdp_bf16": fsdp_bf16, "bubble": bubble,
                           "plan_cpu_seconds": round(time.process_time() - started, 1),
                           "plan_wall_seconds": round(report.plan_seconds, 1),
                           "compute_s": report.compute_seconds, "comm_s": report.comm_seconds,
+                          "step_s": report.step_seconds,
                           "activations_gib": round(report.memory.activations / 2**30, 1)}), flush=True)

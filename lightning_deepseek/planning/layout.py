@@ -96,6 +96,9 @@ class StepShape:
         compute_efficiency: the fraction of the peak FLOPs the step's compute reaches (an assumption, printed).
         min_shard_params: the strategy's ``min_shard_params``.
         bucket_cap_mb: DDP's ``bucket_cap_mb``.
+        fsdp_bf16: with ``dtype="bf16"``, FSDP2's units under ``StagedPrecision``'s BF16 stage policy
+            (:mod:`lightning_deepseek.precision.fsdp_policy`: parameters gathered and computed in BF16, gradients
+            reduce-scattered in FP32; the sharded FP32 parameters and AdamW states unchanged).
     """
 
     micro_batch_size: int = 1
@@ -104,12 +107,16 @@ class StepShape:
     compute_efficiency: float = 0.4
     min_shard_params: int = 1 << 16
     bucket_cap_mb: float = 25.0
+    fsdp_bf16: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}.")
         if self.micro_batch_size < 1 or self.seq_len < 1:
             raise ValueError(f"micro_batch_size={self.micro_batch_size} and seq_len={self.seq_len} must be >= 1.")
+        if self.fsdp_bf16 and self.dtype != "bf16":
+            raise ValueError(f"fsdp_bf16=True needs dtype='bf16' (got {self.dtype!r}): FSDP2's BF16 policy is that of "
+                             "a BF16 stage. Set dtype='bf16' or fsdp_bf16=False.")
         if not 0 < self.compute_efficiency <= 1:
             raise ValueError(f"compute_efficiency={self.compute_efficiency} must be in (0, 1].")
 

@@ -90,6 +90,7 @@ from lightning_deepseek.planning.report import (
 )
 from lightning_deepseek.planning.routing import uniform_routing
 from lightning_deepseek.planning.schedule import Action, held_forwards, replay, schedule_order
+from lightning_deepseek.precision.fsdp_policy import fsdp_units, set_mixed_precision, stage_policy
 
 LOSS_BYTES = 4  # the mean loss the last stage broadcasts over pp (an FP32 scalar)
 PIPELINE_ASSUMPTIONS = (
@@ -260,6 +261,8 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     loop = split_lightning_module(holder, mesh, layout.settings(), CPU)
     with mode:  # the strategy materialises only the rank's stages; here as fake tensors of this plan's mode
         holder.model.to_empty(device=CPU)
+    if step.fsdp_bf16 and dims.fsdp_enabled:  # StagedPrecision's BF16 stage on the stages' units
+        set_mixed_precision(fsdp_units(holder.model), stage_policy("bf16-mixed"))
     runner = PipelineRunner.from_stage_modules(loop.split, loop.stage_modules, loop.loss_fn, loop.pp_group,
                                                loop.num_microbatches, CPU)
     order = schedule_order(layout.pp_schedule, runner.schedule, layout.pp, loop.num_microbatches)
@@ -271,7 +274,8 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     indices = loop.split.stage_indices(pp_rank)
     with mode:  # the stages' inputs: token ids, or the buffer torch receives hidden states into (counted apart)
         ids = torch.randint(0, model.vocab_size, (step.micro_batch_size, step.seq_len))
-        hidden = torch.empty(step.micro_batch_size, step.seq_len, hidden_size)
+        residual = torch.bfloat16 if step.fsdp_bf16 and dims.fsdp_enabled else torch.float32  # parameters' dtype
+        hidden = torch.empty(step.micro_batch_size, step.seq_len, hidden_size, dtype=residual)
     peaks = _Peaks(tracker)
     with mode, uniform_routing(layers), tracker, counter:
         with flops, LocalOpsOnly(mode):

@@ -82,6 +82,7 @@ from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
 from lightning_deepseek.planning.report import PlanReport, RankMemory
 from lightning_deepseek.planning.routing import uniform_routing
+from lightning_deepseek.precision.fsdp_policy import fsdp_units, set_mixed_precision, stage_policy
 
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                      "lightning_utilities.core.rank_zero")
@@ -307,7 +308,10 @@ def _step_once(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     expert_plan = setup_expert_parallel(module, mesh, topology, ExpertRouting(dispatch="flat"))
     apply_activation_checkpointing(module, layout.activation_checkpointing)
     if dims.fsdp_enabled:  # held as a LightningModule holds it: the model is the root unit, as in a real run
-        apply_fsdp(nn.ModuleDict({"model": module}), mesh, layout.reshard_after_forward)
+        holder = nn.ModuleDict({"model": module})
+        apply_fsdp(holder, mesh, layout.reshard_after_forward)
+        if step.fsdp_bf16:  # StagedPrecision's BF16 stage on the units
+            set_mixed_precision(fsdp_units(holder), stage_policy("bf16-mixed"))
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     zero = setup_optimizer_states([optimizer], 0, world_size, mesh, layout.shard_optimizer_states)

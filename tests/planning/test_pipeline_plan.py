@@ -13,6 +13,7 @@ from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.schedule import held_forwards, one_f_one_b, replay
 
 DEEP = ModelSpec("lds-tiny-8", "lds", dict(PRESETS["tiny"], n_layer=8))
+TINY = ModelSpec("lds-tiny", "lds", dict(PRESETS["tiny"]))
 H100 = ClusterSpec.from_mapping(dict(name="h100-like", gpus_per_node=8, peak_tflops={"bf16": 989.5},
                                      memory_gib=79.6, memory_bandwidth_gbs=3350,
                                      links={"intra": {"bandwidth_gbs": 450, "latency_us": 3},
@@ -52,3 +53,19 @@ def test_large_world_pipelined_plans() -> None:
         for row in report.pipeline.ranks:
             assert row.grads == row.params and row.states >= 2 * row.params
             assert row.peak >= row.params + row.states + row.grads + row.activations + row.buffers
+
+
+def test_fsdp_bf16_policy_halves_gathers_and_hidden_states() -> None:
+    """``fsdp_bf16``: FSDP2's units under the BF16 stage policy gather half the bytes and, in a pipeline, send BF16
+    hidden states; the reduce-scatters stay FP32."""
+    layouts = (PlanLayout(dp_shard=4), PlanLayout(pp=2, dp_shard=2))
+    for layout in layouts:
+        plain, bf16 = ({(t.dim, t.op): t.num_bytes for t in plan(TINY, 4, layout, H100, StepShape(
+            MICRO, SEQ, "bf16", fsdp_bf16=policy)).traffic} for policy in (False, True))
+        for key, num_bytes in plain.items():
+            if layout.pp > 1 and key[1] not in ("send", "recv"):  # the most loaded rank's: it may change
+                continue
+            expected = num_bytes // 2 if key[1] in ("all_gather", "send", "recv") else num_bytes
+            assert bf16[key] == expected, (layout, key, num_bytes, bf16[key])
+    with pytest.raises(ValueError, match="fsdp_bf16=True needs dtype='bf16'"):
+        StepShape(MICRO, SEQ, "fp32", fsdp_bf16=True)
