@@ -1,0 +1,236 @@
+"""The step of a pipelined plan from its stepped ranks (:mod:`.pipeline`): each rank's memory walked over its
+actions in the schedule's table, its collectives and point-to-point bytes per action, and the step time from the
+tables of every rank replayed (:func:`.schedule.replay`) with the counted FLOPs and the links' transfers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_deepseek.parallel.placement import LinkCost
+from lightning_deepseek.parallel.topology import Topology
+from lightning_deepseek.planning.cluster import ClusterSpec
+from lightning_deepseek.planning.counting import CollectiveCall
+from lightning_deepseek.planning.estimate import (
+    ADAMW_BYTES_PER_ELEMENT,
+    ASSUMPTIONS,
+    GroupInfo,
+    collective_seconds,
+    is_fsdp_dim,
+)
+from lightning_deepseek.planning.layout import PlanLayout, StepShape
+from lightning_deepseek.planning.models import ModelSpec
+from lightning_deepseek.planning.report import (
+    PipelinePlan,
+    PipelineRankRow,
+    PlanReport,
+    RankMemory,
+    StageRow,
+    Traffic,
+)
+from lightning_deepseek.planning.schedule import Action, held_forwards, replay
+
+LOSS_BYTES = 4  # the mean loss the last stage broadcasts over pp (an FP32 scalar)
+PIPELINE_ASSUMPTIONS = (
+    "pipeline: the schedule's action table replayed with the counted FLOPs per stage (input and weight gradient "
+    "half a backward each); point-to-point transfers exposed where an action waits for them; the exchange over dp "
+    "after the schedule exposed",
+)
+
+
+@dataclass(frozen=True)
+class StageStep:
+    """One stage's stepped micro-batch (see the module docstring): FLOPs, activations held in flight, the peaks
+    above the start of a forward and of a backward, what the first backward leaves, the bytes received and sent
+    per micro-batch, and the collectives of one forward (the first, and a later one) and one backward."""
+
+    index: int
+    forward_flops: float
+    backward_flops: float
+    activations: int
+    forward_extra: int
+    backward_extra: int
+    first_backward_keeps: int
+    first_backward_extra: int
+    input_bytes: int
+    output_bytes: int
+    first_forward_calls: tuple[CollectiveCall, ...]
+    forward_calls: tuple[CollectiveCall, ...]
+    backward_calls: tuple[CollectiveCall, ...]
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One pipeline rank's stepped stages, model states, the exchange and optimizer step after the schedule (its
+    calls and absolute peak), and the groups of the stepped rank."""
+
+    pp_rank: int
+    stages: tuple[StageStep, ...]
+    params: int
+    grads: int
+    states: int
+    exchange_calls: tuple[CollectiveCall, ...]
+    exchange_peak: int
+    owned_state_elements: int
+    groups: dict[str, GroupInfo]
+    pp_group: str
+
+
+@dataclass(frozen=True)
+class _Composed:
+    """One rank's step composed over its actions: the peak of the first step and of the later ones, the most
+    activations held, the receive buffers, the collectives, the most micro-batches in flight per stage."""
+
+    first_peak: int
+    peak: int
+    activations: int
+    buffers: int
+    calls: tuple[CollectiveCall, ...]
+    in_flight: dict[int, int]
+
+
+def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], num_microbatches: int) -> _Composed:
+    """Memory walk, collectives and point-to-point bytes of one rank's actions (see the module docstring). A later
+    step also holds the optimizer states and the previous step's gradients: Lightning sets them to None after the
+    training step, which runs the whole schedule."""
+    by_index = {s.index: s for s in rank.stages}
+    last = max(stage_rank)
+    buffers = sum(num_microbatches * (s.input_bytes + s.output_bytes) for s in rank.stages)
+    split_backward = {stage for kind, stage, _ in actions if kind == "W"}
+    held, most, acts, most_acts = 0, 0, 0, 0
+    kept: set[int] = set()
+    previous: dict[int, str] = {}
+    calls: list[CollectiveCall] = []
+    pp = rank.pp_group
+    for kind, index, _ in actions:
+        stage = by_index[index]
+        if kind == "F":
+            most = max(most, held + stage.forward_extra)
+            held, acts = held + stage.activations, acts + stage.activations
+            most_acts = max(most_acts, acts)
+            calls += stage.first_forward_calls if previous.get(index, "F") == "F" else stage.forward_calls
+            if index < last and stage_rank[index + 1] != rank.pp_rank:
+                calls.append(CollectiveCall("send", pp, stage.output_bytes, "pipeline"))
+            if index > 0 and stage_rank[index - 1] != rank.pp_rank:
+                calls.append(CollectiveCall("recv", pp, stage.input_bytes, "pipeline"))
+        if kind in ("B", "I"):
+            first = index not in kept
+            most = max(most, held + (stage.first_backward_extra if first else stage.backward_extra))
+            held += stage.first_backward_keeps if first else 0
+            kept.add(index)
+            calls += stage.backward_calls if previous.get(index) == "F" else ()
+            if index > 0 and stage_rank[index - 1] != rank.pp_rank:
+                calls.append(CollectiveCall("send", pp, stage.input_bytes, "pipeline"))
+            if index < last and stage_rank[index + 1] != rank.pp_rank:
+                calls.append(CollectiveCall("recv", pp, stage.output_bytes, "pipeline"))
+        if kind == "W" or (kind in ("B", "I") and index not in split_backward):
+            held, acts = held - stage.activations, acts - stage.activations
+        previous[index] = kind
+    calls.append(CollectiveCall("broadcast", pp, LOSS_BYTES, "pipeline"))
+    first_peak = max(rank.params + buffers + most, rank.exchange_peak + buffers)
+    peak = max(rank.params + rank.states + rank.grads + buffers + most, rank.exchange_peak + buffers)
+    return _Composed(first_peak, peak, most_acts, buffers, tuple(calls) + rank.exchange_calls,
+                     held_forwards(actions))
+
+
+def _link(topology: Topology, cluster: ClusterSpec, a: int, b: int) -> LinkCost:
+    return cluster.links["inter" if topology.spans_islands([a, b]) else "intra"]
+
+
+def _stage_seconds(ranks: dict[int, RankStep], split: Any, cluster: ClusterSpec, step: StepShape
+                   ) -> dict[int, tuple[float, float]]:
+    """Each stage's forward and backward seconds per micro-batch."""
+    rate = cluster.peak_flops(step.dtype) * step.compute_efficiency
+    seconds = {}
+    for pp_rank, rank in ranks.items():
+        for index, stage in zip(split.stage_indices(pp_rank), rank.stages):
+            seconds[index] = (stage.forward_flops / rate, stage.backward_flops / rate)
+    return seconds
+
+
+def pipeline_report(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: ClusterSpec, step: StepShape,
+            topology: Topology, ranks: dict[int, RankStep], split: Any, order: dict[int, list[Action]],
+            plan_seconds: float) -> PlanReport:
+    stage_rank = {s.index: s.rank for s in split.stages}
+    num_microbatches = layout.num_microbatches
+    # stage steps carry the stepped rank's stage indices; re-index them by this rank's stages
+    ranks = {r: dataclasses.replace(rank, stages=tuple(dataclasses.replace(s, index=i) for s, i in
+                                                      zip(rank.stages, split.stage_indices(r))))
+             for r, rank in ranks.items()}
+    composed = {r: _compose(rank, order[r], stage_rank, num_microbatches) for r, rank in ranks.items()}
+    seconds = _stage_seconds(ranks, split, cluster, step)
+    cost: dict[tuple[str, int], float] = {}
+    transfer: dict[tuple[str, int], float] = {}
+    stride = world_size // layout.pp
+    for index, (forward, backward) in seconds.items():
+        cost["F", index], cost["B", index], cost["I", index], cost["W", index] = (forward, backward, backward / 2,
+                                                                                  backward / 2)
+        stage = next(s for r in ranks.values() for s in r.stages if s.index == index)
+        here = stage_rank[index] * stride
+        if index + 1 in stage_rank:
+            link = _link(topology, cluster, here, stage_rank[index + 1] * stride)
+            transfer["F", index] = stage.output_bytes / link.bandwidth + link.latency
+        if index > 0:
+            link = _link(topology, cluster, here, stage_rank[index - 1] * stride)
+            transfer["I", index] = stage.input_bytes / link.bandwidth + link.latency
+    compute_only = replay(order, stage_rank, cost)
+    with_p2p = replay(order, stage_rank, cost, transfer)
+    worst = max(composed, key=lambda r: composed[r].peak)
+    rank, mine = ranks[worst], composed[worst]
+    traffic, exchange = _traffic(mine.calls, rank.groups, cluster, world_size,
+                                 with_p2p.makespan - compute_only.makespan)
+    optimizer = rank.owned_state_elements * ADAMW_BYTES_PER_ELEMENT / (cluster.memory_bandwidth_gbs * 1e9)
+    step_seconds = with_p2p.makespan + exchange + optimizer
+    flops = sum(num_microbatches * (s.forward_flops + s.backward_flops) for s in rank.stages)
+    tokens = step.tokens * num_microbatches * (world_size // (layout.pp * layout.tp))
+    stage_rows = tuple(StageRow(index, stage_rank[index], composed[stage_rank[index]].in_flight.get(index, 0),
+                                next(s for s in ranks[stage_rank[index]].stages if s.index == index).activations,
+                                *seconds[index]) for index in sorted(seconds))
+    rank_rows = tuple(PipelineRankRow(r, split.stage_indices(r), ranks[r].params, ranks[r].grads, ranks[r].states,
+                                      composed[r].activations, composed[r].buffers, composed[r].peak)
+                      for r in sorted(ranks))
+    memory = RankMemory(params=rank.params, grads=rank.grads, states=rank.states, states_max=rank.states,
+                        activations=mine.activations, ddp_buckets=0, peak=mine.first_peak, steady_peak=mine.peak)
+    pipeline = PipelinePlan(layout.pp_schedule, layout.pp, num_microbatches, rank_rows, stage_rows,
+                            with_p2p.makespan, compute_only.bubble, with_p2p.makespan - compute_only.makespan)
+    peak_flops = cluster.peak_flops(step.dtype)
+    return PlanReport(model=model.name, world_size=world_size, layout=layout, cluster=cluster.name, step=step,
+                      placement="pp outermost (launch order)", num_sharded_layers=0, memory=memory,
+                      memory_capacity=cluster.memory_bytes, traffic=traffic, flops=flops,
+                      compute_seconds=max(compute_only.busy.values()), optimizer_seconds=optimizer,
+                      comm_seconds=sum(t.exposed_seconds for t in traffic), step_seconds=step_seconds,
+                      tokens_per_second_per_gpu=tokens / step_seconds / world_size,
+                      mfu=flops / step_seconds / peak_flops, plan_seconds=plan_seconds,
+                      assumptions=(*ASSUMPTIONS, *PIPELINE_ASSUMPTIONS,
+                                   f"compute_efficiency={step.compute_efficiency}"), pipeline=pipeline)
+
+
+def _traffic(calls: tuple[CollectiveCall, ...], groups: dict[str, GroupInfo], cluster: ClusterSpec, world_size: int,
+             p2p_exposed: float) -> tuple[tuple[Traffic, ...], float]:
+    """Rows by (mesh dimension, op) and the exposed seconds of the exchange after the schedule: FSDP2's gathers in
+    the schedule hidden but the first, the point-to-point rows' share of ``p2p_exposed`` by bytes, the rest after
+    the schedule exposed."""
+    rows: dict[tuple[str, str, str], list[float]] = {}
+    for call in calls:
+        info = groups.get(call.group, GroupInfo("?", world_size, "inter"))
+        link = cluster.links[info.link]
+        seconds = (call.num_bytes / link.bandwidth + link.latency if call.op in ("send", "recv")
+                   else collective_seconds(call.op, call.num_bytes, info.size, link))
+        row = rows.setdefault((info.dim, call.op, call.phase), [0, 0, 0.0, info.size, info.link])
+        row[0], row[1], row[2] = row[0] + 1, row[1] + call.num_bytes, row[2] + seconds
+    p2p_bytes = sum(row[1] for (_, op, _), row in rows.items() if op == "send") or 1
+    traffic, exchange, first_gather = [], 0.0, True
+    for (dim, op, phase), (num_calls, num_bytes, seconds, size, link) in rows.items():
+        if op in ("send", "recv"):
+            exposed = p2p_exposed * num_bytes / p2p_bytes if op == "send" else 0.0
+        elif phase == "forward_backward" and (is_fsdp_dim(dim) or dim.split("/")[0] == "dp"):  # FSDP2 over dp
+            exposed = seconds / num_calls if first_gather and op == "all_gather" else 0.0
+            first_gather = first_gather and op != "all_gather"
+            exchange += exposed
+        else:
+            exposed = seconds
+            exchange += exposed
+        traffic.append(Traffic(dim, op, int(size), str(link), int(num_calls), int(num_bytes), seconds, exposed))
+    return tuple(traffic), exchange
