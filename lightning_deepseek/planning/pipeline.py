@@ -14,8 +14,9 @@ whose stages hold other blocks; V schedules hold two stages per rank), the plann
    FSDP2's unsharded parameters and gradients), the second one micro-batch's activations, transient peaks, FLOPs and
    collectives; then the stages' end-of-step reduction (torch's ``perform_reduce_grad``), the strategy's gradient
    exchange over ``dp`` (``PipelineLoop.reduce_gradients``) and AdamW's step;
-3. composes the step (:mod:`.pipeline_estimate`): memory by walking the rank's actions (each forward adds one micro-batch's activations of its
-   stage, each full backward, or weight gradient where the backward is split, frees them), plus the receive buffers
+3. composes the step (:mod:`.pipeline_estimate`): memory by walking the rank's actions (each forward adds one
+   micro-batch's activations of its stage, each full backward, or weight gradient where the backward is split,
+   frees them), plus the receive buffers
    torch's stages allocate for every micro-batch (inputs of every stage but the first, output gradients of every
    stage but the last); collectives per action; point-to-point bytes per action whose neighbouring stage is on
    another rank (the stage's output forward, its input gradient backward); the loss's broadcast over ``pp``;
@@ -75,7 +76,7 @@ from lightning_deepseek.planning.report import (
     PlanReport,
 )
 from lightning_deepseek.planning.routing import uniform_routing
-from lightning_deepseek.planning.schedule import Action, schedule_order
+from lightning_deepseek.planning.schedule import Action, overlapped, schedule_order
 from lightning_deepseek.precision.fsdp_policy import fsdp_units, set_mixed_precision, stage_policy
 
 
@@ -188,9 +189,9 @@ def _step_stage(spec: ModelSpec, index: int, stage: nn.Module, is_last: bool, id
 
 
 def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
-               pp_rank: int) -> tuple[RankStep, Any, dict[int, list[Action]]]:
+               pp_rank: int) -> tuple[RankStep, Any, tuple[dict[int, list[Action]], dict[Action, Action]]]:
     """Set up pipeline rank ``pp_rank`` with the strategy's split on the fake world and step its stages; also the
-    split and every rank's action table."""
+    split, every rank's action table and its overlapped pairs."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with torch.device("meta"):  # as a meta-device model in a real run: the stage copies hold no storage
         module = model.build()
@@ -207,6 +208,7 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     runner = PipelineRunner.from_stage_modules(loop.split, loop.stage_modules, loop.loss_fn, loop.pp_group,
                                                loop.num_microbatches, CPU)
     order = schedule_order(layout.pp_schedule, runner.schedule, layout.pp, loop.num_microbatches)
+    pairs = overlapped(runner.schedule.pipeline_order) if layout.pp_schedule != "1F1B" else {}
     params = [p for p in holder.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     tracker, counter, flops = MicroBatchMemTracker(), CollectiveCounter(), FlopCounter(CPU_SDPA)
@@ -239,7 +241,7 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
                     local_bytes([p.grad for p in params if p.grad is not None]), local_bytes(states),
                     tuple(counter.calls[exchange_start:]), exchange_peak, owned,
                     mesh_groups(mesh, dims, topology), loop.pp_group.group_name)
-    return rank, loop.split, order
+    return rank, loop.split, (order, pairs)
 
 
 def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: ClusterSpec,
@@ -250,7 +252,7 @@ def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster
     stride = world_size // layout.pp  # the global rank of pipeline rank r (dp and tp coordinates 0): r * stride
     ranks: dict[int, RankStep] = {}
     stepped: dict[tuple, RankStep] = {}
-    split, order = None, {}
+    split, table = None, ({}, {})
     with FakeTensorMode(allow_non_fake_inputs=True):
         whole = model.build()
     kinds = _block_kinds(whole)
@@ -261,8 +263,8 @@ def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster
             continue
         with fake_world(world_size, rank=pp_rank * stride), warnings.catch_warnings(), _quiet_set_up():
             warnings.simplefilter("ignore")  # the strategy's and torch's set-up warnings are for real runs
-            rank, split, order = _step_rank(model, world_size, layout, step, topology, pp_rank)
+            rank, split, table = _step_rank(model, world_size, layout, step, topology, pp_rank)
         ranks[pp_rank] = stepped[_signature(split, pp_rank, kinds)] = rank
     assert split is not None
-    return pipeline_report(model, world_size, layout, cluster, step, topology, ranks, split, order,
+    return pipeline_report(model, world_size, layout, cluster, step, topology, ranks, split, *table,
                    time.perf_counter() - started)

@@ -151,8 +151,9 @@ def _stage_seconds(ranks: dict[int, RankStep], split: Any, cluster: ClusterSpec,
 
 
 def pipeline_report(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: ClusterSpec, step: StepShape,
-            topology: Topology, ranks: dict[int, RankStep], split: Any, order: dict[int, list[Action]],
-            plan_seconds: float) -> PlanReport:
+                    topology: Topology, ranks: dict[int, RankStep], split: Any, order: dict[int, list[Action]],
+                    together: dict[Action, Action], plan_seconds: float) -> PlanReport:
+    """The report of a pipelined plan from its stepped ranks (see the module docstring)."""
     stage_rank = {s.index: s.rank for s in split.stages}
     num_microbatches = layout.num_microbatches
     # stage steps carry the stepped rank's stage indices; re-index them by this rank's stages
@@ -175,8 +176,8 @@ def pipeline_report(model: ModelSpec, world_size: int, layout: PlanLayout, clust
         if index > 0:
             link = _link(topology, cluster, here, stage_rank[index - 1] * stride)
             transfer["I", index] = stage.input_bytes / link.bandwidth + link.latency
-    compute_only = replay(order, stage_rank, cost)
-    with_p2p = replay(order, stage_rank, cost, transfer)
+    compute_only = replay(order, stage_rank, cost, together=together)
+    with_p2p = replay(order, stage_rank, cost, transfer, together)
     worst = max(composed, key=lambda r: composed[r].peak)
     rank, mine = ranks[worst], composed[worst]
     traffic, exchange = _traffic(mine.calls, rank.groups, cluster, world_size,

@@ -7,7 +7,7 @@ The tables are torch's own: ``pipeline_order`` of the schedule object the strate
 ``_step_microbatches`` runs it: ``min(M, P - stage)`` forwards, then a backward and a forward in turn, then the
 remaining backwards. An action is ``(kind, stage, micro-batch)`` with ``kind`` in ``F`` (forward), ``B`` (full
 backward), ``I`` (input gradient) and ``W`` (weight gradient); DualPipeV's overlapped ``F&B`` is its two actions one
-after the other (torch runs them so).
+after the other, started together (:func:`overlapped`: torch receives both inputs before the pair).
 
 The replay: each rank runs its actions in order, each as soon as the rank is free and its inputs have arrived (the
 previous stage's forward, the next stage's input gradient, plus the point-to-point transfer between ranks); it gives
@@ -79,6 +79,17 @@ def torch_order(pipeline_order: Mapping[int, list[Any]]) -> dict[int, list[Actio
     return order
 
 
+def overlapped(pipeline_order: Mapping[int, list[Any]]) -> dict[Action, Action]:
+    """DualPipeV's overlapped pairs in torch's table: the first action of each pair to its second."""
+    pairs = {}
+    for actions in pipeline_order.values():
+        for action in actions:
+            subs = [a for a in (_parse(str(sub)) for sub in getattr(action, "sub_actions", None) or ()) if a]
+            if len(subs) == 2:
+                pairs[subs[0]] = subs[1]
+    return pairs
+
+
 def schedule_order(schedule_name: str, schedule: Any, pp_size: int, num_microbatches: int
                    ) -> dict[int, list[Action]]:
     """Every rank's actions: torch's table from the schedule object, 1F1B's written out."""
@@ -103,10 +114,12 @@ def held_forwards(actions: list[Action]) -> dict[int, int]:
 
 
 def replay(order: Mapping[int, list[Action]], stage_rank: Mapping[int, int], cost: Mapping[tuple[str, int], float],
-           transfer: Mapping[tuple[str, int], float] | None = None) -> Replay:
+           transfer: Mapping[tuple[str, int], float] | None = None,
+           together: Mapping[Action, Action] | None = None) -> Replay:
     """Run ``order`` with ``cost[(kind, stage)]`` seconds per action and ``transfer[(kind, stage)]`` seconds for a
-    forward's output (``"F"``) or an input gradient (``"I"``) to reach the neighbouring stage on another rank."""
-    transfer = transfer or {}
+    forward's output (``"F"``) or an input gradient (``"I"``) to reach the neighbouring stage on another rank; the
+    first action of a pair in ``together`` waits for its partner's inputs too (:func:`overlapped`)."""
+    transfer, together = transfer or {}, together or {}
     last = max(stage_rank)
     done: dict[Action, float] = {}
     queues = {rank: list(actions) for rank, actions in order.items()}
@@ -129,7 +142,7 @@ def replay(order: Mapping[int, list[Action]], stage_rank: Mapping[int, int], cos
         for rank, queue in queues.items():
             while queue:
                 kind, stage, mb = queue[0]
-                needed = deps(kind, stage, mb)
+                needed = deps(kind, stage, mb) + (deps(*together[queue[0]]) if queue[0] in together else [])
                 if any(action not in done for action, _ in needed):
                     break
                 start = max([clock[rank], *(done[action] + delay for action, delay in needed)])

@@ -30,6 +30,9 @@ def test_one_f_one_b_order_and_bubble() -> None:
     assert run.busy == {r: M * 3.0 for r in range(PP)}
     delayed = replay(order, {stage: stage for stage in range(PP)}, cost, {("F", 0): 0.5})
     assert delayed.makespan > run.makespan and delayed.busy == run.busy  # stage 0's outputs reach stage 1 later
+    # an overlapped pair (DualPipeV's F&B) starts when the inputs of both its actions are there
+    paired = replay(order, {stage: stage for stage in range(PP)}, cost, together={("F", 0, PP - 1): ("B", 0, 0)})
+    assert paired.makespan > run.makespan and paired.busy == run.busy
 
 
 def test_large_world_pipelined_plans() -> None:
