@@ -22,6 +22,7 @@ from lightning_deepseek.parallel.activation_checkpointing import MODES
 from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.expert_plan import resolve_ep_size
 from lightning_deepseek.parallel.pipeline import check_pipeline_composition
+from lightning_deepseek.parallel.pipeline_overlap import check_pipeline_overlap
 from lightning_deepseek.parallel.placement import (
     POLICIES,
     CommVolume,
@@ -85,8 +86,8 @@ class LayoutSettings:
         links: the cluster's link figures, or None (probed).
         bucket_bytes, bucket_view: DDP's bucket size and ``gradient_as_bucket_view`` (the timed copies use them).
         bits: what a ``GradientCompression`` callback asked for (``"auto"``, 8, 4), or None without one.
-        pp, pp_schedule, pp_microbatches: ``pipeline_parallel_size``, ``pipeline_schedule``, ``pipeline_microbatches``
-            (None: the schedule's least).
+        pp, pp_schedule, pp_microbatches, pp_overlap: ``pipeline_parallel_size``, ``pipeline_schedule``,
+            ``pipeline_microbatches`` (None: the schedule's least), ``pipeline_overlap``.
     """
 
     tp: Size = "auto"
@@ -106,6 +107,7 @@ class LayoutSettings:
     pp: int = 1
     pp_schedule: str = "1F1B"
     pp_microbatches: int | None = None
+    pp_overlap: bool = False
 
     def __post_init__(self) -> None:
         check_pipeline_composition(self.pp, self.pp_schedule, self.pp_microbatches, tensor_parallel_size=self.tp,
@@ -113,6 +115,7 @@ class LayoutSettings:
                                    shard_optimizer_states=self.shard_optimizer_states,
                                    activation_checkpointing=self.activation_checkpointing, bits=self.bits,
                                    reshard_after_forward=self.reshard_after_forward)
+        check_pipeline_overlap(self.pp_overlap, self.pp_schedule, self.pp)
         for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep)):
             if size not in ("auto", "per_node") and not (isinstance(size, int) and not isinstance(size, bool)
                                                          and size > 0):

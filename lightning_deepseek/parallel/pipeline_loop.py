@@ -127,6 +127,7 @@ class PipelineLoop:
     runner: PipelineRunner | None = None
     expert_plan: ExpertParallelPlan | None = None  # this rank's stages' experts under expert parallelism
     batch_size: int | None = None
+    overlap: bool = False  # pipeline_overlap: DualPipeV's MoE all-to-all behind the paired micro-batch's compute
     compression: CompressionState | None = None  # set by GradientCompression (compress_pipeline_gradients)
     _pending: list[torch.Tensor | None] | None = None
 
@@ -138,7 +139,8 @@ class PipelineLoop:
     def _runner(self) -> PipelineRunner:
         if self.runner is None:
             self.runner = PipelineRunner.from_stage_modules(self.split, self.stage_modules, self.loss_fn,
-                                                            self.pp_group, self.num_microbatches, self.device)
+                                                            self.pp_group, self.num_microbatches, self.device,
+                                                            self.overlap)
         return self.runner
 
     def training_step(self, batch: Any, grad_scale: float) -> torch.Tensor:
@@ -275,7 +277,7 @@ def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, settings
                         mesh["dp"].get_group() if dims.dp > 1 and not dims.fsdp_enabled else None,
                         settings.pp_microbatches or min_microbatches(settings.pp_schedule, dims.pp),
                         module.pipeline_loss, getattr(module, "pipeline_batch", _default_split_batch), on_loss, device,
-                        expert_plan=expert_plan)
+                        expert_plan=expert_plan, overlap=settings.pp_overlap)
 
 
 def _shard_stages(split: PipelineSplit, pp_rank: int, stage_modules: list[nn.Module], dp_mesh: DeviceMesh,

@@ -49,10 +49,15 @@ __all__ = ["ExposedAllToAll", "all_to_all_rows", "check_pipeline_overlap", "enab
 SETTING = "pipeline_overlap"
 
 
-def check_pipeline_overlap(overlap: bool, schedule: str) -> None:
-    """Raise unless ``overlap`` is a bool and, when True, ``schedule`` is ``"DualPipeV"`` (before any collective)."""
+def check_pipeline_overlap(overlap: bool, schedule: str, pp_size: int | None = None) -> None:
+    """Raise unless ``overlap`` is a bool and, when True, ``schedule`` is ``"DualPipeV"`` and ``pp_size`` (where
+    given) above 1 (before any collective)."""
     if not isinstance(overlap, bool):
         raise ValueError(f"{SETTING}={overlap!r} must be True or False.")
+    if overlap and pp_size == 1:
+        raise ValueError(f"{SETTING}=True with pipeline_parallel_size=1: the overlap pairs micro-batches of a "
+                         "DualPipeV pipeline. Set pipeline_parallel_size > 1 and pipeline_schedule='DualPipeV', or "
+                         f"{SETTING}=False.")
     if overlap and schedule != "DualPipeV":
         raise ValueError(f"{SETTING}=True with pipeline_schedule={schedule!r} is not supported: only DualPipeV pairs "
                          "one micro-batch's forward with another's backward (OVERLAP_F_B). Use "

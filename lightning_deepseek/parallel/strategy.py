@@ -106,8 +106,9 @@ class HybridParallelStrategy(PipelineStrategyHooks):
             (:mod:`lightning_deepseek.parallel.activation_checkpointing`); with or without sharding.
         shard_optimizer_states: ZeRO-1: each replica of a parameter keeps the optimizer state of only the
             parameters it owns (:mod:`lightning_deepseek.parallel.zero`).
-        pipeline_parallel_size, pipeline_schedule, pipeline_microbatches: ``pp`` stages run by the schedule, that many
-            micro-batches per batch (None: the schedule's least); the protocol: :mod:`.pipeline_loop`. 1: off.
+        pipeline_parallel_size, pipeline_schedule, pipeline_microbatches, pipeline_overlap: ``pp`` stages (1: off) run
+            by the schedule, micro-batches per batch (None: its least), DualPipeV's MoE all-to-all hidden behind the
+            paired micro-batch (:mod:`.pipeline_overlap`); the protocol: :mod:`.pipeline_loop`.
         save_distributed_checkpoint: ``True``: a DCP folder. ``False``: one full file gathered on rank 0.
         cluster: the machines' islands and link figures (``Cluster``); None: discovered and probed at start-up.
         expert_routing: node-limited routing and the dispatch of MoE layers (``ExpertRouting``).
@@ -133,6 +134,7 @@ class HybridParallelStrategy(PipelineStrategyHooks):
         pipeline_parallel_size: int = 1,
         pipeline_schedule: Literal["1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"] = "1F1B",
         pipeline_microbatches: int | None = None,
+        pipeline_overlap: bool = False,
         save_distributed_checkpoint: bool = True,
         cluster: Cluster | None = None,
         expert_routing: ExpertRouting | None = None,
@@ -156,7 +158,7 @@ class HybridParallelStrategy(PipelineStrategyHooks):
             reshard_after_forward, activation_checkpointing, shard_optimizer_states, self.cluster.links,
             int((self._ddp_kwargs.get("bucket_cap_mb") or 25) * 2**20),
             bool(self._ddp_kwargs.get("gradient_as_bucket_view", False)), None, pipeline_parallel_size,
-            pipeline_schedule, pipeline_microbatches)
+            pipeline_schedule, pipeline_microbatches, pipeline_overlap)
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._dims: ParallelDims | None = None
         self._mesh: WorldMesh | None = None
@@ -303,8 +305,7 @@ class HybridParallelStrategy(PipelineStrategyHooks):
     @override
     def configure_ddp(self) -> None:
         if any(p.requires_grad and not isinstance(p, DTensor) for p in self.model.parameters()):
-            super().configure_ddp()
-            return
+            return super().configure_ddp()
         # DDP refuses a module with nothing to reduce; FSDP or the strategy reduces the shards.
         rank_zero_info("HybridParallelStrategy: every trainable parameter is sharded, so there is no DDP wrapper "
                        "(ddp_module is None).")
@@ -313,8 +314,7 @@ class HybridParallelStrategy(PipelineStrategyHooks):
     def teardown(self) -> None:
         module = self.lightning_module
         if module is None or not any(isinstance(p, DTensor) for p in module.parameters()):
-            super().teardown()
-            return
+            return super().teardown()
         # As ModelParallelStrategy: shards stay (Module.cpu() fails while a traceback holds the autograd graph).
         if isinstance(self.model, DistributedDataParallel):
             self.model = module

@@ -4,10 +4,11 @@ process on the same global batch (FP32, SGD with momentum, 20 optimizer steps, l
 
 One 4-rank spawn runs: pp=2 x tp=2 (our GPT's feed-forward layers sharded over each stage's two ranks, which read the
 same batch) with 1F1B, and with Interleaved1F1B under gradient accumulation and clipping; pp=2 x ep=2 (the MoE preset's
-routed experts sharded over each stage's two data-parallel ranks, DeepSeek-V3's shape) with DualPipeV, clipping and
-``ExpertLoadBalancing`` (its bias updates from every micro-batch's routed counts, as one process makes them); HF Llama
-from a tiny config (random init) at pp=2 x tp=2 (losses); a pp=2 x tp=2 DCP checkpoint resumed at the same layout and
-without tp (``test_pipeline_checkpoint.py``'s runs: 10 + 10 steps against 20 uninterrupted, 1e-6).
+routed experts sharded over each stage's two data-parallel ranks, DeepSeek-V3's shape) with DualPipeV and its
+``pipeline_overlap``, clipping and ``ExpertLoadBalancing`` (its bias updates from every micro-batch's routed counts,
+as one process makes them); HF Llama from a tiny config (random init) at pp=2 x tp=2 (losses); a pp=2 x tp=2 DCP
+checkpoint resumed at the same layout and without tp (``test_pipeline_checkpoint.py``'s runs: 10 + 10 steps against
+20 uninterrupted, 1e-6).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.moe import ExpertLoadBalancing
+from lightning_deepseek.parallel.pipeline_overlap import record_exposed_all_to_all
 from lightning_deepseek.parallel.pipeline_split import plan_pipeline_split
 from lightning_deepseek.parallel.pipeline_stage_parallel import check_stage_boundaries
 from lightning_deepseek.parallel.plan import Plan, PlanEntry
@@ -71,9 +73,11 @@ def _checkpoints(world_size: int) -> dict[str, Any]:
 
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
     os.chdir(tempfile.mkdtemp())  # ExpertLoadBalancing plots into the trainer's root folder
+    with record_exposed_all_to_all() as exposed:  # counts the all-to-alls the overlap hid behind compute
+        ep = _fit(world_size, "DualPipeV", ep=2, clip=1.0, callbacks=[ExpertLoadBalancing(RATE)], overlap=True, **MOE)
     return {"tp": _fit(world_size, "1F1B", tp=2),
             "tp_interleaved": _fit(world_size, "Interleaved1F1B", tp=2, accumulate=2, clip=0.5),
-            "ep": _fit(world_size, "DualPipeV", ep=2, clip=1.0, callbacks=[ExpertLoadBalancing(RATE)], **MOE),
+            "ep": {**ep, "handovers": exposed.handovers},
             "llama": _llama(world_size), "checkpoints": _checkpoints(world_size)}
 
 
@@ -96,9 +100,10 @@ def test_pp2_x_tp2_interleaved_with_accumulation_and_clipping(four_ranks: list[d
     assert "Interleaved1F1B, pp=2" in four_ranks[0]["tp_interleaved"]["table"]
 
 
-def test_pp2_x_ep2_dualpipev_with_load_balancing(four_ranks: list[dict[str, Any]]) -> None:
+def test_pp2_x_ep2_dualpipev_overlapped_with_load_balancing(four_ranks: list[dict[str, Any]]) -> None:
     check_parity([r["ep"] for r in four_ranks], clip=1.0, after_step=_balancing, **MOE)
     results = [r["ep"] for r in four_ranks]
+    assert all(r["handovers"] > 0 for r in results)  # pipeline_overlap=True: all-to-alls in flight behind compute
     assert [r["sampler"]["rank"] for r in results] == [0, 1, 0, 1]  # each ep group: the stage's two dp replicas
     for first, second in ((results[0], results[1]), (results[2], results[3])):  # an ep group's biases agree
         assert first["biases"] == second["biases"] and any(any(b) for b in first["biases"].values())

@@ -63,7 +63,7 @@ class PipelinedLM(TinyLM):
 def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None = None,
          activation_checkpointing: str = "none", pp: int = 2, shard: int = 1, reshard_after_forward: bool = True,
          precision: str = "32-true", tp: int = 1, ep: int = 1, callbacks: list[pl.Callback] | None = None,
-         **config: Any) -> dict[str, Any]:
+         overlap: bool = False, **config: Any) -> dict[str, Any]:
     """Fit PipelinedLM for STEPS optimizer steps; every rank's losses, the full weights (gathered from the stages),
     the validation loss after fitting, and what each rank's optimizer holds."""
     dp = world_size // (pp * tp)
@@ -73,7 +73,7 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
     strategy = HybridParallelStrategy(pipeline_parallel_size=pp, pipeline_schedule=schedule, pipeline_microbatches=4,
                                       activation_checkpointing=activation_checkpointing, data_parallel_shard_size=shard,
                                       reshard_after_forward=reshard_after_forward, tensor_parallel_size=tp,
-                                      expert_parallel_size=ep, min_shard_params=0)
+                                      expert_parallel_size=ep, min_shard_params=0, pipeline_overlap=overlap)
     trainer = make_trainer(world_size, strategy, max_steps=STEPS, accumulate_grad_batches=accumulate,
                            gradient_clip_val=clip, precision=precision, callbacks=callbacks)
     trainer.fit(module, loader(dataset, MICRO))
@@ -354,6 +354,10 @@ def test_bad_settings_raise_before_training_on_every_rank(two_ranks: list[dict[s
     (dict(pipeline_parallel_size=0), "pipeline_parallel_size=0 must be a positive integer"),
     (dict(pipeline_parallel_size=2, pipeline_schedule="DualPipeV", activation_checkpointing="selective"),
      "activation_checkpointing='selective' with pipeline_schedule='DualPipeV' is not supported"),
+    (dict(pipeline_parallel_size=2, pipeline_overlap=True), "pipeline_overlap=True with pipeline_schedule='1F1B'"),
+    (dict(pipeline_overlap=True), "pipeline_overlap=True with pipeline_parallel_size=1"),
+    (dict(pipeline_parallel_size=2, pipeline_schedule="DualPipeV", pipeline_overlap="yes"),
+     "pipeline_overlap='yes' must be True or False"),
 ])
 def test_bad_pipeline_arguments_at_construction(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
