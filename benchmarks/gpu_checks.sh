@@ -20,8 +20,11 @@
 #      equal to the plain forward and backward, and its tokens/s beside it.
 #   7. lds-plan's compute term: a 1B-class Llama-shaped model, BF16, eager and compiled, one device
 #      (planning/compute_efficiency.py, #48): measured FLOP/s over the preset's peak against compute_efficiency=0.4.
-# GPU_CHECKS picks steps (default: "cost-model tests large pipeline efficiency kernels precision fp8 fp8-wide"; "testbed" only if named).
-# At most 8 files come back: every step's stderr goes to stderr.log.
+#   8. the pipeline bubble measured with one core per rank (bench_bubble.py, #47; CPU only, 4 free cores 4-7): on the
+#      2-core VM four ranks share two cores and the measured idle time is not the schedule's.
+# GPU_CHECKS picks steps (default: "cost-model tests large pipeline efficiency bubble kernels precision fp8 fp8-wide"; "testbed" only if named).
+# At most 8 files come back from the device machine: every step's stderr goes to stderr.log, and at the end every
+# output is packed into one archive, $OUT/gpu_checks.tgz (tar xzf it here).
 # Usage, from the repository root on the device machine:  bash benchmarks/gpu_checks.sh "$OUT"
 # The device image has torch, Lightning and pytest; benchmarks/gpu_pack.sh packs the rest (torchao for step 4; omegaconf
 # and hydra for step 5) and shows the call. The latest run's figures: benchmarks/gpu_results/REPORT.md, its raw outputs
@@ -37,7 +40,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >>"$out/env.
 { echo "uid $(id -u), $(nproc) cores"; for t in ip tc taskset; do echo "$t: $(command -v $t || echo missing)"; done
   ip netns add ldsprobe && ip netns exec ldsprobe tc qdisc add dev lo root tbf rate 1gbit burst 32kb latency 50ms \
     && echo "netns + tc tbf: ok"; ip netns del ldsprobe; } >>"$out/env.txt" 2>&1
-checks=" ${GPU_CHECKS:-cost-model tests large pipeline efficiency kernels precision fp8 fp8-wide} "
+checks=" ${GPU_CHECKS:-cost-model tests large pipeline efficiency bubble kernels precision fp8 fp8-wide} "
 want() { [[ $checks == *" $1 "* ]]; }
 pin=$(command -v taskset >/dev/null && [ "$(nproc)" -ge 16 ] && echo "taskset -c 8-15")
 want cost-model && (OMP_NUM_THREADS=1 timeout 520 $pin python3 benchmarks/autotune/bench_cost_model.py --repeats 6 --steps 20 \
@@ -63,6 +66,11 @@ want pipeline && timeout 150 python3 benchmarks/pipeline/one_device.py --device 
 # lds-plan's compute efficiency on this device (#48): the planner's FLOP count over the measured step and the BF16 peak.
 want efficiency && timeout 300 python3 benchmarks/planning/compute_efficiency.py --device cuda --steps 10 \
   2>>"$out/stderr.log" | tee "$out/efficiency.md"
+# The pipeline bubble per schedule at 4 stages, one core per rank (CPU; the GPU steps use few cores), beside the
+# cost model's run on cores 8-15 (#47: within 10% of each formula?).
+bubble_pin=$(command -v taskset >/dev/null && [ "$(nproc)" -ge 16 ] && echo "taskset -c 4-7")
+want bubble && OMP_NUM_THREADS=1 timeout 240 $bubble_pin python3 benchmarks/pipeline/bench_bubble.py --microbatches 8 16 \
+  --repeats 3 --steps 3 --width 512 --rows 32 2>>"$out/stderr.log" | tee "$out/bubble.md" &
 # --compile adds inductor's fused kernel of the plain int8 round trip (the eager int8 round trip reaches 0.11x of a copy)
 want kernels && timeout 120 python3 benchmarks/compression/kernels.py --device cuda --numel 67108864 --compile 2>&1 | tee "$out/kernels.md"
 want precision && timeout 180 python3 benchmarks/precision/bench_precision.py --device cuda --size gpt2-124m --steps 100 2>>"$out/stderr.log" \
@@ -82,3 +90,4 @@ if python3 -c "import torchao" 2>/dev/null && want fp8-wide; then
     2>>"$out/stderr.log" | tee -a "$out/fp8.md"
 fi
 wait  # the cost model's run (step 5)
+tar czf /tmp/gpu_checks.tgz -C "$out" . && find "$out" -mindepth 1 -delete && mv /tmp/gpu_checks.tgz "$out/"
