@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from typing import Any
 
 from lightning_deepseek.app.plan import resolve_cluster, resolve_model
 from lightning_deepseek.planning import StepShape
-from lightning_deepseek.planning.search import block_count, candidate_layouts, expert_counts, search
+from lightning_deepseek.planning import search as search_module
+from lightning_deepseek.planning.search import ParameterShards, block_count, candidate_layouts, expert_counts, search
 
 CASES = {  # model, world size, cluster, step
     "llama3-8b": ("llama3-8b", 64, "h100", StepShape(2, 8192)),
@@ -35,6 +37,18 @@ def main() -> None:
     model, cluster = resolve_model(name), resolve_cluster(cluster_name)
     layouts = [layout for layout in candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model),
                                                       block_count(model)) if (layout.pp > 1) == args.pipelined]
+    shards = ParameterShards.of(model, world_size, step, tuple({layout.tp for layout in layouts}))
+    bounded = sum((shards.least_states(layout) or 0) > cluster.memory_bytes for layout in layouts)
+    print(f"{len(layouts)} layouts, {bounded} over the device by the bound before planning", flush=True)
+    plan = search_module.plan
+
+    def progress(*plan_args: Any, **kwargs: Any) -> Any:  # a line per plan: a long search's rate so far
+        report = plan(*plan_args, **kwargs)
+        print(f"  planned {report.layout.describe(world_size)}: {report.plan_seconds:.1f} s wall, "
+              f"{time.process_time() - started:.1f} CPU s so far", flush=True)
+        return report
+
+    search_module.plan = progress
     runs = [True, False] if args.uncached else [True]
     results = {}
     for cache in runs:
