@@ -181,7 +181,9 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
 
 def _check_stage_model_parallel(pp_size: int, tp: object, ep: object, shard: object, bits: object, zero: bool) -> None:
     """Tensor or expert parallelism inside the stages (:mod:`.pipeline_stage_parallel`): a size or ``"auto"`` (which
-    a pipeline resolves to 1), not both above 1, and without FSDP2, ZeRO-1 or compression of the stages' exchange."""
+    a pipeline resolves to 1), not both above 1, without compression of the stages' exchange; expert parallelism
+    with ZeRO-1 (the replicated parameters' states over the stage's ``dp``, the experts' over its ``edp``), not with
+    FSDP2; tensor parallelism without either."""
     sizes = {"tensor_parallel_size": tp, "expert_parallel_size": ep}
     for name, value in sizes.items():
         if value == "per_node":
@@ -191,9 +193,10 @@ def _check_stage_model_parallel(pp_size: int, tp: object, ep: object, shard: obj
     if len(used) == 2:
         raise ValueError(f"pipeline_parallel_size={pp_size} with {used[0]} and {used[1]}: a pipeline stage composes "
                          "with tensor or expert parallelism, not both yet. Set one of them to 1.")
+    composes = {"tensor_parallel_size": (), "expert_parallel_size": ("shard_optimizer_states",)}
     for setting, value, off in (("data_parallel_shard_size", shard, 1), ("shard_optimizer_states", zero, False),
                                 ("GradientCompression(bits)", bits, None)):
-        if used and value != off:
+        if used and value != off and setting not in composes[used[0].split("=")[0]]:
             raise ValueError(f"pipeline_parallel_size={pp_size} with {used[0]} and {setting}={value!r} is not "
                              f"supported yet: the stages' tensor- or expert-parallel shards are averaged over dp by "
                              f"the pipeline's own exchange only. Set {setting}={off!r}, or {used[0].split('=')[0]}=1.")

@@ -5,9 +5,10 @@ process on the same global batch (FP32, SGD with momentum, 20 optimizer steps, l
 One 4-rank spawn runs: pp=2 x tp=2 (our GPT's feed-forward layers sharded over each stage's two ranks, which read the
 same batch) with 1F1B, and with Interleaved1F1B under gradient accumulation and clipping; pp=2 x ep=2 (the MoE preset's
 routed experts sharded over each stage's two data-parallel ranks, DeepSeek-V3's shape) with DualPipeV and its
-``pipeline_overlap``, clipping and ``ExpertLoadBalancing`` (its bias updates from every micro-batch's routed counts,
-as one process makes them); HF Llama from a tiny config (random init) at pp=2 x tp=2 (losses); a pp=2 x tp=2 DCP
-checkpoint resumed at the same layout and without tp (``test_pipeline_checkpoint.py``'s runs: 10 + 10 steps against
+``pipeline_overlap``, clipping and ``ExpertLoadBalancing`` (its bias updates from every micro-batch's routed counts, as
+one process makes them), and with ZeRO-1 on 1F1B (4 steps; the replicated parameters' states dealt over each stage's two
+dp ranks, the experts' kept: edp=1); HF Llama from a tiny config (random init) at pp=2 x tp=2 (losses); a pp=2 x tp=2
+DCP checkpoint resumed at the same layout and without tp (``test_pipeline_checkpoint.py``'s runs: 10 + 10 steps against
 20 uninterrupted, 1e-6).
 """
 
@@ -78,6 +79,7 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
     return {"tp": _fit(world_size, "1F1B", tp=2),
             "tp_interleaved": _fit(world_size, "Interleaved1F1B", tp=2, accumulate=2, clip=0.5),
             "ep": {**ep, "handovers": exposed.handovers},
+            "ep_zero": _fit(world_size, "1F1B", ep=2, zero=True, steps=4, **MOE),
             "llama": _llama(world_size), "checkpoints": _checkpoints(world_size)}
 
 
@@ -108,6 +110,22 @@ def test_pp2_x_ep2_dualpipev_overlapped_with_load_balancing(four_ranks: list[dic
     for first, second in ((results[0], results[1]), (results[2], results[3])):  # an ep group's biases agree
         assert first["biases"] == second["biases"] and any(any(b) for b in first["biases"].values())
         assert first["shards"] and all(".experts." in name for name in first["shards"])
+
+
+def test_pp2_x_ep2_x_zero1_matches_one_process_with_states_over_each_stage_dp(four_ranks: list[dict[str, Any]]
+                                                                             ) -> None:
+    results = [r["ep_zero"] for r in four_ranks]
+    check_parity(results, **MOE)
+    for pair in (results[:2], results[2:]):  # a stage's two dp replicas; edp=1: each keeps its experts' states
+        numel = pair[0]["numel"]
+        replicated = {n for n in numel if n not in pair[0]["shards"]}
+        owned = [set(r["with_state"]) & replicated for r in pair]
+        assert not owned[0] & owned[1] and owned[0] | owned[1] == replicated  # each state kept by one replica
+        for result, mine in zip(pair, owned):
+            experts = set(result["shards"])
+            assert experts and experts <= set(result["with_state"])
+            assert result["state_bytes"] == 4 * sum(result["numel"][n] for n in experts | mine)  # FP32 momentum
+            assert sum(numel[n] for n in mine) < 0.7 * sum(numel[n] for n in replicated)
 
 
 def test_pp2_x_tp2_hf_llama_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
@@ -142,6 +160,8 @@ def test_a_stage_boundary_inside_a_tensor_parallel_pair_is_refused() -> None:
                                                            "parallelism, not both yet"),
     (dict(expert_parallel_size=2, data_parallel_shard_size=2), "with expert_parallel_size=2 and "
                                                                "data_parallel_shard_size=2 is not supported yet"),
+    (dict(tensor_parallel_size=2, shard_optimizer_states=True), "with tensor_parallel_size=2 and "
+                                                                "shard_optimizer_states=True is not supported yet"),
     (dict(tensor_parallel_size="per_node"), "with tensor_parallel_size='per_node' is not supported"),
 ])
 def test_what_does_not_compose_yet_is_refused_at_construction(kwargs: dict[str, Any], message: str) -> None:

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.models import GPTConfig, LightningGPT
+from lightning_deepseek.parallel.zero import state_bytes
 from tests.helpers import run_distributed
 from tests.parallel.common import (
     TinyLM,
@@ -63,18 +64,19 @@ class PipelinedLM(TinyLM):
 def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None = None,
          activation_checkpointing: str = "none", pp: int = 2, shard: int = 1, reshard_after_forward: bool = True,
          precision: str = "32-true", tp: int = 1, ep: int = 1, callbacks: list[pl.Callback] | None = None,
-         overlap: bool = False, **config: Any) -> dict[str, Any]:
-    """Fit PipelinedLM for STEPS optimizer steps; every rank's losses, the full weights (gathered from the stages),
-    the validation loss after fitting, and what each rank's optimizer holds."""
+         overlap: bool = False, zero: bool = False, steps: int = STEPS, **config: Any) -> dict[str, Any]:
+    """Fit PipelinedLM for ``steps`` optimizer steps; every rank's losses, the full weights (gathered from the
+    stages), the validation loss after fitting, and what each rank's optimizer holds (``zero``: ZeRO-1)."""
     dp = world_size // (pp * tp)
-    dataset = token_data(STEPS * accumulate * dp * MICRO)
+    dataset = token_data(steps * accumulate * dp * MICRO)
     pl.seed_everything(0, verbose=False)
     module = PipelinedLM(n_layer=LAYERS, **config)
     strategy = HybridParallelStrategy(pipeline_parallel_size=pp, pipeline_schedule=schedule, pipeline_microbatches=4,
                                       activation_checkpointing=activation_checkpointing, data_parallel_shard_size=shard,
                                       reshard_after_forward=reshard_after_forward, tensor_parallel_size=tp,
-                                      expert_parallel_size=ep, min_shard_params=0, pipeline_overlap=overlap)
-    trainer = make_trainer(world_size, strategy, max_steps=STEPS, accumulate_grad_batches=accumulate,
+                                      expert_parallel_size=ep, min_shard_params=0, pipeline_overlap=overlap,
+                                      shard_optimizer_states=zero)
+    trainer = make_trainer(world_size, strategy, max_steps=steps, accumulate_grad_batches=accumulate,
                            gradient_clip_val=clip, precision=precision, callbacks=callbacks)
     trainer.fit(module, loader(dataset, MICRO))
     val = trainer.validate(module, loader(token_data(4 * dp * MICRO, seed=3), MICRO), verbose=False)
@@ -82,10 +84,13 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
     dist.all_gather_object(losses, module.losses)
     states: list[Any] = [None] * world_size
     dist.all_gather_object(states, full_state(module))
-    optimized = sum(p.numel() for group in trainer.optimizers[0].param_groups for p in group["params"])
-    return {"pp": pp, "dp": dp, "losses": losses, "state": {k: v for s in states for k, v in s.items()},
+    optimizer = trainer.optimizers[0]
+    optimized = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+    return {"pp": pp, "dp": dp, "steps": steps, "losses": losses, "state": {k: v for s in states for k, v in s.items()},
             "val": val[0]["validation_loss"], "optimized": optimized,
-            "local": sum(p.numel() for p in module.parameters()),
+            "local": sum(p.numel() for p in module.parameters()), "state_bytes": state_bytes(optimizer),
+            "numel": {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in module.named_parameters()},
+            "with_state": sorted(n for n, p in module.named_parameters() if optimizer.state.get(p)),
             "sampler": strategy.distributed_sampler_kwargs, "table": strategy._pipeline.split.table(),
             "blocks": sorted({type(block).__name__ for block in module.model.blocks.values()}),
             "sharded": all(isinstance(p, DTensor) for p in module.parameters()),
@@ -228,14 +233,14 @@ def check_parity(results: list[dict[str, Any]], accumulate: int = 1, clip: float
                  after_step: Any = None, **config: Any) -> None:
     """Losses, final weights and validation loss against one process on the global batch (``after_step``: as
     ``reference_run``'s, e.g. the balancing bias update)."""
-    world_size, dp = len(results), results[0]["dp"]
-    ref_losses, ref_state = reference_run(STEPS, dp * MICRO, token_data(STEPS * accumulate * dp * MICRO), clip=clip,
+    world_size, dp, steps = len(results), results[0]["dp"], results[0]["steps"]
+    ref_losses, ref_state = reference_run(steps, dp * MICRO, token_data(steps * accumulate * dp * MICRO), clip=clip,
                                           accumulate=accumulate, after_step=after_step, n_layer=LAYERS, **config)
     per_rank = results[0]["losses"]
     for rank in range(world_size):  # every rank of a pipeline reports its loss
         assert per_rank[rank] == per_rank[(rank + dp) % world_size]
     # Lightning's step output under accumulation is the loss divided by the number of batches accumulated.
-    losses = [accumulate * sum(r[i] for r in per_rank) / world_size for i in range(STEPS * accumulate)]
+    losses = [accumulate * sum(r[i] for r in per_rank) / world_size for i in range(steps * accumulate)]
     np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
     assert relative_error(results[0]["state"], ref_state) <= TOL
     assert abs(results[0]["val"] - _reference_val(ref_state, dp, **config)) <= TOL * abs(results[0]["val"])
