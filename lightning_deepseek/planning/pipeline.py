@@ -131,6 +131,10 @@ class _Peaks:
         snapshot = self.tracker.get_tracker_snapshot("current")[CPU]
         return snapshot_bytes(snapshot, "Activation") + snapshot_bytes(snapshot, "Temp")
 
+    def parameters(self) -> int:
+        """Parameter bytes (FSDP2's gathered parameters included)."""
+        return snapshot_bytes(self.tracker.get_tracker_snapshot("current")[CPU], "Parameter")
+
     def reset(self) -> int:
         current = self.current()
         self.tracker._peak_mem[CPU] = current  # no public reset of MemTracker's running peak
@@ -156,12 +160,13 @@ def _step_stage(spec: ModelSpec, index: int, stage: nn.Module, is_last: bool, id
     for _ in range(2):
         inputs = ids if hidden is None else hidden.detach().requires_grad_(True)
         before, flops_before, calls_before = peaks.reset(), flops.total, len(counter.calls)
-        activations_before = peaks.activations()
+        activations_before, parameters_before = peaks.activations(), peaks.parameters()
         with autocast:
             output = stage(inputs)
             loss = spec.loss_from_logits(output, ids) if is_last else None
         after_forward, forward_peak = peaks.current(), peaks.peak()
         activations = peaks.activations() - activations_before
+        released = parameters_before - peaks.parameters()  # FSDP2 resharding after a forward that followed a backward
         flops_forward, calls_forward = flops.total, len(counter.calls)
         _no_sync(stage)
         peaks.reset()
@@ -176,16 +181,16 @@ def _step_stage(spec: ModelSpec, index: int, stage: nn.Module, is_last: bool, id
         records.append((before, after_forward, peaks.current(), forward_peak, backward_peak,
                         flops_forward - flops_before, flops.total - flops_forward,
                         tuple(counter.calls[calls_before:calls_forward]), tuple(counter.calls[calls_forward:]),
-                        output_bytes, activations))
+                        output_bytes, activations, released))
     (first_before, first_forward, first_after, _, first_backward, *_, first_forward_calls, _, output_bytes,
-     _) = records[0]
+     _, _) = records[0]
     before, after_forward, _, forward_peak, backward_peak, forward_flops, backward_flops, forward_calls, \
-        backward_calls, _, activations = records[1]
+        backward_calls, _, activations, released = records[1]
     return StageStep(index, forward_flops, backward_flops, activations, forward_peak - before,
                      max(backward_peak - after_forward, 0), first_after - first_before,
                      max(first_backward - first_forward, 0),
                      0 if hidden is None else hidden.numel() * hidden.element_size(), output_bytes,
-                     first_forward_calls, forward_calls, backward_calls)
+                     first_forward_calls, forward_calls, backward_calls, max(released, 0))
 
 
 def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,

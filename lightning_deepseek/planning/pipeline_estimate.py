@@ -44,7 +44,8 @@ PIPELINE_ASSUMPTIONS = (
 class StageStep:
     """One stage's stepped micro-batch (see the module docstring): FLOPs, activations held in flight, the peaks
     above the start of a forward and of a backward, what the first backward leaves, the bytes received and sent
-    per micro-batch, and the collectives of one forward (the first, and a later one) and one backward."""
+    per micro-batch, the collectives of one forward (the first, and a later one) and one backward, and what a forward
+    after a backward frees (FSDP2 resharding the blocks the backward gathered and kept; 0 without FSDP2)."""
 
     index: int
     forward_flops: float
@@ -59,6 +60,7 @@ class StageStep:
     first_forward_calls: tuple[CollectiveCall, ...]
     forward_calls: tuple[CollectiveCall, ...]
     backward_calls: tuple[CollectiveCall, ...]
+    released: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
     split_backward = {stage for kind, stage, _ in actions if kind == "W"}
     held, most, acts, most_acts = 0, 0, 0, 0
     kept: set[int] = set()
+    gathered: set[int] = set()  # stages whose blocks a backward gathered (FSDP2 keeps them until a forward)
     previous: dict[int, str] = {}
     calls: list[CollectiveCall] = []
     pp = rank.pp_group
@@ -108,7 +111,9 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
         stage = by_index[index]
         if kind == "F":
             most = max(most, held + stage.forward_extra)
-            held, acts = held + stage.activations, acts + stage.activations
+            resharded = stage.released if index in gathered else 0
+            held, acts = held + stage.activations - resharded, acts + stage.activations
+            gathered.discard(index)
             most_acts = max(most_acts, acts)
             calls += stage.first_forward_calls if previous.get(index, "F") == "F" else stage.forward_calls
             if index < last and stage_rank[index + 1] != rank.pp_rank:
@@ -117,9 +122,11 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
                 calls.append(CollectiveCall("recv", pp, stage.input_bytes, "pipeline"))
         if kind in ("B", "I"):
             first = index not in kept
-            most = max(most, held + (stage.first_backward_extra if first else stage.backward_extra))
-            held += stage.first_backward_keeps if first else 0
+            again = stage.released if index in gathered else 0  # gathered already: no second gather
+            most = max(most, held + (stage.first_backward_extra if first else stage.backward_extra - again))
+            held += stage.first_backward_keeps if first else stage.released - again
             kept.add(index)
+            gathered.add(index)
             calls += stage.backward_calls if previous.get(index) == "F" else ()
             if index > 0 and stage_rank[index - 1] != rank.pp_rank:
                 calls.append(CollectiveCall("send", pp, stage.input_bytes, "pipeline"))

@@ -41,7 +41,7 @@ CASES = {
         ("fsdp=4", DENSE, PlanLayout(dp_shard=4)), ("hsdp=2x2", DENSE, PlanLayout(dp_shard=2)),
         ("fsdp=4 ac=full", DENSE, PlanLayout(dp_shard=4, activation_checkpointing="full")),
         ("fsdp=2 ep=2 ac=selective", MOE, PlanLayout(ep=2, dp_shard=2, activation_checkpointing="selective")),
-        ("pp=2 dp=2", DENSE, PlanLayout(pp=2))],
+        ("pp=2 dp=2", DENSE, PlanLayout(pp=2)), ("pp=2 fsdp=2", DENSE, PlanLayout(pp=2, dp_shard=2))],
 }
 ALL_TO_ALL_TOLERANCE = 0.5  # routing of a freshly initialised router on random tokens is far from uniform
 PEAK_TOLERANCE = 0.10  # the peak's error is reported in benchmarks/planning/REPORT.md (0.0% bar the all-to-all's)
