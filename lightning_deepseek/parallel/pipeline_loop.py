@@ -145,8 +145,13 @@ class PipelineLoop:
                                                             self.overlap)
         return self.runner
 
-    def training_step(self, batch: Any, grad_scale: float) -> torch.Tensor:
-        """Forward and backward of ``batch`` through the pipeline; the mean micro-batch loss, on every rank."""
+    def training_step(self, batch: Any, grad_scale: float, accumulating: bool = False) -> torch.Tensor:
+        """Forward and backward of ``batch`` through the pipeline; the mean micro-batch loss, on every rank.
+
+        ``accumulating``: the gradients already in ``.grad`` are kept for :meth:`add_gradients` (a batch inside an
+        accumulation window). Otherwise they are dropped before the schedule runs (Lightning zeroes them after this
+        step anyway): the schedule's peak holds one set of gradients, not the previous step's beside its own.
+        """
         inputs, targets = self.split_batch(batch)
         size = inputs.size(0)
         check_pipeline_settings(self.split.pp_size, self.split.pp_size, self.split.schedule, self.num_microbatches,
@@ -157,7 +162,7 @@ class PipelineLoop:
                              "same size (DataLoader(drop_last=True)).")
         self.batch_size = size
         params = self._parameters()
-        held = [p.grad for p in params]
+        held = [p.grad if accumulating else None for p in params]
         for p in params:
             p.grad = None
         loss = self._runner().step(inputs, targets, grad_scale=grad_scale)
@@ -368,7 +373,9 @@ class PipelineStrategyHooks(pl.strategies.DDPStrategy):
             return super().training_step(*args, **kwargs)
         with self.precision_plugin.train_step_context():  # FP16: each micro-batch's loss times the loss scale
             scale = loss_scale(self.precision_plugin, self.root_device)
-            return self._pipeline.training_step(args[0], scale / self.lightning_module.trainer.accumulate_grad_batches)
+            accumulate = self.lightning_module.trainer.accumulate_grad_batches
+            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)  # Lightning zeroes at window starts
+            return self._pipeline.training_step(args[0], scale / accumulate, batch_idx % accumulate != 0)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

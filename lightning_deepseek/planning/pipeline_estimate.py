@@ -95,8 +95,8 @@ class _Composed:
 
 def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], num_microbatches: int) -> _Composed:
     """Memory walk, collectives and point-to-point bytes of one rank's actions (see the module docstring). A later
-    step also holds the optimizer states and the previous step's gradients: Lightning sets them to None after the
-    training step, which runs the whole schedule."""
+    step also holds the optimizer states; not the previous step's gradients, which the strategy drops before the
+    schedule runs (Lightning would set them to None only after the training step, which runs the whole schedule)."""
     by_index = {s.index: s for s in rank.stages}
     last = max(stage_rank)
     buffers = sum(num_microbatches * (s.input_bytes + s.output_bytes) for s in rank.stages)
@@ -137,7 +137,7 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
         previous[index] = kind
     calls.append(CollectiveCall("broadcast", pp, LOSS_BYTES, "pipeline"))
     first_peak = max(rank.params + buffers + most, rank.exchange_peak + buffers)
-    peak = max(rank.params + rank.states + rank.grads + buffers + most, rank.exchange_peak + buffers)
+    peak = max(rank.params + rank.states + buffers + most, rank.exchange_peak + buffers)
     return _Composed(first_peak, peak, most_acts, buffers, tuple(calls) + rank.exchange_calls,
                      held_forwards(actions))
 
