@@ -37,10 +37,11 @@ shards each stage over it instead (every block, then the stage; the reduce-scatt
 as torch's ``PipelineStage`` runs it); under ZBVZeroBubble and DualPipeV only with ``reshard_after_forward=False``.
 
 Model parallelism inside a stage (:mod:`.pipeline_stage_parallel`): ``tensor_parallel_size`` (the ``tp`` ranks of a
-stage read the same batch; the automatic plan's feed-forward pairs sharded Megatron-style, stage boundaries plain
-full tensors) or ``expert_parallel_size`` (routed experts over ``ep`` of the stage's ``dp`` ranks, all-to-all
-dispatch; expert gradients summed over the stage's ``edp`` replicas, with ZeRO-1 their states dealt over ``edp``);
-``"auto"`` sizes resolve to 1 under a pipeline.
+stage read the same batch; the automatic plan's feed-forward pairs sharded Megatron-style, stage boundaries plain full
+tensors) or ``expert_parallel_size`` (routed experts over ``ep`` of the stage's ``dp`` ranks, all-to-all dispatch;
+expert gradients summed over the stage's ``edp`` replicas, with ZeRO-1 their states dealt over ``edp``); with FSDP2
+(``tp`` only) the tensor-parallel layers are sharded over ``dp`` too, 2-D DTensors over ``(dp, tp)``; ``"auto"`` sizes
+resolve to 1 under a pipeline.
 
 Supports: every schedule of :mod:`.pipeline`; gradient accumulation (``grad_scale = 1 / accumulate_grad_batches``);
 clipping by norm (the norm over all stages, :meth:`.PipelineRunner.clip_grad_norm_`; by value untested); LR schedulers
@@ -52,9 +53,9 @@ optimizer step one all-reduce of the rank's stage gradients over ``dp`` (not ove
 buckets are), and the runner's costs.
 
 Does not support: manual optimisation, training batches of different sizes, tensor and expert parallelism together
-inside a stage (or either with ``GradientCompression``, tensor parallelism with FSDP2 or ZeRO-1, expert parallelism with
-FSDP2), HSDP (a stage sharded over part of its replicas), FSDP2 resharding after forward and selective activation
-checkpointing under ZBVZeroBubble and DualPipeV (their split backward), ``GradientCompression`` on FSDP2 stages or with
+inside a stage (or either with ``GradientCompression``, tensor parallelism with ZeRO-1, expert parallelism with FSDP2),
+HSDP (a stage sharded over part of its replicas), FSDP2 resharding after forward and selective activation checkpointing
+under ZBVZeroBubble and DualPipeV (their split backward), ``GradientCompression`` on FSDP2 stages or with
 ``bits="auto"``, one-file checkpoints (``save_distributed_checkpoint=False``, and resuming from a file: refused, the
 ranks hold other stages).
 
@@ -290,7 +291,10 @@ def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, settings
 def _shard_stages(split: PipelineSplit, pp_rank: int, stage_modules: list[nn.Module], dp_mesh: DeviceMesh,
                   reshard_after_forward: bool) -> None:
     """FSDP2 on each stage over ``dp``: every block on its own, then the stage (embeddings, norm, head); torch's
-    ``PipelineStage`` defers each stage's reduce-scatter to the end of the schedule's step."""
+    ``PipelineStage`` defers each stage's reduce-scatter to the end of the schedule's step. Tensor-parallel layers
+    (``dp_mesh`` and their ``tp`` mesh cut from one world mesh) become 2-D DTensors, sharded over ``dp`` on top of
+    their ``tp`` placement; their gradients are averaged over ``dp`` as the others' (a stage's ``tp`` ranks read
+    one batch)."""
     for index, stage in zip(split.stage_indices(pp_rank), stage_modules):
         for name in split.stages[index].modules:
             if name.rpartition(".")[2].isdigit():  # a block of the list the split cut

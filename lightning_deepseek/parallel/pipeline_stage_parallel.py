@@ -2,14 +2,16 @@
 ``expert_parallel_size``), and the data-parallel exchange of a stage's gradients that mix plain tensors and shards.
 
 Tensor parallelism (pp x tp): the strategy's automatic plan (:mod:`.plan`) is decided on the whole model before the
-split (its names are the whole model's, which the rank module keeps) and applied to this rank's stages over the
-mesh's ``tp`` dimension at fixed ``(pp, dp)``. Unlike the strategy without a pipeline (each rank its own batch, the
+split (its names are the whole model's, which the rank module keeps) and applied to this rank's stages over the mesh's
+``tp`` dimension at fixed ``(pp, dp)``. Unlike the strategy without a pipeline (each rank its own batch, the
 feed-forward input gathered over ``tp``), the ranks of a ``tp`` group here read the same batch (their ``dp``
-coordinate's shard): column-wise layers take the replicated input and row-wise layers all-reduce their partial sums
-back to a replicated output (Megatron's layout, torch's ``ColwiseParallel()`` / ``RowwiseParallel()`` defaults), so
-each stage receives and sends plain full tensors and everything outside the plan (attention, norms, embeddings) runs
-replicated on every ``tp`` rank. Costs per sharded pair and micro-batch: one all-reduce of the pair's output in the
-forward and one of its input gradient in the backward, over ``tp``; the replicated layers compute ``tp`` times.
+coordinate's shard): column-wise layers take the replicated input and row-wise layers all-reduce their partial sums back
+to a replicated output (Megatron's layout, torch's ``ColwiseParallel()`` / ``RowwiseParallel()`` defaults), so each
+stage receives and sends plain full tensors and everything outside the plan (attention, norms, embeddings) runs
+replicated on every ``tp`` rank. With FSDP2 over the stage's ``dp`` ranks (``data_parallel_shard_size``) the sharded
+layers become 2-D DTensors over ``(dp, tp)`` (``_shard_stages`` in :mod:`.pipeline_loop`). Costs per sharded pair and
+micro-batch: one all-reduce of the pair's output in the forward and one of its input gradient in the backward, over
+``tp``; the replicated layers compute ``tp`` times.
 
 Expert parallelism (pp x ep, DeepSeek-V3's shape): the routed experts of this rank's stages are sharded over the
 mesh's ``ep`` dimension inside the stage (``ep`` consecutive ranks of the stage's ``dp`` ranks, each reading its own
@@ -17,7 +19,7 @@ batch), tokens dispatched by the all-to-all of :mod:`.expert`; every rank of an 
 so their MoE layers are called in the same order. With ZeRO-1 (``shard_optimizer_states``, :mod:`.memory`) the
 replicated parameters' states are dealt over the stage's ``dp`` ranks, the experts' over its ``edp`` ranks.
 
-Does not support: ``tp`` and ``ep`` both above 1 under a pipeline; either with ``data_parallel_shard_size`` (FSDP2)
+Does not support: ``tp`` and ``ep`` both above 1 under a pipeline; ``ep`` with ``data_parallel_shard_size`` (FSDP2)
 under a pipeline, ``tp`` with ZeRO-1; a split that separates a column-wise layer from its row-wise partner (the stage
 boundary would be sharded over ``tp``: refused); dropout inside a tensor-parallel stage differs between the ``tp`` ranks
 (no shared random state), so it runs correctly only without dropout.

@@ -32,10 +32,10 @@ from lightning_deepseek.parallel.pipeline_split import plan_pipeline_split
 from lightning_deepseek.parallel.pipeline_stage_parallel import check_stage_boundaries
 from lightning_deepseek.parallel.plan import Plan, PlanEntry
 from tests.helpers import run_distributed
-from tests.parallel.common import loader, make_trainer, token_data
+from tests.parallel.common import loader, make_trainer, relative_error, token_data
 from tests.parallel.test_expert_strategy import RATE, _balancing
+from tests.parallel.test_pipeline_checkpoint import SaveAtStep, _shared_folder, check_resumed
 from tests.parallel.test_pipeline_checkpoint import _fit as fit_scheduled
-from tests.parallel.test_pipeline_checkpoint import _shared_folder, check_resumed
 from tests.parallel.test_pipeline_strategy import (
     MICRO,
     MOE,
@@ -86,6 +86,24 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict[str, Any]]:
     return run_distributed(_four_ranks, 4, timeout=840)
+
+
+def _eight_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    """pp=2 x tp=2 x dp_shard=2 (1F1B, clipping at 0.5, one batch per epoch): 4 steps, a DCP folder saved after the
+    second, and 2 steps resumed from it."""
+    root = _shared_folder()
+    layout = dict(tp=2, shard=2, clip=0.5, steps=1, max_steps=4)
+    results = {"saved": _fit(world_size, "1F1B", callbacks=[SaveAtStep(2, root / "ckpt")], **layout),
+               "resumed": _fit(world_size, "1F1B", resume=str(root / "ckpt"), **layout)}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root)
+    return results
+
+
+@pytest.fixture(scope="module")
+def eight_ranks() -> list[dict[str, Any]]:
+    return run_distributed(_eight_ranks, 8, timeout=600)
 
 
 def test_pp2_x_tp2_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
@@ -139,6 +157,19 @@ def test_pp2_x_tp2_checkpoint_resumes_with_and_without_tp(four_ranks: list[dict[
     runs = four_ranks[0]["checkpoints"]
     check_resumed(runs["saved"], runs["same"])
     check_resumed(runs["saved"], runs["dp"])
+
+
+def test_pp2_x_tp2_x_fsdp2_matches_one_process_and_resumes_from_dcp(eight_ranks: list[dict[str, Any]]) -> None:
+    saved, resumed = [r["saved"] for r in eight_ranks], [r["resumed"] for r in eight_ranks]
+    check_parity(saved, clip=0.5)
+    meshes = {**saved[0]["meshes"], **saved[-1]["meshes"]}  # the tensor-parallel layers 2-D, the others over dp
+    assert meshes["model.blocks.0.mlp.fc1.weight"] == ("dp", "tp") and meshes["model.blocks.3.mlp.fc2.weight"] == (
+        "dp", "tp")
+    assert meshes["model.blocks.0.attn.qkv.weight"] == ("dp",) and meshes["model.head.weight"] == ("dp",)
+    assert [r["sampler"]["rank"] for r in saved] == [0, 0, 1, 1] * 2  # a stage's tp ranks read one dp shard
+    # the last 2 steps again from the folder (2-D shards, their momentum), seeded as the saving run
+    assert len(resumed[0]["losses"][0]) == 2 and resumed[0]["losses"] == [r[2:] for r in saved[0]["losses"]]
+    assert relative_error(resumed[0]["state"], saved[0]["state"]) <= TOL
 
 
 class _Chain(nn.Sequential):

@@ -64,9 +64,11 @@ class PipelinedLM(TinyLM):
 def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None = None,
          activation_checkpointing: str = "none", pp: int = 2, shard: int = 1, reshard_after_forward: bool = True,
          precision: str = "32-true", tp: int = 1, ep: int = 1, callbacks: list[pl.Callback] | None = None,
-         overlap: bool = False, zero: bool = False, steps: int = STEPS, **config: Any) -> dict[str, Any]:
-    """Fit PipelinedLM for ``steps`` optimizer steps; every rank's losses, the full weights (gathered from the
-    stages), the validation loss after fitting, and what each rank's optimizer holds (``zero``: ZeRO-1)."""
+         overlap: bool = False, zero: bool = False, steps: int = STEPS, max_steps: int | None = None,
+         resume: str | None = None, **config: Any) -> dict[str, Any]:
+    """Fit PipelinedLM for ``steps`` optimizer steps (one epoch; ``max_steps``: more epochs of it, from ``resume``);
+    every rank's losses, the full weights (gathered from the stages), the validation loss after fitting, and what
+    each rank's optimizer holds (``zero``: ZeRO-1)."""
     dp = world_size // (pp * tp)
     dataset = token_data(steps * accumulate * dp * MICRO)
     pl.seed_everything(0, verbose=False)
@@ -76,9 +78,9 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
                                       reshard_after_forward=reshard_after_forward, tensor_parallel_size=tp,
                                       expert_parallel_size=ep, min_shard_params=0, pipeline_overlap=overlap,
                                       shard_optimizer_states=zero)
-    trainer = make_trainer(world_size, strategy, max_steps=steps, accumulate_grad_batches=accumulate,
+    trainer = make_trainer(world_size, strategy, max_steps=max_steps or steps, accumulate_grad_batches=accumulate,
                            gradient_clip_val=clip, precision=precision, callbacks=callbacks)
-    trainer.fit(module, loader(dataset, MICRO))
+    trainer.fit(module, loader(dataset, MICRO), ckpt_path=resume)
     val = trainer.validate(module, loader(token_data(4 * dp * MICRO, seed=3), MICRO), verbose=False)
     losses: list[Any] = [None] * world_size
     dist.all_gather_object(losses, module.losses)
@@ -86,7 +88,8 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
     dist.all_gather_object(states, full_state(module))
     optimizer = trainer.optimizers[0]
     optimized = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
-    return {"pp": pp, "dp": dp, "steps": steps, "losses": losses, "state": {k: v for s in states for k, v in s.items()},
+    return {"pp": pp, "dp": dp, "steps": max_steps or steps, "epoch_steps": steps, "losses": losses,
+            "state": {k: v for s in states for k, v in s.items()},
             "val": val[0]["validation_loss"], "optimized": optimized,
             "local": sum(p.numel() for p in module.parameters()), "state_bytes": state_bytes(optimizer),
             "numel": {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in module.named_parameters()},
@@ -95,6 +98,7 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
             "blocks": sorted({type(block).__name__ for block in module.model.blocks.values()}),
             "sharded": all(isinstance(p, DTensor) for p in module.parameters()),
             "shards": sorted(n for n, p in module.named_parameters() if isinstance(p, DTensor)),
+            "meshes": {n: p.device_mesh.mesh_dim_names for n, p in module.named_parameters() if isinstance(p, DTensor)},
             "biases": {n: b.tolist() for n, b in module.named_buffers() if n.endswith("expert_bias")}}
 
 
@@ -234,11 +238,12 @@ def check_parity(results: list[dict[str, Any]], accumulate: int = 1, clip: float
     """Losses, final weights and validation loss against one process on the global batch (``after_step``: as
     ``reference_run``'s, e.g. the balancing bias update)."""
     world_size, dp, steps = len(results), results[0]["dp"], results[0]["steps"]
-    ref_losses, ref_state = reference_run(steps, dp * MICRO, token_data(steps * accumulate * dp * MICRO), clip=clip,
+    data = token_data(results[0]["epoch_steps"] * accumulate * dp * MICRO)
+    ref_losses, ref_state = reference_run(steps, dp * MICRO, data, clip=clip,
                                           accumulate=accumulate, after_step=after_step, n_layer=LAYERS, **config)
     per_rank = results[0]["losses"]
-    for rank in range(world_size):  # every rank of a pipeline reports its loss
-        assert per_rank[rank] == per_rank[(rank + dp) % world_size]
+    for rank in range(world_size):  # every rank of a pipeline (pp outermost) reports its loss
+        assert per_rank[rank] == per_rank[(rank + world_size // results[0]["pp"]) % world_size]
     # Lightning's step output under accumulation is the loss divided by the number of batches accumulated.
     losses = [accumulate * sum(r[i] for r in per_rank) / world_size for i in range(steps * accumulate)]
     np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
