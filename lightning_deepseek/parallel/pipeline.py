@@ -183,7 +183,8 @@ def _check_stage_model_parallel(pp_size: int, tp: object, ep: object, shard: obj
     """Tensor or expert parallelism inside the stages (:mod:`.pipeline_stage_parallel`): a size or ``"auto"`` (which
     a pipeline resolves to 1), not both above 1, without compression of the stages' exchange; expert parallelism
     with ZeRO-1 (the replicated parameters' states over the stage's ``dp``, the experts' over its ``edp``), not with
-    FSDP2; tensor parallelism with FSDP2 (the tensor-parallel layers 2-D over ``(dp, tp)``), not with ZeRO-1."""
+    FSDP2; tensor parallelism with FSDP2 (the tensor-parallel layers 2-D over ``(dp, tp)``) or ZeRO-1 (every state
+    over the stage's ``dp`` ranks at the same ``tp`` coordinate)."""
     sizes = {"tensor_parallel_size": tp, "expert_parallel_size": ep}
     for name, value in sizes.items():
         if value == "per_node":
@@ -193,7 +194,7 @@ def _check_stage_model_parallel(pp_size: int, tp: object, ep: object, shard: obj
     if len(used) == 2:
         raise ValueError(f"pipeline_parallel_size={pp_size} with {used[0]} and {used[1]}: a pipeline stage composes "
                          "with tensor or expert parallelism, not both yet. Set one of them to 1.")
-    composes = {"tensor_parallel_size": ("data_parallel_shard_size",),
+    composes = {"tensor_parallel_size": ("data_parallel_shard_size", "shard_optimizer_states"),
                 "expert_parallel_size": ("shard_optimizer_states",)}
     for setting, value, off in (("data_parallel_shard_size", shard, 1), ("shard_optimizer_states", zero, False),
                                 ("GradientCompression(bits)", bits, None)):

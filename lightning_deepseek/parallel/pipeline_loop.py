@@ -39,9 +39,9 @@ as torch's ``PipelineStage`` runs it); under ZBVZeroBubble and DualPipeV only wi
 Model parallelism inside a stage (:mod:`.pipeline_stage_parallel`): ``tensor_parallel_size`` (the ``tp`` ranks of a
 stage read the same batch; the automatic plan's feed-forward pairs sharded Megatron-style, stage boundaries plain full
 tensors) or ``expert_parallel_size`` (routed experts over ``ep`` of the stage's ``dp`` ranks, all-to-all dispatch;
-expert gradients summed over the stage's ``edp`` replicas, with ZeRO-1 their states dealt over ``edp``); with FSDP2
-(``tp`` only) the tensor-parallel layers are sharded over ``dp`` too, 2-D DTensors over ``(dp, tp)``; ``"auto"`` sizes
-resolve to 1 under a pipeline.
+expert gradients summed over the stage's ``edp`` replicas, with ZeRO-1 their states dealt over ``edp``); ZeRO-1 deals
+the states over the stage's ``dp`` ranks; with FSDP2 (``tp`` only) the tensor-parallel layers are sharded over ``dp``
+too, 2-D DTensors over ``(dp, tp)``; ``"auto"`` sizes resolve to 1 under a pipeline.
 
 Supports: every schedule of :mod:`.pipeline`; gradient accumulation (``grad_scale = 1 / accumulate_grad_batches``);
 clipping by norm (the norm over all stages, :meth:`.PipelineRunner.clip_grad_norm_`; by value untested); LR schedulers
@@ -53,11 +53,10 @@ optimizer step one all-reduce of the rank's stage gradients over ``dp`` (not ove
 buckets are), and the runner's costs.
 
 Does not support: manual optimisation, training batches of different sizes, tensor and expert parallelism together
-inside a stage (or either with ``GradientCompression``, tensor parallelism with ZeRO-1, expert parallelism with FSDP2),
-HSDP (a stage sharded over part of its replicas), FSDP2 resharding after forward and selective activation checkpointing
-under ZBVZeroBubble and DualPipeV (their split backward), ``GradientCompression`` on FSDP2 stages or with
-``bits="auto"``, one-file checkpoints (``save_distributed_checkpoint=False``, and resuming from a file: refused, the
-ranks hold other stages).
+inside a stage (or either with ``GradientCompression``, expert parallelism with FSDP2), HSDP (a stage sharded over part
+of its replicas), FSDP2 resharding after forward and selective activation checkpointing under ZBVZeroBubble and
+DualPipeV (their split backward), ``GradientCompression`` on FSDP2 stages or with ``bits="auto"``, one-file checkpoints
+(``save_distributed_checkpoint=False``, and resuming from a file: refused, the ranks hold other stages).
 
 Checkpoints: the DCP folder holds each rank's stages and their optimizer states under the whole model's parameter
 names (:mod:`.checkpoint`; states and hyperparameters keyed by name, not group index), so a pipelined run resumes at

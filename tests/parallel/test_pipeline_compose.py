@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.moe import ExpertLoadBalancing
+from lightning_deepseek.parallel.pipeline import check_pipeline_composition
 from lightning_deepseek.parallel.pipeline_overlap import record_exposed_all_to_all
 from lightning_deepseek.parallel.pipeline_split import plan_pipeline_split
 from lightning_deepseek.parallel.pipeline_stage_parallel import check_stage_boundaries
@@ -90,11 +91,12 @@ def four_ranks() -> list[dict[str, Any]]:
 
 def _eight_ranks(rank: int, world_size: int) -> dict[str, Any]:
     """pp=2 x tp=2 x dp_shard=2 (1F1B, clipping at 0.5, one batch per epoch): 4 steps, a DCP folder saved after the
-    second, and 2 steps resumed from it."""
+    second, and 2 steps resumed from it; pp=2 x tp=2 x dp=2 with ZeRO-1 (1F1B, 2 steps)."""
     root = _shared_folder()
     layout = dict(tp=2, shard=2, clip=0.5, steps=1, max_steps=4)
     results = {"saved": _fit(world_size, "1F1B", callbacks=[SaveAtStep(2, root / "ckpt")], **layout),
-               "resumed": _fit(world_size, "1F1B", resume=str(root / "ckpt"), **layout)}
+               "resumed": _fit(world_size, "1F1B", resume=str(root / "ckpt"), **layout),
+               "zero": _fit(world_size, "1F1B", tp=2, zero=True, steps=2)}
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(root)
@@ -172,6 +174,18 @@ def test_pp2_x_tp2_x_fsdp2_matches_one_process_and_resumes_from_dcp(eight_ranks:
     assert relative_error(resumed[0]["state"], saved[0]["state"]) <= TOL
 
 
+def test_pp2_x_tp2_x_zero1_matches_one_process_with_states_over_each_stage_dp(eight_ranks: list[dict[str, Any]]
+                                                                             ) -> None:
+    results = [r["zero"] for r in eight_ranks]
+    check_parity(results)
+    for first in (0, 1, 4, 5):  # pp outermost, tp innermost: rank first + 2 is the other dp replica of its shards
+        pair = (results[first], results[first + 2])
+        numel, owned = pair[0]["numel"], [set(r["with_state"]) for r in pair]
+        assert pair[0]["shards"] and not owned[0] & owned[1] and owned[0] | owned[1] == set(numel)
+        for result, mine in zip(pair, owned):  # FP32 momentum of the parameters (tp shards: local) it owns
+            assert result["state_bytes"] == 4 * sum(numel[n] for n in mine) < 0.7 * 4 * sum(numel.values())
+
+
 class _Chain(nn.Sequential):
     def __init__(self) -> None:
         super().__init__(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8), nn.Linear(8, 8))
@@ -191,10 +205,14 @@ def test_a_stage_boundary_inside_a_tensor_parallel_pair_is_refused() -> None:
                                                            "parallelism, not both yet"),
     (dict(expert_parallel_size=2, data_parallel_shard_size=2), "with expert_parallel_size=2 and "
                                                                "data_parallel_shard_size=2 is not supported yet"),
-    (dict(tensor_parallel_size=2, shard_optimizer_states=True), "with tensor_parallel_size=2 and "
-                                                                "shard_optimizer_states=True is not supported yet"),
     (dict(tensor_parallel_size="per_node"), "with tensor_parallel_size='per_node' is not supported"),
 ])
 def test_what_does_not_compose_yet_is_refused_at_construction(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         HybridParallelStrategy(pipeline_parallel_size=2, **kwargs)
+
+
+@pytest.mark.parametrize("size", ["tensor_parallel_size", "expert_parallel_size"])
+def test_compressing_a_model_parallel_stage_exchange_is_refused(size: str) -> None:
+    with pytest.raises(ValueError, match=rf"with {size}=2 and GradientCompression\(bits\)=8 is not supported yet"):
+        check_pipeline_composition(2, "1F1B", None, bits=8, **{size: 2})
