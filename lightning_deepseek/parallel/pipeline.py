@@ -168,9 +168,9 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
             f"{pp_size} is not supported yet: FSDP2 reduce-scatters each stage's gradients itself, and its compressed "
             "reduce-scatter is not composed with a pipeline. Set data_parallel_shard_size=1 (the stages' dp exchange "
             "is then compressed), or remove the callback.")
-    zero = settings.pop("shard_optimizer_states", None)  # over the stage's dp ranks (not with FSDP2: LayoutSettings)
+    settings.pop("shard_optimizer_states", None)  # over the stage's dp or edp ranks (not with FSDP2: LayoutSettings)
     _check_stage_model_parallel(pp_size, settings.pop("tensor_parallel_size", 1),
-                                settings.pop("expert_parallel_size", 1), shard, bits, bool(zero))
+                                settings.pop("expert_parallel_size", 1), bits)
     for name, value in settings.items():  # data_parallel_shard_size
         if not isinstance(value, int):
             raise ValueError(
@@ -179,12 +179,10 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
                 f"{name} to a number, or pipeline_parallel_size=1.")
 
 
-def _check_stage_model_parallel(pp_size: int, tp: object, ep: object, shard: object, bits: object, zero: bool) -> None:
+def _check_stage_model_parallel(pp_size: int, tp: object, ep: object, bits: object) -> None:
     """Tensor or expert parallelism inside the stages (:mod:`.pipeline_stage_parallel`): a size or ``"auto"`` (which
-    a pipeline resolves to 1), not both above 1, without compression of the stages' exchange; expert parallelism
-    with ZeRO-1 (the replicated parameters' states over the stage's ``dp``, the experts' over its ``edp``), not with
-    FSDP2; tensor parallelism with FSDP2 (the tensor-parallel layers 2-D over ``(dp, tp)``) or ZeRO-1 (every state
-    over the stage's ``dp`` ranks at the same ``tp`` coordinate)."""
+    a pipeline resolves to 1), not both above 1, without compression of the stages' exchange. Either composes with
+    FSDP2 (shards 2-D over ``(dp, tp)`` or ``(edp, ep)``) and ZeRO-1 (states over the stage's ``dp`` or ``edp``)."""
     sizes = {"tensor_parallel_size": tp, "expert_parallel_size": ep}
     for name, value in sizes.items():
         if value == "per_node":
@@ -194,14 +192,10 @@ def _check_stage_model_parallel(pp_size: int, tp: object, ep: object, shard: obj
     if len(used) == 2:
         raise ValueError(f"pipeline_parallel_size={pp_size} with {used[0]} and {used[1]}: a pipeline stage composes "
                          "with tensor or expert parallelism, not both yet. Set one of them to 1.")
-    composes = {"tensor_parallel_size": ("data_parallel_shard_size", "shard_optimizer_states"),
-                "expert_parallel_size": ("shard_optimizer_states",)}
-    for setting, value, off in (("data_parallel_shard_size", shard, 1), ("shard_optimizer_states", zero, False),
-                                ("GradientCompression(bits)", bits, None)):
-        if used and value != off and setting not in composes[used[0].split("=")[0]]:
-            raise ValueError(f"pipeline_parallel_size={pp_size} with {used[0]} and {setting}={value!r} is not "
-                             f"supported yet: the stages' tensor- or expert-parallel shards are averaged over dp by "
-                             f"the pipeline's own exchange only. Set {setting}={off!r}, or {used[0].split('=')[0]}=1.")
+    if used and bits is not None:
+        raise ValueError(f"pipeline_parallel_size={pp_size} with {used[0]} and GradientCompression(bits={bits!r}) is "
+                         "not supported yet: the compressed exchange averages plain gradients, not the stages' tensor- "
+                         f"or expert-parallel shards. Remove the callback, or set {used[0].split('=')[0]}=1.")
 
 
 _inferring_shapes = [False]

@@ -40,8 +40,9 @@ Model parallelism inside a stage (:mod:`.pipeline_stage_parallel`): ``tensor_par
 stage read the same batch; the automatic plan's feed-forward pairs sharded Megatron-style, stage boundaries plain full
 tensors) or ``expert_parallel_size`` (routed experts over ``ep`` of the stage's ``dp`` ranks, all-to-all dispatch;
 expert gradients summed over the stage's ``edp`` replicas, with ZeRO-1 their states dealt over ``edp``); ZeRO-1 deals
-the states over the stage's ``dp`` ranks; with FSDP2 (``tp`` only) the tensor-parallel layers are sharded over ``dp``
-too, 2-D DTensors over ``(dp, tp)``; ``"auto"`` sizes resolve to 1 under a pipeline.
+the states over the stage's ``dp`` ranks; with FSDP2 the tensor-parallel layers are sharded over ``dp`` too (2-D
+DTensors over ``(dp, tp)``), the routed experts over ``edp`` (over ``(edp, ep)``); ``"auto"`` sizes resolve to 1 under a
+pipeline.
 
 Supports: every schedule of :mod:`.pipeline`; gradient accumulation (``grad_scale = 1 / accumulate_grad_batches``);
 clipping by norm (the norm over all stages, :meth:`.PipelineRunner.clip_grad_norm_`; by value untested); LR schedulers
@@ -53,9 +54,9 @@ optimizer step one all-reduce of the rank's stage gradients over ``dp`` (not ove
 buckets are), and the runner's costs.
 
 Does not support: manual optimisation, training batches of different sizes, tensor and expert parallelism together
-inside a stage (or either with ``GradientCompression``, expert parallelism with FSDP2), HSDP (a stage sharded over part
-of its replicas), FSDP2 resharding after forward and selective activation checkpointing under ZBVZeroBubble and
-DualPipeV (their split backward), ``GradientCompression`` on FSDP2 stages or with ``bits="auto"``, one-file checkpoints
+inside a stage (or either with ``GradientCompression``), HSDP (a stage sharded over part of its replicas), FSDP2
+resharding after forward and selective activation checkpointing under ZBVZeroBubble and DualPipeV (their split
+backward), ``GradientCompression`` on FSDP2 stages or with ``bits="auto"``, one-file checkpoints
 (``save_distributed_checkpoint=False``, and resuming from a file: refused, the ranks hold other stages).
 
 Checkpoints: the DCP folder holds each rank's stages and their optimizer states under the whole model's parameter
@@ -84,6 +85,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_deepseek.moe.protocol import find_expert_layers
 from lightning_deepseek.parallel import clipping
 from lightning_deepseek.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_deepseek.parallel.dims import WorldMesh
@@ -277,7 +279,8 @@ def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, settings
     apply_stage_tensor_parallel(module, tp_plan, mesh["tp"])
     expert_plan = setup_stage_expert_parallel(module, whole, mesh, topology, routing)
     if dims.fsdp_enabled:
-        _shard_stages(split, pp_mesh.get_local_rank(), stage_modules, mesh["dp"], settings.reshard_after_forward)
+        _shard_stages(split, pp_mesh.get_local_rank(), stage_modules, mesh["dp"], settings.reshard_after_forward,
+                      mesh["edp"] if expert_plan is not None else None)
     rank_zero_info(split.table())
     on_loss = getattr(module, "on_pipeline_loss", None) or (lambda loss, batch, step: None)
     return PipelineLoop(split, stage_modules, pp_mesh.get_group(),
@@ -288,13 +291,20 @@ def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, settings
 
 
 def _shard_stages(split: PipelineSplit, pp_rank: int, stage_modules: list[nn.Module], dp_mesh: DeviceMesh,
-                  reshard_after_forward: bool) -> None:
+                  reshard_after_forward: bool, edp_mesh: DeviceMesh | None = None) -> None:
     """FSDP2 on each stage over ``dp``: every block on its own, then the stage (embeddings, norm, head); torch's
     ``PipelineStage`` defers each stage's reduce-scatter to the end of the schedule's step. Tensor-parallel layers
     (``dp_mesh`` and their ``tp`` mesh cut from one world mesh) become 2-D DTensors, sharded over ``dp`` on top of
     their ``tp`` placement; their gradients are averaged over ``dp`` as the others' (a stage's ``tp`` ranks read
-    one batch)."""
+    one batch). Routed experts under expert parallelism (``edp_mesh``: the stage's ``edp`` ranks) first, each MoE
+    layer's over ``edp``: their gradients, already summed over their ``ep`` group's batches, summed over ``edp`` and
+    divided by the ``dp`` size (as :func:`.reduce_stage_gradients`)."""
     for index, stage in zip(split.stage_indices(pp_rank), stage_modules):
+        for layer in find_expert_layers(stage) if edp_mesh is not None else ():
+            fully_shard(layer.experts, mesh=edp_mesh, reshard_after_forward=reshard_after_forward)
+            layer.experts.set_gradient_divide_factor(float(dp_mesh.size()))
+            # gloo has no PREMUL_SUM; over one rank torch divides in place of the reduce-scatter (see .fsdp)
+            layer.experts.set_force_sum_reduction_for_comms(edp_mesh.size() > 1)
         for name in split.stages[index].modules:
             if name.rpartition(".")[2].isdigit():  # a block of the list the split cut
                 fully_shard(stage.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard_after_forward)

@@ -18,12 +18,12 @@ mesh's ``ep`` dimension inside the stage (``ep`` consecutive ranks of the stage'
 batch), tokens dispatched by the all-to-all of :mod:`.expert`; every rank of an ``ep`` group runs the same schedule,
 so their MoE layers are called in the same order. With ZeRO-1 (``shard_optimizer_states``, :mod:`.memory`) the
 replicated parameters' states are dealt over the stage's ``dp`` ranks, the experts' over its ``edp`` ranks
-(under ``tp`` every state over the stage's ``dp`` ranks at its ``tp`` coordinate).
+(under ``tp`` every state over the stage's ``dp`` ranks at its ``tp`` coordinate). With FSDP2
+(``data_parallel_shard_size``) the experts are sharded over the stage's ``edp`` ranks (``_shard_stages``).
 
-Does not support: ``tp`` and ``ep`` both above 1 under a pipeline; ``ep`` with ``data_parallel_shard_size`` (FSDP2)
-under a pipeline; a split that separates a column-wise layer from its row-wise partner (the stage boundary would be
-sharded over ``tp``: refused); dropout inside a tensor-parallel stage differs between the ``tp`` ranks (no shared random
-state), so it runs correctly only without dropout.
+Does not support: ``tp`` and ``ep`` both above 1 under a pipeline; a split that separates a column-wise layer from its
+row-wise partner (the stage boundary would be sharded over ``tp``: refused); dropout inside a tensor-parallel stage
+differs between the ``tp`` ranks (no shared random state), so it runs correctly only without dropout.
 """
 
 from __future__ import annotations

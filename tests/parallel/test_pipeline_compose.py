@@ -91,12 +91,14 @@ def four_ranks() -> list[dict[str, Any]]:
 
 def _eight_ranks(rank: int, world_size: int) -> dict[str, Any]:
     """pp=2 x tp=2 x dp_shard=2 (1F1B, clipping at 0.5, one batch per epoch): 4 steps, a DCP folder saved after the
-    second, and 2 steps resumed from it; pp=2 x tp=2 x dp=2 with ZeRO-1 (1F1B, 2 steps)."""
+    second, and 2 steps resumed from it; pp=2 x tp=2 x dp=2 with ZeRO-1 (1F1B, 2 steps); the MoE preset at pp=2 x
+    ep=2 x dp_shard=4 (edp=2; 1F1B, clipping at 0.5, 2 steps)."""
     root = _shared_folder()
     layout = dict(tp=2, shard=2, clip=0.5, steps=1, max_steps=4)
     results = {"saved": _fit(world_size, "1F1B", callbacks=[SaveAtStep(2, root / "ckpt")], **layout),
                "resumed": _fit(world_size, "1F1B", resume=str(root / "ckpt"), **layout),
-               "zero": _fit(world_size, "1F1B", tp=2, zero=True, steps=2)}
+               "zero": _fit(world_size, "1F1B", tp=2, zero=True, steps=2),
+               "ep_fsdp": _fit(world_size, "1F1B", ep=2, shard=4, clip=0.5, steps=2, **MOE)}
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(root)
@@ -186,6 +188,16 @@ def test_pp2_x_tp2_x_zero1_matches_one_process_with_states_over_each_stage_dp(ei
             assert result["state_bytes"] == 4 * sum(numel[n] for n in mine) < 0.7 * 4 * sum(numel.values())
 
 
+def test_pp2_x_ep2_x_fsdp2_matches_one_process(eight_ranks: list[dict[str, Any]]) -> None:
+    results = [r["ep_fsdp"] for r in eight_ranks]
+    check_parity(results, clip=0.5, **MOE)
+    for result in (results[0], results[-1]):  # the experts 2-D over the stage's (edp, ep), the rest over its dp
+        experts = {n: m for n, m in result["meshes"].items() if ".experts." in n}
+        assert experts and set(experts.values()) == {("edp", "ep")}
+        assert {m for n, m in result["meshes"].items() if n not in experts} == {("dp",)}
+        assert result["sharded"]
+
+
 class _Chain(nn.Sequential):
     def __init__(self) -> None:
         super().__init__(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8), nn.Linear(8, 8))
@@ -203,8 +215,6 @@ def test_a_stage_boundary_inside_a_tensor_parallel_pair_is_refused() -> None:
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(tensor_parallel_size=2, expert_parallel_size=2), "a pipeline stage composes with tensor or expert "
                                                            "parallelism, not both yet"),
-    (dict(expert_parallel_size=2, data_parallel_shard_size=2), "with expert_parallel_size=2 and "
-                                                               "data_parallel_shard_size=2 is not supported yet"),
     (dict(tensor_parallel_size="per_node"), "with tensor_parallel_size='per_node' is not supported"),
 ])
 def test_what_does_not_compose_yet_is_refused_at_construction(kwargs: dict[str, Any], message: str) -> None:
@@ -214,5 +224,5 @@ def test_what_does_not_compose_yet_is_refused_at_construction(kwargs: dict[str, 
 
 @pytest.mark.parametrize("size", ["tensor_parallel_size", "expert_parallel_size"])
 def test_compressing_a_model_parallel_stage_exchange_is_refused(size: str) -> None:
-    with pytest.raises(ValueError, match=rf"with {size}=2 and GradientCompression\(bits\)=8 is not supported yet"):
+    with pytest.raises(ValueError, match=rf"with {size}=2 and GradientCompression\(bits=8\) is not supported yet"):
         check_pipeline_composition(2, "1F1B", None, bits=8, **{size: 2})
