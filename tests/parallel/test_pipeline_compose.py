@@ -92,13 +92,14 @@ def four_ranks() -> list[dict[str, Any]]:
 def _eight_ranks(rank: int, world_size: int) -> dict[str, Any]:
     """pp=2 x tp=2 x dp_shard=2 (1F1B, clipping at 0.5, one batch per epoch): 4 steps, a DCP folder saved after the
     second, and 2 steps resumed from it; pp=2 x tp=2 x dp=2 with ZeRO-1 (1F1B, 2 steps); the MoE preset at pp=2 x
-    ep=2 x dp_shard=4 (edp=2; 1F1B, clipping at 0.5, 2 steps)."""
+    ep=2 x dp_shard=4 (edp=2; 1F1B, clipping at 0.5, 2 steps), and at pp=2 x ep=2 x dp=4 with ZeRO-1 (edp=2)."""
     root = _shared_folder()
     layout = dict(tp=2, shard=2, clip=0.5, steps=1, max_steps=4)
     results = {"saved": _fit(world_size, "1F1B", callbacks=[SaveAtStep(2, root / "ckpt")], **layout),
                "resumed": _fit(world_size, "1F1B", resume=str(root / "ckpt"), **layout),
                "zero": _fit(world_size, "1F1B", tp=2, zero=True, steps=2),
-               "ep_fsdp": _fit(world_size, "1F1B", ep=2, shard=4, clip=0.5, steps=2, **MOE)}
+               "ep_fsdp": _fit(world_size, "1F1B", ep=2, shard=4, clip=0.5, steps=2, **MOE),
+               "ep_zero": _fit(world_size, "1F1B", ep=2, zero=True, steps=2, **MOE)}
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(root)
@@ -186,6 +187,18 @@ def test_pp2_x_tp2_x_zero1_matches_one_process_with_states_over_each_stage_dp(ei
         assert pair[0]["shards"] and not owned[0] & owned[1] and owned[0] | owned[1] == set(numel)
         for result, mine in zip(pair, owned):  # FP32 momentum of the parameters (tp shards: local) it owns
             assert result["state_bytes"] == 4 * sum(numel[n] for n in mine) < 0.7 * 4 * sum(numel.values())
+
+
+def test_pp2_x_ep2_x_zero1_deals_the_experts_states_over_edp(eight_ranks: list[dict[str, Any]]) -> None:
+    results = [r["ep_zero"] for r in eight_ranks]
+    check_parity(results, **MOE)
+    for stage in (results[:4], results[4:]):  # ep groups (0, 1), (2, 3): ranks 0 and 2 hold one slice of experts
+        replicated = {n for n in stage[0]["numel"] if n not in stage[0]["shards"]}
+        owned = [set(r["with_state"]) & replicated for r in stage]
+        assert sum(map(len, owned)) == len(replicated) and set().union(*owned) == replicated  # once over dp=4
+        for replicas in ((stage[0], stage[2]), (stage[1], stage[3])):
+            experts = [set(r["with_state"]) & set(r["shards"]) for r in replicas]
+            assert experts[0] and not experts[0] & experts[1] and experts[0] | experts[1] == set(replicas[0]["shards"])
 
 
 def test_pp2_x_ep2_x_fsdp2_matches_one_process(eight_ranks: list[dict[str, Any]]) -> None:
