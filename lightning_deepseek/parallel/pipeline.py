@@ -118,8 +118,9 @@ def check_pipeline_composition(pp_size: int, schedule: str, num_microbatches: in
                                **settings: object) -> None:
     """Validate ``HybridParallelStrategy``'s pipeline arguments on their own (no world size yet) and the other
     settings they compose with: inside a pipeline stage, data parallelism (replicated, or sharded by FSDP2 over all
-    the stage's ``dp`` ranks), activation checkpointing, ZeRO-1 (over the stage's ``dp`` ranks) and
-    ``GradientCompression`` (of the replicated stages' ``dp`` exchange, :mod:`.pipeline_exchange`).
+    the stage's ``dp`` ranks), activation checkpointing, ZeRO-1 (over the stage's ``dp`` ranks),
+    ``GradientCompression`` (of the replicated stages' ``dp`` exchange, :mod:`.pipeline_exchange`), and tensor or
+    expert parallelism (either with FSDP2 or ZeRO-1, not with each other or compression).
 
     Args:
         pp_size, schedule, num_microbatches: ``pipeline_parallel_size``, ``pipeline_schedule``,

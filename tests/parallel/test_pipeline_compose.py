@@ -10,6 +10,10 @@ one process makes them), and with ZeRO-1 on 1F1B (4 steps; the replicated parame
 dp ranks, the experts' kept: edp=1); HF Llama from a tiny config (random init) at pp=2 x tp=2 (losses); a pp=2 x tp=2
 DCP checkpoint resumed at the same layout and without tp (``test_pipeline_checkpoint.py``'s runs: 10 + 10 steps against
 20 uninterrupted, 1e-6).
+
+One 8-rank spawn (few steps: CI's time) runs the 3-D compositions: pp=2 x tp=2 x dp_shard=2 (torchtitan's FSDP x TP x
+PP; 2-D DTensors over (dp, tp), clipping, a DCP folder resumed), pp=2 x tp=2 x dp=2 with ZeRO-1, pp=2 x ep=2 x
+dp_shard=4 (experts over edp=2) and pp=2 x ep=2 x dp=4 with ZeRO-1 (experts' states over edp=2).
 """
 
 from __future__ import annotations
