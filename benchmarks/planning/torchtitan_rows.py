@@ -7,8 +7,8 @@ gathers, FP32 reduce: ``StepShape.fsdp_bf16``, as torchtitan's FSDP mixed precis
 ``--no-fsdp-bf16``. torchtitan's FSDP32 x TP8 holds 1/256 of every parameter per rank; the strategy's tensor
 parallelism shards the feed-forward layers only, so its nearest is tp=8 with parameters sharded over all 256 ranks,
 and each rank its own 2 of the tp group's 16 sequences. 405B (FSDP8 x TP8 x PP8, local batch 32 as 32 micro-batches
-of one sequence): the strategy composes tp with a pipeline but not yet with FSDP2 inside the stages, so its nearest
-is tp=8 x pp=8 with the stage replicated over its 8 dp ranks (the pipeline's flat all-reduce). Not planned:
+of one sequence): tp=8 x pp=8 with each stage's parameters FSDP2-sharded over its 8 dp ranks (torchtitan's layout;
+the strategy's tp shards the feed-forward layers only). Not planned:
 torch.compile and Float8 (eager BF16 FLOPs), async TP. Calibration targets, not tuned to: compute_efficiency stays
 the preset default.
 Usage: ``python benchmarks/planning/torchtitan_rows.py [--no-fsdp-bf16] [row name ...]``.
@@ -31,9 +31,11 @@ ROWS = [  # (name, model, world, layout, sequences per micro-batch, published to
     ("70B FSDP32xTP8 bs16 full AC", "llama3-70b", 256,  # torchtitan's 16 sequences per tp group: 2 per rank here
      PlanLayout(tp=8, dp_shard=256, activation_checkpointing="full"), 2, 829, 71.9),
     ("405B FSDP8xTP8xPP8 bs32 full AC 1F1B", "llama3-405b", 512,
-     PlanLayout(tp=8, pp=8, pp_schedule="1F1B", pp_microbatches=32, activation_checkpointing="full"), 1, 100, 82.5),
+     PlanLayout(tp=8, pp=8, dp_shard=8, pp_schedule="1F1B", pp_microbatches=32,
+                activation_checkpointing="full"), 1, 100, 82.5),
     ("405B FSDP8xTP8xPP8 bs32 full AC Interleaved1F1B", "llama3-405b", 512,
-     PlanLayout(tp=8, pp=8, pp_schedule="Interleaved1F1B", pp_microbatches=32, activation_checkpointing="full"), 1,
+     PlanLayout(tp=8, pp=8, dp_shard=8, pp_schedule="Interleaved1F1B", pp_microbatches=32,
+                activation_checkpointing="full"), 1,
      128, 72.7),
 ]
 

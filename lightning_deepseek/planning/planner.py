@@ -233,7 +233,7 @@ def mesh_groups(mesh: WorldMesh, dims: ParallelDims, topology: Topology) -> dict
     """Every group this rank is in, by process-group name: its mesh dimensions (``"tp/world"`` where the ``tp``
     group is the whole world), size and link class."""
     wanted = ["dp", "tp"] + (["pp"] if dims.pp_enabled else []) + (["edp", "ep"] if dims.ep_enabled else [])
-    if dims.fsdp_enabled:
+    if dims.fsdp_enabled and not dims.pp_enabled:  # under a pipeline FSDP2 shards over each stage's dp (and edp)
         wanted += ["dp_shard", "dp_replicate"] + (["dp_shard_tp", "dp_replicate_tp"] if dims.tp_enabled else [])
         wanted += ["edp_shard", "edp_replicate"] if dims.ep_enabled else []
     named = []
