@@ -144,7 +144,8 @@ def load_distributed(model: nn.Module, optimizers: list[Optimizer], path: Path, 
     dcp.load(model_state_, checkpoint_id=path)
     set_model_state_dict(model, model_state_["state_dict"], options=StateDictOptions(strict=strict))
     indexed = has_indexed_param_groups(path)
-    held = {f"state_dict.{name}" for name in model_state_["state_dict"]}
+    wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)  # its names carry "module."; saved ones not
+    held = {f"state_dict.{name.removeprefix('module.') if wrapped else name}" for name in model_state_["state_dict"]}
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     partial = any(k.startswith("state_dict.") and k not in held for k in saved)  # this rank holds a part (pipeline)
     for i, optimizer in enumerate(optimizers):
