@@ -245,8 +245,14 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     rank = RankStep(pp_rank, stages, local_bytes(list(holder.model.parameters())),
                     local_bytes([p.grad for p in params if p.grad is not None]), local_bytes(states),
                     tuple(counter.calls[exchange_start:]), exchange_peak, owned,
-                    mesh_groups(mesh, dims, topology), loop.pp_group.group_name)
+                    mesh_groups(mesh, dims, topology), loop.pp_group.group_name,
+                    sum(1 for m in holder.model.modules() if _tensor_parallel(getattr(m, "weight", None))))
     return rank, loop.split, (order, pairs)
+
+
+def _tensor_parallel(weight: object) -> bool:
+    mesh = getattr(weight, "device_mesh", None)  # a DTensor's
+    return mesh is not None and "tp" in (mesh.mesh_dim_names or ())
 
 
 def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: ClusterSpec,

@@ -78,6 +78,7 @@ class RankStep:
     owned_state_elements: int
     groups: dict[str, GroupInfo]
     pp_group: str
+    tp_layers: int = 0  # layers of its stages the tensor-parallel plan shards
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,8 @@ def pipeline_report(model: ModelSpec, world_size: int, layout: PlanLayout, clust
                             with_p2p.makespan, compute_only.bubble, with_p2p.makespan - compute_only.makespan)
     peak_flops = cluster.peak_flops(step.dtype)
     return PlanReport(model=model.name, world_size=world_size, layout=layout, cluster=cluster.name, step=step,
-                      placement="pp outermost (launch order)", num_sharded_layers=0, memory=memory,
+                      placement="pp outermost (launch order)",
+                      num_sharded_layers=sum(r.tp_layers for r in ranks.values()), memory=memory,
                       memory_capacity=cluster.memory_bytes, traffic=traffic, flops=flops,
                       compute_seconds=max(compute_only.busy.values()), optimizer_seconds=optimizer,
                       comm_seconds=sum(t.exposed_seconds for t in traffic), step_seconds=step_seconds,
