@@ -19,7 +19,8 @@ OLDEST_TESTS := tests/test_versions.py tests/moe tests/parallel/test_hf_families
 	tests/parallel/test_lightning_contract.py tests/parallel/test_checkpoint.py tests/hpo/test_upstream_sweeper.py \
 	tests/hpo/test_search.py tests/precision tests/compression/test_hook.py tests/compression/test_callback.py \
 	tests/elastic/test_components.py tests/optim tests/data tests/models tests/autotune/test_decision.py \
-	tests/planning/test_fake_world.py tests/app/test_cli.py tests/app/test_summary.py
+	tests/planning/test_fake_world.py tests/app/test_cli.py tests/app/test_summary.py \
+	tests/parallel/test_pipeline_compose.py tests/parallel/test_pipeline_overlap.py
 
 .PHONY: demo test test-oldest lint bench clean
 

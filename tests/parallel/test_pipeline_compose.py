@@ -77,6 +77,10 @@ def _checkpoints(world_size: int) -> dict[str, Any]:
     return results
 
 
+# The schedules the cases above do not run, at each model-parallel size (4 steps each): every schedule composes.
+OTHER_SCHEDULES = {"tp": ("ZBVZeroBubble", "DualPipeV"), "ep": ("Interleaved1F1B", "ZBVZeroBubble")}
+
+
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
     os.chdir(tempfile.mkdtemp())  # ExpertLoadBalancing plots into the trainer's root folder
     with record_exposed_all_to_all() as exposed:  # counts the all-to-alls the overlap hid behind compute
@@ -85,6 +89,8 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
             "tp_interleaved": _fit(world_size, "Interleaved1F1B", tp=2, accumulate=2, clip=0.5),
             "ep": {**ep, "handovers": exposed.handovers},
             "ep_zero": _fit(world_size, "1F1B", ep=2, zero=True, steps=4, **MOE),
+            **{f"tp_{name}": _fit(world_size, name, tp=2, steps=4) for name in OTHER_SCHEDULES["tp"]},
+            **{f"ep_{name}": _fit(world_size, name, ep=2, steps=4, **MOE) for name in OTHER_SCHEDULES["ep"]},
             "llama": _llama(world_size), "checkpoints": _checkpoints(world_size)}
 
 
@@ -153,6 +159,12 @@ def test_pp2_x_ep2_x_zero1_matches_one_process_with_states_over_each_stage_dp(fo
             assert experts and experts <= set(result["with_state"])
             assert result["state_bytes"] == 4 * sum(result["numel"][n] for n in experts | mine)  # FP32 momentum
             assert sum(numel[n] for n in mine) < 0.7 * sum(numel[n] for n in replicated)
+
+
+@pytest.mark.parametrize("case", [f"{size}_{schedule}" for size, schedules in OTHER_SCHEDULES.items()
+                                  for schedule in schedules])
+def test_every_schedule_composes_with_tp_and_ep(four_ranks: list[dict[str, Any]], case: str) -> None:
+    check_parity([r[case] for r in four_ranks], **(MOE if case.startswith("ep") else {}))
 
 
 def test_pp2_x_tp2_hf_llama_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
