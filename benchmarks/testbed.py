@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -168,3 +168,30 @@ def run_ranks_as_asked(args: argparse.Namespace, argv: list[str], port: int, tim
         return
     with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
         run_ranks(argv, port + 1, timeout, root, bed)
+
+
+def _loopback_rank(rank: int, world: int, port: int, run: Callable[..., None], args: argparse.Namespace,
+                   out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    run(rank, world, args, out)
+
+
+def spawn_loopback(run: Callable[..., None], world: int, args: argparse.Namespace, out: os.PathLike | str) -> None:
+    """``run(rank, world, args, out)`` on ``world`` spawned processes of one loopback world (``MASTER_*`` set)."""
+    import torch.multiprocessing as mp
+
+    from tests.helpers import free_port
+
+    mp.spawn(_loopback_rank, args=(world, free_port(), run, args, str(out)), nprocs=world, join=True)
+
+
+def spawn_on_testbed(args: argparse.Namespace, argv: list[str], port: int, root: os.PathLike | str) -> None:
+    """``argv`` as the 4 ranks of one world, 2 in each of 2 hosts of a :class:`Testbed` at ``args.rate`` (its
+    ``--prefix``/``--subnet``), ``RANK``/``WORLD_SIZE``/``MASTER_*`` in the environment, 1 thread each; waits for them
+    within ``args.timeout``."""
+    with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
+        with workers(args.timeout) as procs:
+            for rank in range(4):
+                env = dict(MASTER_ADDR=bed.ip(0), MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4",
+                           PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+                procs.append(subprocess.Popen(bed.command(rank // 2, argv, env), cwd=root))

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -132,31 +131,19 @@ def run(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
         Path(out).write_text(json.dumps(results))
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    run(rank, world, args, out)
-
-
 def loopback(args: argparse.Namespace, out: Path) -> None:
-    import torch.multiprocessing as mp
+    from benchmarks.testbed import spawn_loopback
 
-    from tests.helpers import free_port
-
-    mp.spawn(_spawned, args=(args.world, free_port(), args, str(out)), nprocs=args.world, join=True)
+    spawn_loopback(run, args.world, args, out)
 
 
 def testbed(args: argparse.Namespace, out: Path) -> None:
     """4 worker processes, 2 in each of 2 network namespaces joined by ``args.rate``."""
-    from benchmarks.testbed import Testbed, workers
+    from benchmarks.testbed import spawn_on_testbed
 
-    with Testbed(num_hosts=2, rate=args.rate, prefix=args.prefix, subnet=args.subnet) as bed:
-        with workers(args.timeout) as procs:
-            for rank in range(4):
-                env = dict(MASTER_ADDR=bed.ip(0), MASTER_PORT="29641", RANK=str(rank), WORLD_SIZE="4",
-                           PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-                argv = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
-                        "--repeats", str(args.repeats), "--micro", str(args.micro)]
-                procs.append(subprocess.Popen(bed.command(rank // 2, argv, env), cwd=ROOT))
+    argv = [sys.executable, __file__, "--worker", "--out", str(out), "--steps", str(args.steps),
+            "--repeats", str(args.repeats), "--micro", str(args.micro)]
+    spawn_on_testbed(args, argv, 29641, ROOT)
 
 
 def report(res: dict, args: argparse.Namespace) -> None:
