@@ -4,10 +4,14 @@ HF models name their tensor-parallel layers themselves (``{"layers.*.mlp.gate_pr
 more reliable than any structural guess, so ``plan="auto"`` uses those entries for the layers under such a model
 and structure detection (:mod:`lightning_deepseek.parallel.detection`) only for everything else.
 
-Only the feed-forward entries are taken: our scheme keeps attention data-parallel. Within one module, the declared
-up-projections (one, or two when gated, all ``d -> h``) and the one down-projection ``h -> d`` form a block;
-attention's entries (``q/k/v`` and ``o``: three up-projections of different widths, or ``h == d``) form none and are
-left out. A ``*`` in a key matches one module name (a layer index), as in transformers.
+Without a pipeline only the feed-forward entries are taken: each rank there feeds its own micro-batch, so attention
+stays data-parallel. Within one module, the declared up-projections (one, or two when gated, all ``d -> h``) and the
+one down-projection ``h -> d`` form a block; attention's entries (``q/k/v`` and ``o``: three up-projections of
+different widths, or ``h == d``) form none. Under a pipeline the ranks of a ``tp`` group read the same batch
+(Megatron's layout, :mod:`.pipeline_stage_parallel`), and attention's entries are taken too
+(:func:`declared_attention`): its heads split over ``tp``, which transformers' attention modules support as written
+(they infer the head count from the projection's width). A ``*`` in a key matches one module name (a layer index),
+as in transformers.
 
 The styles read, across transformers 5.x (every release's style registry and model configs were read):
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch.nn as nn
 
@@ -74,20 +79,26 @@ def _pattern(key: str) -> re.Pattern[str]:
     return re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in key.split(".")))
 
 
-def declared_blocks(owner: nn.Module, plan: dict[str, str], prefix: str) -> list[FeedForwardBlock]:
-    """The feed-forward blocks of ``plan`` (declared by ``owner``), named with ``prefix`` (see the module docstring)."""
+_Layer = tuple[str, nn.Module, tuple[int, int]]
+
+
+def _declared_by_parent(owner: nn.Module, plan: dict[str, str], prefix: str) -> dict[str, dict[str, list[_Layer]]]:
+    """The declared up- and down-projections of ``plan`` grouped by their parent module's name (relative to ``owner``),
+    each as (name with ``prefix``, module, (in, out) features)."""
     patterns = [(_pattern(key), feed_forward_role(style)) for key, style in plan.items() if feed_forward_role(style)]
-    by_parent: dict[str, dict[str, list[tuple[str, nn.Module, tuple[int, int]]]]] = defaultdict(
-        lambda: {"up": [], "down": []})
+    by_parent: dict[str, dict[str, list[_Layer]]] = defaultdict(lambda: {"up": [], "down": []})
     for name, sub in owner.named_modules():
         shape = linear_shape(sub)
         role = next((role for pattern, role in patterns if pattern.fullmatch(name)), None)
-        if shape is None or role is None:
-            continue
-        parent = name.rpartition(".")[0]
-        by_parent[parent][role].append((f"{prefix}{name}", sub, shape))
+        if shape is not None and role is not None:
+            by_parent[name.rpartition(".")[0]][role].append((f"{prefix}{name}", sub, shape))
+    return by_parent
+
+
+def declared_blocks(owner: nn.Module, plan: dict[str, str], prefix: str) -> list[FeedForwardBlock]:
+    """The feed-forward blocks of ``plan`` (declared by ``owner``), named with ``prefix`` (see the module docstring)."""
     blocks = []
-    for layers in by_parent.values():
+    for layers in _declared_by_parent(owner, plan, prefix).values():
         ups, downs = layers["up"], layers["down"]
         if not (1 <= len(ups) <= 2 and len(downs) == 1) or len({shape for _, _, shape in ups}) != 1:
             continue  # attention (q, k, v / o) or a partial entry: stays data-parallel
@@ -98,3 +109,37 @@ def declared_blocks(owner: nn.Module, plan: dict[str, str], prefix: str) -> list
         blocks.append(FeedForwardBlock(tuple(n for n, _, _ in ups), downs[0][0], dim, hidden, num_params,
                                        source=f"declared by {type(owner).__name__}"))
     return blocks
+
+
+@dataclass(frozen=True)
+class AttentionHeads:
+    """The declared projections of one attention module: ``ups`` (query, key, value; column-wise, each rank computing
+    ``heads / tp`` query and ``kv_heads / tp`` key/value heads) and ``down`` (the output projection, row-wise)."""
+
+    ups: tuple[str, ...]
+    down: str
+    heads: int
+    kv_heads: int
+    num_params: int
+    source: str
+
+
+def declared_attention(owner: nn.Module, plan: dict[str, str], prefix: str) -> list[AttentionHeads]:
+    """The attention modules of ``plan`` (declared by ``owner``): three column-wise projections and one row-wise
+    one under a module with an integer ``head_dim`` (transformers' attention classes), the query's width that of the
+    output projection's input. Named with ``prefix``."""
+    modules = dict(owner.named_modules())
+    found = []
+    for parent, layers in _declared_by_parent(owner, plan, prefix).items():
+        ups, downs = layers["up"], layers["down"]
+        head_dim = getattr(modules.get(parent), "head_dim", None)
+        if len(ups) != 3 or len(downs) != 1 or not isinstance(head_dim, int) or head_dim < 1:
+            continue
+        width = downs[0][2][0]
+        if width != max(out for _, _, (_, out) in ups) or any(out % head_dim for _, _, (_, out) in ups):
+            continue
+        num_params = sum(p.numel() for _, m, _ in (*ups, *downs) for p in m.parameters())
+        found.append(AttentionHeads(tuple(n for n, _, _ in ups), downs[0][0], width // head_dim,
+                                    min(out for _, _, (_, out) in ups) // head_dim, num_params,
+                                    f"declared by {type(owner).__name__}"))
+    return found

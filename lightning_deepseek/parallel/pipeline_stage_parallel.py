@@ -7,11 +7,14 @@ split (its names are the whole model's, which the rank module keeps) and applied
 feed-forward input gathered over ``tp``), the ranks of a ``tp`` group here read the same batch (their ``dp``
 coordinate's shard): column-wise layers take the replicated input and row-wise layers all-reduce their partial sums back
 to a replicated output (Megatron's layout, torch's ``ColwiseParallel()`` / ``RowwiseParallel()`` defaults), so each
-stage receives and sends plain full tensors and everything outside the plan (attention, norms, embeddings) runs
-replicated on every ``tp`` rank. With FSDP2 over the stage's ``dp`` ranks (``data_parallel_shard_size``) the sharded
-layers become 2-D DTensors over ``(dp, tp)`` (``_shard_stages`` in :mod:`.pipeline_loop`). Costs per sharded pair and
-micro-batch: one all-reduce of the pair's output in the forward and one of its input gradient in the backward, over
-``tp``; the replicated layers compute ``tp`` times.
+stage receives and sends plain full tensors. With ``plan="auto"`` the attention modules a model declares
+(transformers' plans: query, key, value column-wise, output row-wise) are sharded too, each rank computing its share
+of the heads (:func:`~lightning_deepseek.parallel.plan.add_attention_heads`); everything else outside the plan (norms,
+embeddings, an attention with fused projections such as our GPT's) runs replicated on every ``tp`` rank. With FSDP2
+over the stage's ``dp`` ranks (``data_parallel_shard_size``) the sharded layers become 2-D DTensors over ``(dp, tp)``
+(``_shard_stages`` in :mod:`.pipeline_loop`). Costs per sharded pair (feed-forward or attention) and micro-batch: one
+all-reduce of the pair's output in the forward and one of its input gradient in the backward, over ``tp``; the
+replicated layers compute ``tp`` times.
 
 Expert parallelism (pp x ep, DeepSeek-V3's shape): the routed experts of this rank's stages are sharded over the
 mesh's ``ep`` dimension inside the stage (``ep`` consecutive ranks of the stage's ``dp`` ranks, each reading its own
@@ -45,7 +48,7 @@ from lightning_deepseek.parallel.expert_plan import ExpertParallelPlan, setup_ex
 from lightning_deepseek.parallel.expert_routing import ExpertRouting
 from lightning_deepseek.parallel.layout import LayoutSettings, decide_layout_plan
 from lightning_deepseek.parallel.pipeline_split import PipelineSplit
-from lightning_deepseek.parallel.plan import Plan
+from lightning_deepseek.parallel.plan import Plan, add_attention_heads
 from lightning_deepseek.parallel.styles import Conv1DColwiseParallel, Conv1DRowwiseParallel
 from lightning_deepseek.parallel.topology import Topology
 
@@ -57,7 +60,10 @@ def plan_stage_tensor_parallel(module: nn.Module, settings: LayoutSettings, mesh
     """The tensor-parallel plan of the whole (unsplit) ``module`` at ``mesh.dims.tp`` (empty at ``tp=1``)."""
     if not mesh.dims.tp_enabled:
         return Plan(reason=f"tensor_parallel_size={settings.tp!r} resolves to 1 under a pipeline.")
-    return decide_layout_plan(module, settings, mesh.dims, None)
+    plan = decide_layout_plan(module, settings, mesh.dims, None)
+    if settings.plan != "auto":
+        return plan
+    return add_attention_heads(module, plan, mesh.dims.tp, settings.min_shard_params)
 
 
 def check_stage_boundaries(plan: Plan, split: PipelineSplit, prefix: str, tp_size: int) -> None:

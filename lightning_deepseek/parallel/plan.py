@@ -4,8 +4,9 @@ Where it comes from (each entry records its source, printed in the plan table):
 
 - ``plan="auto"``: for a model that declares its own tensor-parallel plan (HF transformers' ``_tp_plan`` /
   ``config.base_model_tp_plan``: Llama, Mistral, Qwen, Mixtral, DeepSeek-V3, ...), that plan's feed-forward entries
-  (:mod:`lightning_deepseek.parallel.declared`); for everything else (our GPT, torch's ``TransformerEncoderLayer``,
-  GPT-2, BERT, ViT, a user's own model), feed-forward blocks found by structure
+  (:mod:`lightning_deepseek.parallel.declared`), and under a pipeline its attention entries too
+  (``add_attention_heads``: the ranks of a ``tp`` group there read the same batch); for everything else (our GPT,
+  torch's ``TransformerEncoderLayer``, GPT-2, BERT, ViT, a user's own model), feed-forward blocks found by structure
   (:mod:`lightning_deepseek.parallel.detection`). Blocks under ``min_shard_params`` stay replicated, as do blocks
   whose hidden width does not divide by ``tp`` (warned);
 - an explicit mapping ``{module-name pattern: "colwise" | "rowwise"}`` (``fnmatch``, names relative to the
@@ -24,13 +25,14 @@ from dataclasses import dataclass
 import torch.nn as nn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_deepseek.parallel.declared import declared_blocks, declaring_modules
+from lightning_deepseek.parallel.declared import declared_attention, declared_blocks, declaring_modules
 from lightning_deepseek.parallel.detection import FeedForwardBlock, find_feed_forward_blocks, linear_shape
 from lightning_deepseek.parallel.dims import ParallelDims
 
 STYLES = ("colwise", "rowwise")
 
-__all__ = ["STYLES", "FeedForwardBlock", "Plan", "PlanEntry", "auto_plan", "decide_plan", "explicit_plan",
+__all__ = ["STYLES", "FeedForwardBlock", "Plan", "PlanEntry", "add_attention_heads", "auto_plan", "decide_plan",
+           "explicit_plan",
            "find_feed_forward_blocks", "format_plan_table", "plan_blocks", "why_auto_plan_is_empty"]
 
 
@@ -106,6 +108,31 @@ def auto_plan(module: nn.Module, tp_size: int, min_params: int) -> tuple[list[Pl
             entries.append(PlanEntry(name, "colwise", _numel(modules[name]), block.source))
         entries.append(PlanEntry(block.down, "rowwise", _numel(modules[block.down]), block.source))
     return entries, indivisible
+
+
+def add_attention_heads(module: nn.Module, plan: Plan, tp_size: int, min_params: int) -> Plan:
+    """``plan`` (an automatic one) with the attention modules ``module``'s declared plans name (query, key and value
+    column-wise, the output projection row-wise: their heads split over ``tp``), each with at least ``min_params``
+    parameters; in the modules' order. For layouts whose ``tp`` ranks read the same batch (under a pipeline). Attention
+    whose head or key/value-head count ``tp_size`` does not divide stays replicated (warned)."""
+    modules = dict(module.named_modules())
+    added: list[PlanEntry] = []
+    for name, (owner, declared) in declaring_modules(module).items():
+        for heads in declared_attention(owner, declared, f"{name}." if name else ""):
+            if heads.num_params < min_params:
+                continue
+            if heads.heads % tp_size or heads.kv_heads % tp_size:
+                rank_zero_warn(f"HybridParallelStrategy: {heads.down.rpartition('.')[0]} keeps its attention "
+                               f"replicated: tensor_parallel_size={tp_size} does not divide its {heads.heads} heads "
+                               f"and {heads.kv_heads} key/value heads.")
+                continue
+            source = f"{heads.source} (attention heads)"
+            added += [PlanEntry(n, "colwise", _numel(modules[n]), source) for n in heads.ups]
+            added.append(PlanEntry(heads.down, "rowwise", _numel(modules[heads.down]), source))
+    if not added:
+        return plan
+    order = {name: index for index, name in enumerate(modules)}
+    return Plan(tuple(sorted((*plan.entries, *added), key=lambda e: order[e.name])))
 
 
 def _linear_names(module: nn.Module) -> str:

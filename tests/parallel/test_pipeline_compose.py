@@ -7,7 +7,8 @@ same batch) with 1F1B, and with Interleaved1F1B under gradient accumulation and 
 routed experts sharded over each stage's two data-parallel ranks, DeepSeek-V3's shape) with DualPipeV and its
 ``pipeline_overlap``, clipping and ``ExpertLoadBalancing`` (its bias updates from every micro-batch's routed counts, as
 one process makes them), and with ZeRO-1 on 1F1B (4 steps; the replicated parameters' states dealt over each stage's two
-dp ranks, the experts' kept: edp=1); HF Llama from a tiny config (random init) at pp=2 x tp=2 (losses); a pp=2 x tp=2
+dp ranks, the experts' kept: edp=1); HF Llama from a tiny config (random init) at pp=2 x tp=2, its declared attention
+heads sharded beside its feed-forward layers (losses); a pp=2 x tp=2
 DCP checkpoint resumed at the same layout and without tp (``test_pipeline_checkpoint.py``'s runs: 10 + 10 steps against
 20 uninterrupted, 1e-6).
 
@@ -171,7 +172,10 @@ def test_pp2_x_tp2_hf_llama_matches_one_process(four_ranks: list[dict[str, Any]]
     reference = _llama_reference()
     for result in four_ranks:
         np.testing.assert_allclose(result["llama"]["losses"], reference, rtol=TOL)
-        assert len(result["llama"]["shards"]) == 12 and all(".mlp." in n for n in result["llama"]["shards"])
+        # each rank's 4 layers: query, key, value, output (attention heads split) and the 3 feed-forward projections
+        projections = {n.split(".")[-2] for n in result["llama"]["shards"]}
+        assert len(result["llama"]["shards"]) == 28 and projections == {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                        "gate_proj", "up_proj", "down_proj"}
 
 
 def test_pp2_x_tp2_checkpoint_resumes_with_and_without_tp(four_ranks: list[dict[str, Any]]) -> None:

@@ -9,6 +9,7 @@ import torch.nn as nn
 from lightning_deepseek.models import GPT, GPTConfig
 from lightning_deepseek.parallel.plan import (
     Plan,
+    add_attention_heads,
     auto_plan,
     explicit_plan,
     find_feed_forward_blocks,
@@ -263,3 +264,24 @@ def test_empty_plan_says_a_declared_plan_had_no_feed_forward_pair() -> None:
 
     cause, _ = why_auto_plan_is_empty(ExpertsOnly(), 0)
     assert "ExpertsOnly declares a tensor-parallel plan, but none of its entries is a feed-forward linear pair" in cause
+
+
+def test_attention_heads_join_the_plan_where_the_tp_ranks_share_the_batch() -> None:
+    transformers = pytest.importorskip("transformers", reason="needs transformers (the test extra)")
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = transformers.Qwen3ForCausalLM(config)
+    feed_forward = Plan(tuple(auto_plan(model, 2, 0)[0]))
+    plan = add_attention_heads(model, feed_forward, 2, 0)
+    assert [(e.name, e.style) for e in plan][:7] == [
+        ("model.layers.0.self_attn.q_proj", "colwise"), ("model.layers.0.self_attn.k_proj", "colwise"),
+        ("model.layers.0.self_attn.v_proj", "colwise"), ("model.layers.0.self_attn.o_proj", "rowwise"),
+        ("model.layers.0.mlp.gate_proj", "colwise"), ("model.layers.0.mlp.up_proj", "colwise"),
+        ("model.layers.0.mlp.down_proj", "rowwise")]
+    assert plan.sources == ["declared by Qwen3ForCausalLM", "declared by Qwen3ForCausalLM (attention heads)"]
+    with pytest.warns(UserWarning, match="does not divide its 4 heads and 2 key/value heads"):
+        assert add_attention_heads(model, feed_forward, 4, 0) == feed_forward  # 2 key/value heads over 4 ranks
+    assert add_attention_heads(model, feed_forward, 2, 10**9) == feed_forward  # under min_shard_params
+    gpt = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32))
+    gpt_plan = Plan(tuple(auto_plan(gpt, 2, 0)[0]))
+    assert add_attention_heads(gpt, gpt_plan, 2, 0) == gpt_plan  # its fused query/key/value stays replicated
