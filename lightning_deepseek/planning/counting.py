@@ -163,12 +163,13 @@ class FlopCounter(TorchDispatchMode):
 
 class MicroBatchMemTracker(MemTracker):
     """torch's ``MemTracker`` over a step that runs a root module once per micro-batch (a pipeline stage): where
-    ``MemTracker`` refuses a root module's second forward ("multiple iterative calls"), its per-module statistics
-    are cleared and the forward tracked afresh (the totals and the running peak are kept)."""
+    ``MemTracker`` refuses a root module's second forward ("multiple iterative calls"), that root's statistics are
+    dropped and its forward tracked afresh (the totals, the running peak and the other stages' statistics, which
+    their pending backwards read, are kept)."""
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         try:
             super()._pre_fw_hook(module, inputs)
         except NotImplementedError:
-            self.reset_mod_stats()
+            del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
