@@ -133,7 +133,7 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
                 calls.append(CollectiveCall("send", pp, stage.input_bytes, "pipeline"))
             if index < last and stage_rank[index + 1] != rank.pp_rank:
                 calls.append(CollectiveCall("recv", pp, stage.output_bytes, "pipeline"))
-        if kind == "W" or (kind in ("B", "I") and index not in split_backward):
+        if kind in ("B", "W") or (kind == "I" and index not in split_backward):
             held, acts = held - stage.activations, acts - stage.activations
         previous[index] = kind
     calls.append(CollectiveCall("broadcast", pp, LOSS_BYTES, "pipeline"))

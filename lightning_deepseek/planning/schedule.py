@@ -100,7 +100,8 @@ def schedule_order(schedule_name: str, schedule: Any, pp_size: int, num_microbat
 
 def held_forwards(actions: list[Action]) -> dict[int, int]:
     """The most micro-batches each stage of one rank holds between its forward and the backward that frees its
-    activations (its full backward, or its weight gradient where the backward is split)."""
+    activations (its full backward, or its weight gradient where the backward is split; DualPipeV splits some of a
+    stage's backwards only)."""
     split = {stage for kind, stage, _ in actions if kind == "W"}
     held: dict[int, int] = {}
     most: dict[int, int] = {}
@@ -108,7 +109,7 @@ def held_forwards(actions: list[Action]) -> dict[int, int]:
         if kind == "F":
             held[stage] = held.get(stage, 0) + 1
             most[stage] = max(most.get(stage, 0), held[stage])
-        elif kind == "W" or (kind in ("B", "I") and stage not in split):
+        elif kind in ("B", "W") or (kind == "I" and stage not in split):
             held[stage] -= 1
     return most
 
