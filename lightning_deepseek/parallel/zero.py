@@ -31,6 +31,7 @@ parameters); state memory 1/group-size of DDP's.
 from __future__ import annotations
 
 import contextlib
+import heapq
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,11 +137,11 @@ def partition(params: Iterable[nn.Parameter], replica_group_of: Callable[[nn.Par
     owner: dict[int, int] = {}
     groups = []
     for group, members in by_group.values():
-        load = dict.fromkeys(group.ranks, 0)
+        least = [(0, position, rank) for position, rank in enumerate(group.ranks)]  # (load, position): a heap
         for param in sorted(members, key=lambda p: -_local(p).numel()):  # stable: ties keep parameter order
-            rank = min(group.ranks, key=lambda r: (load[r], group.ranks.index(r)))
+            load, position, rank = heapq.heappop(least)  # the least loaded rank, the first of equals
             owner[id(param)] = rank
-            load[rank] += _local(param).numel()
+            heapq.heappush(least, (load + _local(param).numel(), position, rank))
         groups.append((group, tuple(members)))
     return Partition(owner=owner, groups=tuple(groups))
 
