@@ -32,6 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
+from lightning_deepseek.planning.float8 import cast_bytes, is_float8
+
 NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather",
                "scatter", "send", "recv", "allgather", "allreduce_coalesced", "allgather_into_tensor_coalesced",
@@ -140,7 +142,8 @@ class LocalOpsOnly(TorchDispatchMode):
 
 class FlopCounter(TorchDispatchMode):
     """The FLOPs of the ops that reach it, by torch's formulas (``torch.utils.flop_counter``'s registry, plus
-    ``custom``: op packet to an unwrapped formula taking shapes); ``total`` sums them.
+    ``custom``: op packet to an unwrapped formula taking shapes); ``total`` sums them, ``fp8`` those of the GEMMs on
+    torchao's float8 operands, ``cast_bytes`` the traffic of the casts to FP8 (:mod:`.float8`).
 
     torch's ``FlopCounterMode`` counts the same, but also tracks modules, and the backward hooks it puts on each
     module's outputs keep tensors alive under activation checkpointing (the recompute registers them again): a
@@ -151,13 +154,19 @@ class FlopCounter(TorchDispatchMode):
         super().__init__()
         self.registry = {**flop_registry, **{op: shape_wrapper(f) for op, f in (custom or {}).items()}}
         self.total = 0
+        self.fp8 = 0
+        self.cast_bytes = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = self.registry.get(func._overloadpacket)
         if formula is not None:
-            self.total += formula(*args, **kwargs, out_val=out)
+            flops = formula(*args, **kwargs, out_val=out)
+            self.total += flops
+            self.fp8 += flops if any(is_float8(a) for a in args) else 0
+        elif func is torch.ops.aten._to_copy.default:
+            self.cast_bytes += cast_bytes(out)
         return out
 
 

@@ -141,7 +141,8 @@ def extrapolate(base: StepMeasurement, extras: dict[int, StepMeasurement], kinds
         calls += [CollectiveCall(op, group, num_bytes // num_calls + (i < num_bytes % num_calls), phase)
                   for i in range(num_calls)]
     return replace(base, memory=replace(memory, peak=max(peaks)), phase_peaks=peaks, calls=tuple(calls),
-                   flops=scaled(lambda m: m.flops),
+                   flops=scaled(lambda m: m.flops), fp8_flops=scaled(lambda m: m.fp8_flops),
+                   cast_bytes=round(scaled(lambda m: m.cast_bytes)),
                    owned_state_elements=round(scaled(lambda m: m.owned_state_elements)),
                    num_sharded_layers=round(scaled(lambda m: m.num_sharded_layers)),
                    buffer_bytes=round(scaled(lambda m: m.buffer_bytes)))

@@ -19,9 +19,14 @@ from lightning_deepseek.planning.report import PlanReport, RankMemory, Traffic
 FSDP_DIMS = ("dp_shard", "dp_replicate", "dp_shard_tp", "dp_replicate_tp", "edp_shard", "edp_replicate")
 BACKWARD_SHARE = 2 / 3  # backward's share of forward + backward FLOPs, which DDP's all-reduce overlaps
 ADAMW_BYTES_PER_ELEMENT = 28  # reads parameter, gradient, two moments (16 B); writes parameter and moments (12 B)
+# torch.compile's gain on the compute: torchtitan's Llama 3.1 8B on 8 H100s, FSDP, eager 5,762 vs compiled 6,667
+# tokens/s per GPU (benchmarks/llama3_h100_202412_torchtitan.md); the one pair it is calibrated on.
+COMPILE_SPEEDUP = 6667 / 5762
 ASSUMPTIONS = (
     "routed experts receive tokens evenly (uniform routing)",
-    "compute at compute_efficiency x the dense peak of the step's dtype; AdamW memory-bound at the memory bandwidth",
+    "compute at compute_efficiency x the dense peak of the step's dtype (fp8: the FP8 GEMMs at the fp8 peak, the "
+    "rest at bf16's, the casts at the memory bandwidth; compiled: efficiency x COMPILE_SPEEDUP); AdamW memory-bound "
+    "at the memory bandwidth",
     "tensor-parallel and all-to-all collectives exposed; DDP's all-reduce hidden behind backward but its last "
     "bucket; FSDP2's all-gathers, reduce-scatters and replica all-reduces hidden behind the compute (prefetched) but "
     "its first all-gather; shard reductions and ZeRO-1 broadcasts exposed",
@@ -44,7 +49,8 @@ class GroupInfo:
 class StepMeasurement:
     """What the fake step measured at rank 0; ``phase_peaks`` are the peaks of forward, backward and the optimizer
     step, ``param_sizes`` each replicated trainable parameter's bytes with the position of its block (``-1``: none)
-    in the stepped copy (DDP's buckets are cut from them), ``buffer_bytes`` the buffers DDP broadcasts."""
+    in the stepped copy (DDP's buckets are cut from them), ``buffer_bytes`` the buffers DDP broadcasts,
+    ``fp8_flops`` the share of ``flops`` in FP8 GEMMs and ``cast_bytes`` the FP8 casts' traffic (``dtype="fp8"``)."""
 
     memory: RankMemory
     flops: float
@@ -56,6 +62,8 @@ class StepMeasurement:
     phase_peaks: tuple[int, ...] = ()
     param_sizes: tuple[tuple[int, int], ...] = ()
     buffer_bytes: int = 0
+    fp8_flops: float = 0.0
+    cast_bytes: int = 0
 
 
 def is_fsdp_dim(dim: str) -> bool:
@@ -76,11 +84,26 @@ def collective_seconds(op: str, num_bytes: int, n: int, link: LinkCost) -> float
     return (n - 1) / n * num_bytes / link.bandwidth + (n - 1) * link.latency  # all-gather, reduce-scatter
 
 
+def compute_dtype(step: StepShape) -> str:
+    """The dtype whose peak the step's FLOPs but the FP8 GEMMs run at (``"fp8"`` computes the rest in BF16)."""
+    return "bf16" if step.dtype == "fp8" else step.dtype
+
+
+def compute_seconds(flops: float, fp8_flops: float, cast_bytes: int, cluster: ClusterSpec, step: StepShape) -> float:
+    """Seconds of ``flops`` of which ``fp8_flops`` in FP8 GEMMs (at the fp8 peak), at ``step.compute_efficiency``
+    (times :data:`COMPILE_SPEEDUP` if compiled), and of ``cast_bytes`` of FP8 casts at the memory bandwidth."""
+    efficiency = min(1.0, step.compute_efficiency * (COMPILE_SPEEDUP if step.compiled else 1.0))
+    seconds = (flops - fp8_flops) / cluster.peak_flops(compute_dtype(step))
+    if fp8_flops:
+        seconds += fp8_flops / cluster.peak_flops("fp8")
+    return seconds / efficiency + cast_bytes / (cluster.memory_bandwidth_gbs * 1e9)
+
+
 def estimate(model: str, world_size: int, layout: PlanLayout, cluster: ClusterSpec, step: StepShape,
              measured: StepMeasurement, plan_seconds: float) -> PlanReport:
     """The report of a plan: traffic by mesh dimension and op, predicted step time, tokens/s per GPU and MFU."""
-    peak = cluster.peak_flops(step.dtype)
-    compute = measured.flops / (peak * step.compute_efficiency)
+    peak = cluster.peak_flops(compute_dtype(step))
+    compute = compute_seconds(measured.flops, measured.fp8_flops, measured.cast_bytes, cluster, step)
     optimizer = measured.owned_state_elements * ADAMW_BYTES_PER_ELEMENT / (cluster.memory_bandwidth_gbs * 1e9)
     rows: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
     ddp_seconds, last_bucket, fsdp_seconds, first_gather = 0.0, 0.0, 0.0, 0.0

@@ -17,7 +17,7 @@ from typing import Literal
 from lightning_deepseek.parallel.layout import LayoutSettings
 from lightning_deepseek.parallel.pipeline import min_microbatches
 
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,12 @@ class StepShape:
         micro_batch_size: sequences per rank and step (under a pipeline: per micro-batch).
         seq_len: tokens per sequence.
         dtype: ``"fp32"``, or ``"bf16"``: FP32 parameters, gradients and AdamW states, BF16 autocast compute (the
-            peak FLOPs of this dtype count).
+            peak FLOPs of this dtype count); or ``"fp8"``: ``"bf16"`` with ``StagedPrecision``'s FP8 stage, torchao's
+            float8 training (tensorwise) on the ``nn.Linear`` layers it selects: their GEMMs at the fp8 peak, the rest
+            at the bf16 peak (:mod:`lightning_deepseek.planning.float8`; needs torchao).
         compute_efficiency: the fraction of the peak FLOPs the step's compute reaches (an assumption, printed).
+        compiled: the model under ``torch.compile``: the compute reaches ``compute_efficiency`` times
+            :data:`~lightning_deepseek.planning.estimate.COMPILE_SPEEDUP` (a calibrated ratio; memory unchanged).
         min_shard_params: the strategy's ``min_shard_params``.
         bucket_cap_mb: DDP's ``bucket_cap_mb``.
         fsdp_bf16: with ``dtype="bf16"``, FSDP2's units under ``StagedPrecision``'s BF16 stage policy
@@ -105,6 +109,7 @@ class StepShape:
     seq_len: int = 2048
     dtype: str = "bf16"
     compute_efficiency: float = 0.4
+    compiled: bool = False
     min_shard_params: int = 1 << 16
     bucket_cap_mb: float = 25.0
     fsdp_bf16: bool = False
@@ -114,9 +119,9 @@ class StepShape:
             raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}.")
         if self.micro_batch_size < 1 or self.seq_len < 1:
             raise ValueError(f"micro_batch_size={self.micro_batch_size} and seq_len={self.seq_len} must be >= 1.")
-        if self.fsdp_bf16 and self.dtype != "bf16":
-            raise ValueError(f"fsdp_bf16=True needs dtype='bf16' (got {self.dtype!r}): FSDP2's BF16 policy is that of "
-                             "a BF16 stage. Set dtype='bf16' or fsdp_bf16=False.")
+        if self.fsdp_bf16 and self.dtype == "fp32":
+            raise ValueError(f"fsdp_bf16=True needs dtype='bf16' or 'fp8' (got {self.dtype!r}): FSDP2's BF16 policy is "
+                             "that of a BF16 or FP8 stage. Set dtype='bf16' or fsdp_bf16=False.")
         if not 0 < self.compute_efficiency <= 1:
             raise ValueError(f"compute_efficiency={self.compute_efficiency} must be in (0, 1].")
 

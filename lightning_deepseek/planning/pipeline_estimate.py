@@ -18,6 +18,8 @@ from lightning_deepseek.planning.estimate import (
     ASSUMPTIONS,
     GroupInfo,
     collective_seconds,
+    compute_dtype,
+    compute_seconds,
     is_fsdp_dim,
 )
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
@@ -45,7 +47,8 @@ class StageStep:
     """One stage's stepped micro-batch (see the module docstring): FLOPs, activations held in flight, the peaks
     above the start of a forward and of a backward, what the first backward leaves, the bytes received and sent
     per micro-batch, the collectives of one forward (the first, and a later one) and one backward, and what a forward
-    after a backward frees (FSDP2 resharding the blocks the backward gathered and kept; 0 without FSDP2)."""
+    after a backward frees (FSDP2 resharding the blocks the backward gathered and kept; 0 without FSDP2); with
+    ``dtype="fp8"`` the FLOPs of its FP8 GEMMs and the bytes of its FP8 casts, forward and backward."""
 
     index: int
     forward_flops: float
@@ -61,6 +64,10 @@ class StageStep:
     forward_calls: tuple[CollectiveCall, ...]
     backward_calls: tuple[CollectiveCall, ...]
     released: int = 0
+    forward_fp8_flops: float = 0.0
+    backward_fp8_flops: float = 0.0
+    forward_cast_bytes: int = 0
+    backward_cast_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -150,11 +157,12 @@ def _link(topology: Topology, cluster: ClusterSpec, a: int, b: int) -> LinkCost:
 def _stage_seconds(ranks: dict[int, RankStep], split: Any, cluster: ClusterSpec, step: StepShape
                    ) -> dict[int, tuple[float, float]]:
     """Each stage's forward and backward seconds per micro-batch."""
-    rate = cluster.peak_flops(step.dtype) * step.compute_efficiency
     seconds = {}
     for pp_rank, rank in ranks.items():
-        for index, stage in zip(split.stage_indices(pp_rank), rank.stages):
-            seconds[index] = (stage.forward_flops / rate, stage.backward_flops / rate)
+        for index, s in zip(split.stage_indices(pp_rank), rank.stages):
+            forward = compute_seconds(s.forward_flops, s.forward_fp8_flops, s.forward_cast_bytes, cluster, step)
+            backward = compute_seconds(s.backward_flops, s.backward_fp8_flops, s.backward_cast_bytes, cluster, step)
+            seconds[index] = (forward, backward)
     return seconds
 
 
@@ -204,7 +212,7 @@ def pipeline_report(model: ModelSpec, world_size: int, layout: PlanLayout, clust
                         activations=mine.activations, ddp_buckets=0, peak=mine.first_peak, steady_peak=mine.peak)
     pipeline = PipelinePlan(layout.pp_schedule, layout.pp, num_microbatches, rank_rows, stage_rows,
                             with_p2p.makespan, compute_only.bubble, with_p2p.makespan - compute_only.makespan)
-    peak_flops = cluster.peak_flops(step.dtype)
+    peak_flops = cluster.peak_flops(compute_dtype(step))
     return PlanReport(model=model.name, world_size=world_size, layout=layout, cluster=cluster.name, step=step,
                       placement="pp outermost (launch order)",
                       num_sharded_layers=sum(r.tp_layers for r in ranks.values()), memory=memory,

@@ -78,6 +78,7 @@ from lightning_deepseek.planning.counting import CollectiveCall, CollectiveCount
 from lightning_deepseek.planning.depth import check_depth, extrapolate, full_sizes, keep_blocks, layer_kinds
 from lightning_deepseek.planning.estimate import GroupInfo, StepMeasurement, estimate
 from lightning_deepseek.planning.fake_world import fake_world
+from lightning_deepseek.planning.float8 import convert_float8
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
 from lightning_deepseek.planning.report import PlanReport, RankMemory
@@ -294,6 +295,8 @@ def _step_once(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         module = model.build()
+        if step.dtype == "fp8":  # StagedPrecision's FP8 stage, converted before the set-up shards
+            convert_float8(module)
     positions = keep_blocks(module, keep) if keep is not None else {}
     dims = ParallelDims(world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard)
     layers = find_expert_layers(module)
@@ -318,7 +321,7 @@ def _step_once(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     tracker, counter = MemTracker(), CollectiveCounter()
     flops = FlopCounter(CPU_SDPA)
     tracker.track_external(module, optimizer)
-    autocast = torch.autocast("cpu", torch.bfloat16) if step.dtype == "bf16" else contextlib.nullcontext()
+    autocast = torch.autocast("cpu", torch.bfloat16) if step.dtype != "fp32" else contextlib.nullcontext()
     with mode:
         input_ids = torch.randint(0, model.vocab_size, (step.micro_batch_size, step.seq_len))
     with mode, uniform_routing(layers), tracker, counter:
@@ -358,7 +361,8 @@ def _step_once(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
                            groups=mesh_groups(mesh, dims, topology), num_sharded_layers=len(tp_plan),
                            placement=placed.policy, owned_state_elements=_owned_elements(optimizer),
                            phase_peaks=(forward_peak, backward_peak, optimizer_peak), param_sizes=sizes,
-                           buffer_bytes=local_bytes(list(module.buffers())))
+                           buffer_bytes=local_bytes(list(module.buffers())), fp8_flops=flops.fp8,
+                           cast_bytes=flops.cast_bytes)
 
 
 def _reduce_and_step(params: list[torch.Tensor], mesh: WorldMesh, expert_mesh: DeviceMesh | None,
