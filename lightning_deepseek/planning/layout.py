@@ -3,8 +3,9 @@
 ``PlanLayout`` holds the strategy's layout settings: ``tensor_parallel_size``, ``expert_parallel_size``,
 ``shard_optimizer_states`` (ZeRO-1), ``placement``, FSDP2's ``data_parallel_shard_size`` and
 ``reshard_after_forward``, ``activation_checkpointing``, and the pipeline's ``pipeline_parallel_size``,
-``pipeline_schedule`` and ``pipeline_microbatches``; the data-parallel size is what is left of the world. They are
-validated by the strategy's own ``LayoutSettings``. Each setting the strategy gains is one more field here, one more
+``pipeline_schedule`` and ``pipeline_microbatches``, and the bits of ``GradientCompression``'s exchange; the
+data-parallel size is what is left of the world. They are validated by the strategy's own ``LayoutSettings`` (the
+bits by ``CompressionConfig`` too). Each setting the strategy gains is one more field here, one more
 axis of :func:`lightning_deepseek.planning.search.candidate_layouts`, and one more argument handed to the strategy's
 own code by the planner.
 """
@@ -14,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_deepseek.autotune.measure import BLOCK_SIZE
+from lightning_deepseek.compression.config import CompressionConfig
+from lightning_deepseek.compression.quantize import SUPPORTED_BITS
 from lightning_deepseek.parallel.layout import LayoutSettings
 from lightning_deepseek.parallel.pipeline import min_microbatches
 
@@ -36,6 +40,9 @@ class PlanLayout:
         pp_schedule: ``pipeline_schedule`` (``"1F1B"``, ``"Interleaved1F1B"``, ``"ZBVZeroBubble"``, ``"DualPipeV"``).
         pp_microbatches: ``pipeline_microbatches`` (None: the schedule's least); each of
             :attr:`StepShape.micro_batch_size` sequences.
+        bits: ``GradientCompression``'s bits (8 or 4, at lds-train's preset block size of those bits: its
+            ``compression=int8`` / ``int4``; the plan is of a step past the warm-up) on DDP's buckets; None: DDP's
+            fp32 all-reduce.
     """
 
     tp: int = 1
@@ -48,6 +55,7 @@ class PlanLayout:
     pp: int = 1
     pp_schedule: str = "1F1B"
     pp_microbatches: int | None = None
+    bits: int | None = None
 
     def __post_init__(self) -> None:
         for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep)):
@@ -56,6 +64,10 @@ class PlanLayout:
         if self.dp_shard == "auto":
             raise ValueError("data_parallel_shard_size='auto' is the processes per node: give the number for a plan "
                              "(the cluster's gpus_per_node).")
+        if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS):
+            raise ValueError(f"compression bits={self.bits!r} cannot be planned: use None (DDP's fp32 all-reduce), "
+                             "8 (compression=int8) or 4 (compression=int4); layout=auto plans each.")
+        self.compression()  # the callback's own checks
         self.settings()  # the strategy's own checks
 
     def settings(self) -> LayoutSettings:
@@ -64,7 +76,13 @@ class PlanLayout:
                               reshard_after_forward=self.reshard_after_forward,
                               activation_checkpointing=self.activation_checkpointing,
                               shard_optimizer_states=self.shard_optimizer_states, pp=self.pp,
-                              pp_schedule=self.pp_schedule, pp_microbatches=self.pp_microbatches)
+                              pp_schedule=self.pp_schedule, pp_microbatches=self.pp_microbatches,
+                              bits=self.bits)
+
+    def compression(self) -> CompressionConfig | None:
+        """The settings of the compressed exchange ``GradientCompression(bits=bits)`` runs (lds-train's preset of
+        these bits), or None without compression."""
+        return None if self.bits is None else CompressionConfig(bits=self.bits, block_size=BLOCK_SIZE[self.bits])
 
     @property
     def num_microbatches(self) -> int:
@@ -81,6 +99,7 @@ class PlanLayout:
             parts += [f"fsdp={self.dp_shard}" + (f"x{replicas}" if replicas > 1 else "")]
             parts += [] if self.reshard_after_forward else ["no-reshard"]
         parts += [f"ac={self.activation_checkpointing}"] if self.activation_checkpointing != "none" else []
+        parts += [f"int{self.bits}"] if self.bits is not None else []
         return " ".join(parts)
 
 
