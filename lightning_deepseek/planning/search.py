@@ -92,15 +92,17 @@ def block_count(model: ModelSpec) -> int:
 
 def candidate_layouts(world_size: int, gpus_per_node: int, experts: list[int], num_blocks: int = 0
                       ) -> list[PlanLayout]:
-    """Every layout of the axes the strategy has (see the module docstring); pipelined ones where the model has
+    """Every layout of the axes the strategy has (see the module docstring), each with DDP's buckets (``dp > 1``
+    unsharded) also compressed at 8 and 4 bits (``GradientCompression``); pipelined ones where the model has
     ``num_blocks`` transformer blocks to split."""
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     tps = [d for d in divisors if d <= gpus_per_node]
     eps = [d for d in divisors if experts and math.gcd(*experts) % d == 0] or [1]
     shards = sorted({d for d in (min(gpus_per_node, world_size), world_size) if d > 1 and world_size % d == 0})
     sharding = [(False, 1), (True, 1)] + [(False, d) for d in shards]  # ZeRO-1 and FSDP2 exclude each other
-    return [PlanLayout(tp, ep, zero, dp_shard=shard, activation_checkpointing=ac)
-            for tp, ep, (zero, shard), ac in product(tps, eps, sharding, AC_MODES)] + pipelined_layouts(
+    return [PlanLayout(tp, ep, zero, dp_shard=shard, activation_checkpointing=ac, bits=bits)
+            for tp, ep, (zero, shard), ac in product(tps, eps, sharding, AC_MODES)
+            for bits in ((None, 8, 4) if shard == 1 and world_size // tp > 1 else (None,))] + pipelined_layouts(
         world_size, tps, num_blocks)
 
 
