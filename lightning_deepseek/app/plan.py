@@ -93,7 +93,7 @@ def run_plan(cfg: DictConfig) -> int:
         report = plan(model, cfg.world_size, layout, cluster, step, cfg.depth)
         print(json.dumps(report.to_dict(), indent=1) if cfg.output == "json" else report.table())
         return 0
-    result = search(model, cfg.world_size, cluster, step, depth=cfg.depth)
+    result = search(model, cfg.world_size, cluster, step, depth=cfg.depth, top=cfg.top)
     if cfg.output == "json":
         print(json.dumps({"fitting": [r.to_dict() for r in result.fitting],
                           "not_fitting": [r.to_dict() for r in result.not_fitting],
@@ -115,7 +115,8 @@ def _search_table(result: Any, top: int) -> str:
                      f"{report.memory.steady_peak / 2**30:.1f} | "
                      f"{result.why(report)} |")
     counts = (f"{len(result.fitting)} layouts fit, {len(result.not_fitting)} do not, {len(result.rejected)} refused "
-              f"by the strategy, {len(result.pruned)} not planned (their model states alone exceed the device)")
+              f"by the strategy, {len(result.pruned)} not planned (their model states alone exceed the device, or "
+              f"their compute alone the step time of the {top} fastest)")
     refused = [f"- {layout.describe(0).split(' ', 1)[1]}: {why}" for layout, why in result.rejected[:5]]
     return "\n".join([*lines, "", counts, *refused])
 

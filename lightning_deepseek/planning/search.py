@@ -18,12 +18,18 @@ is not planned when its model states alone exceed the device: at least those of 
 under another activation checkpointing (model states do not depend on it), or, for plain DDP, the same layout with
 ZeRO-1 (which holds fewer optimizer states and the same parameters, gradients and buckets). The later steps' peak
 holds the parameters, gradients, optimizer states and DDP's buckets at once (the optimizer step), so a pruned layout
-is one that would not fit: such layouts are listed in :attr:`SearchResult.pruned` with the bound, not planned. The
-fitting plans are those of ``cache=False`` (``tests/planning/test_cache.py``); the speed: benchmarks/planning/REPORT.md.
+is one that would not fit: such layouts are listed in :attr:`SearchResult.pruned` with the bound, not planned. With
+``top``, a layout is also pruned when its compute alone exceeds the step time of the ``top``-th fastest fitting plan
+so far (a step is at least its compute): the compute of a planned layout that differs from it only in how the
+data-parallel ranks shard the model states (ZeRO-1, FSDP2's sizes: the same blocks run on the same shapes), under
+the same activation checkpointing or none (checkpointing only adds recomputation). Layouts without checkpointing are
+planned first. The fitting plans are those of ``cache=False``, the ``top`` fastest where ``top`` is given
+(``tests/planning/test_cache.py``); the speed: benchmarks/planning/REPORT.md.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 from dataclasses import dataclass, replace
@@ -125,26 +131,35 @@ def pipelined_layouts(world_size: int, tps: list[int], num_blocks: int) -> list[
 
 
 def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepShape,
-           layouts: list[PlanLayout] | None = None, depth: str = "representative", cache: bool = True) -> SearchResult:
+           layouts: list[PlanLayout] | None = None, depth: str = "representative", cache: bool = True,
+           top: int | None = None) -> SearchResult:
     """Plan every candidate layout (default: :func:`candidate_layouts`; ``depth`` as :func:`plan`'s) and rank them.
 
     Args:
         cache: share what does not change between layouts and prune those whose model states cannot fit (see the
             module docstring); False: every layout planned afresh, nothing pruned (the reference).
+        top: with ``cache``, also prune the layouts that cannot rank among the ``top`` fastest fitting ones: whose
+            compute alone exceeds the ``top``-th fastest step planned so far (see the module docstring); None: plan
+            every layout that can fit.
     """
+    if top is not None and top < 1:
+        raise ValueError(f"top={top!r} must be a positive number of layouts, or None to plan every layout.")
     if layouts is None:
         layouts = candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model), block_count(model))
     with cached_probes() if cache else contextlib.nullcontext():
-        return _search(model, world_size, cluster, step, layouts, depth, PlanCache() if cache else None)
+        return _search(model, world_size, cluster, step, layouts, depth, PlanCache() if cache else None,
+                       top if cache else None)
 
 
 def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepShape, layouts: list[PlanLayout],
-            depth: str, shared: PlanCache | None) -> SearchResult:
+            depth: str, shared: PlanCache | None, top: int | None) -> SearchResult:
     cache = shared is not None
     reports, rejected, pruned = [], [], []
     states: dict[PlanLayout, Bound] = {}  # by layout without checkpointing: its model states
+    computes: dict[tuple, list[PlanReport]] = {}  # by the settings that decide a rank's compute (_compute_key)
+    fastest: list[float] = []  # the fitting plans' step times, ascending
     shards = ParameterShards.of(model, world_size, step, tuple({lay.tp for lay in layouts})) if cache else None
-    for index in sorted(range(len(layouts)), key=lambda i: not layouts[i].shard_optimizer_states):  # ZeRO-1 first
+    for index in sorted(range(len(layouts)), key=lambda i: _planning_order(layouts[i])):
         layout = layouts[index]
         least = shards.least_states(layout) if shards is not None else None
         if least is not None and least > cluster.memory_bytes:
@@ -157,12 +172,22 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
                            f"{bound[0].describe(world_size)}) exceed the {cluster.memory_bytes / GIB:.1f} GiB of a "
                            "device"))
             continue
+        slowest = fastest[top - 1] if top is not None and len(fastest) >= top else None
+        sibling = _least_compute(layout, computes) if slowest is not None else None
+        if sibling is not None and sibling.compute_seconds > slowest:
+            pruned.append((index, layout, f"compute alone at least {sibling.compute_seconds:.3f} s (that of "
+                           f"{sibling.layout.describe(world_size)}) exceeds the step time of the {top} fastest "
+                           f"fitting layouts ({slowest:.3f} s at most)"))
+            continue
         try:
             report = plan(model, world_size, layout, cluster, step, depth, shared)
         except ValueError as exc:
             rejected.append((index, layout, str(exc)))
             continue
         reports.append(report)
+        computes.setdefault(_compute_key(layout), []).append(report)
+        if report.fits:
+            bisect.insort(fastest, report.step_seconds)
         memory = report.memory
         states.setdefault(_without_checkpointing(layout),
                           (layout, memory.params + memory.grads + memory.states + memory.ddp_buckets))
@@ -223,6 +248,25 @@ class ParameterShards:
         tp_bytes = held(planned, layout.tp * layout.dp_shard)
         rest = held(self.other, layout.dp_shard) - held(planned, layout.dp_shard)
         return copies * (held(self.experts, layout.ep * layout.tp * layout.dp_shard) + tp_bytes + rest)
+
+
+def _planning_order(layout: PlanLayout) -> tuple[bool, bool]:
+    """Without checkpointing first (their model states and compute bound the other modes'), ZeRO-1 first (its model
+    states bound plain DDP's)."""
+    return layout.activation_checkpointing != "none", not layout.shard_optimizer_states
+
+
+def _compute_key(layout: PlanLayout) -> tuple:
+    """What decides a rank's compute: not how the data-parallel ranks shard the model states (ZeRO-1, FSDP2)."""
+    return layout.tp, layout.ep, layout.pp, layout.pp_schedule, layout.num_microbatches, layout.placement
+
+
+def _least_compute(layout: PlanLayout, computes: dict[tuple, list[PlanReport]]) -> PlanReport | None:
+    """The planned layout whose compute ``layout``'s is at least, the largest such: the same but for the sharding,
+    under the same checkpointing or none (checkpointing only adds recomputation); None: none planned."""
+    same = [r for r in computes.get(_compute_key(layout), [])
+            if r.layout.activation_checkpointing in ("none", layout.activation_checkpointing)]
+    return max(same, key=lambda r: r.compute_seconds, default=None)
 
 
 def _without_checkpointing(layout: PlanLayout) -> PlanLayout:

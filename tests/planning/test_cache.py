@@ -1,6 +1,7 @@
 """``layout="auto"``'s shared cache and pruning (:mod:`lightning_deepseek.planning.cache`, :func:`.search.search`):
 a search with a shared cache gives every layout the plan a fresh cache gives it (equal numbers); a layout pruned by
-its model states would not have fit; the cached norm probes of block detection find the blocks the uncached ones do.
+its model states would not have fit, one pruned by its compute would not have ranked among the ``top`` fastest; the
+cached norm probes of block detection find the blocks the uncached ones do.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lightning_deepseek.parallel.detection import cached_probes
 from lightning_deepseek.parallel.plan import plan_blocks
 from lightning_deepseek.planning import PlanLayout
+from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.report import PlanReport
-from lightning_deepseek.planning.search import ParameterShards, SearchResult, search
+from lightning_deepseek.planning.search import ParameterShards, SearchResult, _compute_key, search
 from tests.planning.test_against_real_runs import CLUSTER
 from tests.planning.test_depth import DENSE, MIXED, STEP
 
@@ -22,6 +24,14 @@ LAYOUTS = [PlanLayout(shard_optimizer_states=True), PlanLayout(shard_optimizer_s
                                                                activation_checkpointing="full"),
            PlanLayout(), PlanLayout(tp=2, shard_optimizer_states=True), PlanLayout(dp_shard=4,
                                                                                    activation_checkpointing="full")]
+
+
+# CLUSTER's compute, links and memory so fast that a step is about its compute: a layout under full checkpointing is
+# slower than the fastest one without it by its recomputation alone.
+LINK = {"bandwidth_gbs": 1e6, "latency_us": 0}
+FAST = ClusterSpec.from_mapping(dict(name="fast", gpus_per_node=2, peak_tflops={"fp32": 0.05}, memory_gib=16,
+                                     memory_bandwidth_gbs=1e6, links={"intra": LINK, "inter": LINK}), "test")
+CHECKPOINTED = [LAYOUTS[0], LAYOUTS[1], LAYOUTS[4]]  # ZeRO-1, ZeRO-1 ac=full, FSDP2 ac=full
 
 
 def _numbers(report: PlanReport) -> PlanReport:
@@ -64,6 +74,26 @@ def test_least_states_bound_the_planned_states(uncached: SearchResult) -> None:
     for report in uncached.fitting:
         least = shards.least_states(report.layout)
         assert least is not None and 0.5 * _states(report) < least <= _states(report), report.layout
+
+
+def test_compute_depends_on_no_sharding(uncached: SearchResult) -> None:
+    """What pruning by compute assumes: layouts that differ only in how they shard the model states compute alike;
+    checkpointing only adds compute."""
+    by_key: dict[tuple, dict[str, set[float]]] = {}
+    for report in uncached.fitting:
+        by_key.setdefault(_compute_key(report.layout), {}).setdefault(report.layout.activation_checkpointing,
+                                                                     set()).add(report.compute_seconds)
+    assert all(len(seconds) == 1 for modes in by_key.values() for seconds in modes.values())
+    tp1 = by_key[_compute_key(PlanLayout())]
+    assert len(tp1["full"]) == 1 and min(tp1["full"]) > max(tp1["none"])
+
+
+def test_layouts_pruned_by_compute_would_not_rank(uncached: SearchResult) -> None:
+    cached = search(DENSE, 4, FAST, STEP, CHECKPOINTED, top=1)
+    assert [layout for layout, _ in cached.pruned] == [LAYOUTS[4]] and "compute alone" in cached.pruned[0][1]
+    by_layout = {r.layout: r for r in uncached.fitting}  # planned afresh, on a cluster of the same compute
+    assert [r.compute_seconds for r in cached.fitting] == [by_layout[lay].compute_seconds for lay in LAYOUTS[:2]]
+    assert by_layout[LAYOUTS[4]].compute_seconds > cached.fitting[0].step_seconds  # so is its step time
 
 
 def test_cached_probes_find_the_same_blocks() -> None:
