@@ -1,9 +1,11 @@
 """Reading what an elastic job did: the audit files of ``examples/elastic_train.py`` and its final weights; the
-small corpus the elastic tests train on."""
+small corpus the elastic tests train on; the job the end-to-end tests resize and its uninterrupted reference run."""
 
 from __future__ import annotations
 
+import subprocess
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "elastic_train.py"
 BLOCK_SIZE = 16
 CORPUS_BYTES = 1139  # 64 training windows of 16 bytes: 8 optimizer steps per epoch
+# The job of the end-to-end tests (torchrun, SLURM): 5 epochs; the same options give one reference run for both.
+GLOBAL_BATCH, MICRO_BATCH, MAX_STEPS, CHECKPOINT_EVERY = 8, 2, 40, 4
+JOB_OPTIONS = dict(max_steps=MAX_STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
+                   checkpoint_every=CHECKPOINT_EVERY, corpus_bytes=CORPUS_BYTES)
 
 
 def write_corpus(path: Path) -> Path:
@@ -78,3 +84,16 @@ def final_loss(run_dir: Path, num_windows: int = 48) -> float:
     with torch.no_grad():
         logits = model(x)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item()
+
+
+@dataclass
+class ReferenceRun:
+    """An uninterrupted single-process run of the ``JOB_OPTIONS`` job, running in the background."""
+
+    run_dir: Path
+    process: subprocess.Popen
+
+    def final_loss(self) -> float:
+        """Wait for the run to end (it must succeed); the loss of its final weights (``final_loss``)."""
+        assert self.process.wait(timeout=300) == 0, (self.run_dir / "log.txt").read_text()[-3000:]
+        return final_loss(self.run_dir)

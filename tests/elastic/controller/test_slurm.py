@@ -21,15 +21,20 @@ import pytest
 from lightning_deepseek.elastic import find_latest
 from lightning_deepseek.elastic.controller import ElasticController, JobSpec, RendezvousTuning, ScalingPolicy
 from lightning_deepseek.elastic.controller.slurm import SlurmBackend, SlurmError, run_slurm
-from tests.elastic.audit import CORPUS_BYTES, final_loss, script_args, steps_trained
+from tests.elastic.audit import (
+    GLOBAL_BATCH,
+    JOB_OPTIONS,
+    MAX_STEPS,
+    ReferenceRun,
+    final_loss,
+    script_args,
+    steps_trained,
+)
 from tests.elastic.test_torchrun import ReportWaiter
 from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 SLURM_DIR = Path(os.environ.get("LDS_SLURM_DIR", "/tmp/lds-slurm"))
-GLOBAL_BATCH, MAX_STEPS, CHECKPOINT_EVERY = 8, 40, 4
-OPTIONS = dict(max_steps=MAX_STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=2,
-               checkpoint_every=CHECKPOINT_EVERY, corpus_bytes=CORPUS_BYTES)
 
 
 @pytest.fixture(scope="module")
@@ -50,30 +55,10 @@ def slurm() -> str:
         os.environ["SLURM_CONF"] = previous
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted single-process run of the same job (started now, awaited by ``final_reference_loss``)."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    log_file = open(run_dir / "log.txt", "w")  # noqa: SIM115 - the child writes it
-    process = subprocess.Popen([sys.executable, *script_args(run_dir, **OPTIONS)], stdout=log_file,
-                               stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    log_file.close()
-    yield run_dir, process
-    if process.poll() is None:
-        process.kill()
-        process.wait()
-
-
-def final_reference_loss(reference: tuple[Path, subprocess.Popen]) -> float:
-    run_dir, process = reference
-    assert process.wait(timeout=300) == 0, (run_dir / "log.txt").read_text()[-3000:]
-    return final_loss(run_dir)
-
-
 def slurm_job(tmp_path: Path, name: str) -> JobSpec:
     run_dir = tmp_path / name
     (run_dir / "audit").mkdir(parents=True)
-    return JobSpec(name, script_args(run_dir, step_sleep=0.1, audit_dir=run_dir / "audit", **OPTIONS),
+    return JobSpec(name, script_args(run_dir, step_sleep=0.1, audit_dir=run_dir / "audit", **JOB_OPTIONS),
                    min_workers=1, max_workers=2, run_dir=run_dir)
 
 
@@ -84,16 +69,16 @@ def backend_for(partition: str) -> SlurmBackend:
                         stop_timeout_s=90)
 
 
-def assert_every_step_once(job: JobSpec, reference: tuple[Path, subprocess.Popen]) -> None:
+def assert_every_step_once(job: JobSpec, reference: ReferenceRun) -> None:
     steps = steps_trained(job.run_dir / "audit")
     assert sorted(steps) == list(range(1, MAX_STEPS + 1))
     assert {len(s["indices"]) for s in steps.values()} == {GLOBAL_BATCH}
-    assert final_loss(job.run_dir) == pytest.approx(final_reference_loss(reference), rel=1e-3)
+    assert final_loss(job.run_dir) == pytest.approx(reference.final_loss(), rel=1e-3)
 
 
 @pytest.mark.timeout(600)
 def test_job_grows_to_two_slurm_nodes_shrinks_back_and_survives_requeue_without_losing_a_step(
-        slurm: str, reference: tuple[Path, subprocess.Popen], tmp_path: Path,
+        slurm: str, reference_run: ReferenceRun, tmp_path: Path,
         capsys: pytest.CaptureFixture) -> None:
     # One job for the three events: each SLURM job start costs seconds of imports on this 2-core runner.
     job = slurm_job(tmp_path, "slurm-resize")
@@ -134,7 +119,7 @@ def test_job_grows_to_two_slurm_nodes_shrinks_back_and_survives_requeue_without_
     stops = [r for r in seen if r["event"] == "stopping"]
     assert [r["from_step"] for r in resumes[:2]] == [r["checkpoint_step"] for r in stops[:2]]  # no step lost
     assert requeued["from_step"] >= newest  # the requeued job resumed from its newest complete checkpoint
-    assert_every_step_once(job, reference)
+    assert_every_step_once(job, reference_run)
 
 
 def test_lds_elastic_names_the_slurm_command_that_failed(tmp_path: Path) -> None:
