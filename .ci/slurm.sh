@@ -59,8 +59,8 @@ SlurmctldPort=$PORT
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-# A requeued job may start again after cred_expire seconds (default 120).
-AuthInfo=cred_expire=10
+# A requeued job may start again after cred_expire seconds (default 120; 5 is the least SLURM accepts).
+AuthInfo=cred_expire=5
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool-%n
 SlurmctldPidFile=$DIR/slurmctld.pid
