@@ -1,11 +1,11 @@
 """The speed of ``lds-plan layout=auto`` (:func:`lightning_deepseek.planning.search.search`): CPU seconds of this
 process (``time.process_time``: the machine is shared, wall time is not the tool's) and layouts per CPU second, for
 the searches of benchmarks/planning/REPORT.md; with ``--uncached`` also the same search planning every layout
-afresh (``cache=False``) and a check that both give the same fitting plans.
+afresh (``cache=False``) and a check that both give the same fastest ``--top`` plans.
 
-Usage: ``PYTHONPATH=. .venv/bin/python benchmarks/planning/bench_search.py CASE [--pipelined] [--uncached]`` with
-CASE one of ``llama3-8b``, ``llama3-70b``, ``deepseek-v3``; ``--pipelined``: the pipelined candidates (pp > 1)
-instead of the others.
+Usage: ``PYTHONPATH=. .venv/bin/python benchmarks/planning/bench_search.py CASE [--pipelined] [--uncached]
+[--top K]`` with CASE one of ``llama3-8b``, ``llama3-70b``, ``deepseek-v3``; ``--pipelined``: the pipelined
+candidates (pp > 1) instead of the others; ``--top``: as ``lds-plan``'s ``top`` (5; 0: every layout planned).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("case", choices=sorted(CASES))
     parser.add_argument("--pipelined", action="store_true")
     parser.add_argument("--uncached", action="store_true")
+    parser.add_argument("--top", type=int, default=5)
     args = parser.parse_args()
     name, world_size, cluster_name, step = CASES[args.case]
     model, cluster = resolve_model(name), resolve_cluster(cluster_name)
@@ -53,18 +54,23 @@ def main() -> None:
     results = {}
     for cache in runs:
         started = time.process_time()
-        result = search(model, world_size, cluster, step, layouts, cache=cache)
+        result = search(model, world_size, cluster, step, layouts, cache=cache, top=args.top or None)
         seconds = time.process_time() - started
         results[cache] = result
         planned = len(result.fitting) + len(result.not_fitting)
+        by_compute = sum("compute alone" in why for _, why in result.pruned)
         print(f"| {args.case} x {world_size} {'pp>1' if args.pipelined else 'pp=1'} | "
               f"{'cached' if cache else 'uncached'} | {len(layouts)} | {planned} planned, {len(result.pruned)} "
-              f"pruned, {len(result.rejected)} refused, {len(result.fitting)} fit | {seconds:.1f} | "
+              f"pruned ({by_compute} by compute), {len(result.rejected)} refused, {len(result.fitting)} fit | "
+              f"{seconds:.1f} | "
               f"{len(layouts) / seconds:.3f} |", flush=True)
     if args.uncached:
-        same = [dataclasses.replace(r, plan_seconds=0.0) for r in results[True].fitting] == [
-            dataclasses.replace(r, plan_seconds=0.0) for r in results[False].fitting]
-        print(f"fitting plans equal with and without the cache: {same}")
+        top = args.top or None
+        same = [dataclasses.replace(r, plan_seconds=0.0) for r in results[True].fitting[:top]] == [
+            dataclasses.replace(r, plan_seconds=0.0) for r in results[False].fitting[:top]]
+        print(f"fastest plans equal with and without the cache: {same}")
+    for report in results[True].fitting[:3]:
+        print(f"  {report.layout.describe(world_size)}: {report.step_seconds:.3f} s")
 
 
 if __name__ == "__main__":

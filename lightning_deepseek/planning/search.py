@@ -22,8 +22,8 @@ is one that would not fit: such layouts are listed in :attr:`SearchResult.pruned
 ``top``, a layout is also pruned when its compute alone exceeds the step time of the ``top``-th fastest fitting plan
 so far (a step is at least its compute): the compute of a planned layout that differs from it only in how the
 data-parallel ranks shard the model states (ZeRO-1, FSDP2's sizes: the same blocks run on the same shapes), under
-the same activation checkpointing or none (checkpointing only adds recomputation). Layouts without checkpointing are
-planned first. The fitting plans are those of ``cache=False``, the ``top`` fastest where ``top`` is given
+the same activation checkpointing or one recomputing less (none, selective, full); layouts are planned in that order.
+The fitting plans are those of ``cache=False``, the ``top`` fastest where ``top`` is given
 (``tests/planning/test_cache.py``); the speed: benchmarks/planning/REPORT.md.
 """
 
@@ -53,6 +53,9 @@ from lightning_deepseek.planning.planner import plan
 from lightning_deepseek.planning.report import GIB, PlanReport
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # FSDP2 under them needs reshard_after_forward=False
+# Checkpointing modes by what they recompute, each a superset of the previous one's: "selective" recomputes a block's
+# cheap ops and half its matrix multiplies, "full" its whole forward.
+RECOMPUTE_ORDER = ("none", "selective", "full")
 
 Bound = tuple[PlanLayout, int]  # a planned layout and its model states per rank (bytes)
 
@@ -250,22 +253,24 @@ class ParameterShards:
         return copies * (held(self.experts, layout.ep * layout.tp * layout.dp_shard) + tp_bytes + rest)
 
 
-def _planning_order(layout: PlanLayout) -> tuple[bool, bool]:
-    """Without checkpointing first (their model states and compute bound the other modes'), ZeRO-1 first (its model
-    states bound plain DDP's)."""
-    return layout.activation_checkpointing != "none", not layout.shard_optimizer_states
+def _planning_order(layout: PlanLayout) -> tuple[int, bool]:
+    """By recomputation (:data:`RECOMPUTE_ORDER`: a mode's compute bounds the later modes', its model states all
+    modes'), ZeRO-1 first (its model states bound plain DDP's)."""
+    return RECOMPUTE_ORDER.index(layout.activation_checkpointing), not layout.shard_optimizer_states
 
 
 def _compute_key(layout: PlanLayout) -> tuple:
     """What decides a rank's compute: not how the data-parallel ranks shard the model states (ZeRO-1, FSDP2)."""
-    return layout.tp, layout.ep, layout.pp, layout.pp_schedule, layout.num_microbatches, layout.placement
+    return (layout.tp, layout.ep, layout.pp, layout.pp_schedule, layout.num_microbatches, layout.placement,
+            layout.bits)
 
 
 def _least_compute(layout: PlanLayout, computes: dict[tuple, list[PlanReport]]) -> PlanReport | None:
     """The planned layout whose compute ``layout``'s is at least, the largest such: the same but for the sharding,
-    under the same checkpointing or none (checkpointing only adds recomputation); None: none planned."""
+    under the same checkpointing or one that recomputes less (:data:`RECOMPUTE_ORDER`); None: none planned."""
+    mode = RECOMPUTE_ORDER.index(layout.activation_checkpointing)
     same = [r for r in computes.get(_compute_key(layout), [])
-            if r.layout.activation_checkpointing in ("none", layout.activation_checkpointing)]
+            if RECOMPUTE_ORDER.index(r.layout.activation_checkpointing) <= mode]
     return max(same, key=lambda r: r.compute_seconds, default=None)
 
 
