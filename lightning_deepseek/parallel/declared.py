@@ -127,7 +127,10 @@ class AttentionHeads:
 def declared_attention(owner: nn.Module, plan: dict[str, str], prefix: str) -> list[AttentionHeads]:
     """The attention modules of ``plan`` (declared by ``owner``): three column-wise projections and one row-wise
     one under a module with an integer ``head_dim`` (transformers' attention classes), the query's width that of the
-    output projection's input. Named with ``prefix``."""
+    output projection's input, and no other parameter but vectors of ``head_dim`` (a norm over each head, Qwen3's
+    ``q_norm``: its gradient is then summed over ``tp``,
+    :func:`~lightning_deepseek.parallel.pipeline_stage_parallel.tensor_parallel_partial_params`). Named with ``prefix``.
+    """
     modules = dict(owner.named_modules())
     found = []
     for parent, layers in _declared_by_parent(owner, plan, prefix).items():
@@ -138,6 +141,11 @@ def declared_attention(owner: nn.Module, plan: dict[str, str], prefix: str) -> l
         width = downs[0][2][0]
         if width != max(out for _, _, (_, out) in ups) or any(out % head_dim for _, _, (_, out) in ups):
             continue
+        projections = {n[len(prefix):] for n, _, _ in (*ups, *downs)}
+        others = [p for n, p in modules[parent].named_parameters(prefix=parent)
+                  if n.rpartition(".")[0] not in projections]
+        if any(p.dim() != 1 or p.numel() != head_dim for p in others):
+            continue  # per-head state (e.g. attention sinks) would need sharding too: stays replicated
         num_params = sum(p.numel() for _, m, _ in (*ups, *downs) for p in m.parameters())
         found.append(AttentionHeads(tuple(n for n, _, _ in ups), downs[0][0], width // head_dim,
                                     min(out for _, _, (_, out) in ups) // head_dim, num_params,

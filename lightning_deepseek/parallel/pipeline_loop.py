@@ -102,6 +102,13 @@ from lightning_deepseek.parallel.pipeline_stage_parallel import (
     plan_stage_tensor_parallel,
     reduce_stage_gradients,
     setup_stage_expert_parallel,
+    sum_partial_gradients,
+    tensor_parallel_partial_params,
+)
+from lightning_deepseek.parallel.sequence_parallel import (
+    apply_sequence_parallel,
+    check_sequence_parallel,
+    sequence_local_params,
 )
 from lightning_deepseek.parallel.topology import Topology
 
@@ -133,6 +140,7 @@ class PipelineLoop:
     batch_size: int | None = None
     overlap: bool = False  # pipeline_overlap: DualPipeV's MoE all-to-all behind the paired micro-batch's compute
     compression: CompressionState | None = None  # set by GradientCompression (compress_pipeline_gradients)
+    tp_partial: tuple[list[nn.Parameter], dist.ProcessGroup] | None = None  # summed over tp first (split heads' norms)
     _pending: list[torch.Tensor | None] | None = None
 
     @property
@@ -208,7 +216,10 @@ class PipelineLoop:
     def reduce_gradients(self) -> None:
         """Average this rank's stage gradients over its ``dp`` group (:mod:`.pipeline_exchange`: one flat all-reduce,
         or compressed where ``GradientCompression`` set ``compression``); uncompressed, tensor-parallel shards as their
-        local pieces and routed experts summed over their ``edp`` group (:func:`.reduce_stage_gradients`)."""
+        local pieces and routed experts summed over their ``edp`` group (:func:`.reduce_stage_gradients`); first the
+        gradients each ``tp`` rank holds a share of are summed over ``tp`` (:func:`.sum_partial_gradients`)."""
+        if self.tp_partial is not None:
+            sum_partial_gradients(*self.tp_partial)
         if self.dp_group is None:
             return
         if self.compression is None:
@@ -274,20 +285,28 @@ def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, settings
     apply_activation_checkpointing(whole, settings.activation_checkpointing)  # on the whole model
     split = plan_pipeline_split(whole, dims.pp, settings.pp_schedule)
     check_stage_boundaries(tp_plan, split, name, dims.tp)
-    rank_module, stage_modules = build_rank_module(whole, split, pp_mesh.get_local_rank())
+    if settings.sp:
+        check_sequence_parallel(tp_plan, split, name, dims.tp)
+    pp_rank = pp_mesh.get_local_rank()
+    rank_module, stage_modules = build_rank_module(whole, split, pp_rank)
     setattr(module, name, rank_module)
-    apply_stage_tensor_parallel(module, tp_plan, mesh["tp"])
+    apply_stage_tensor_parallel(module, tp_plan, mesh["tp"], settings.sp)
+    if settings.sp:
+        apply_sequence_parallel(module, tp_plan, split, split.stage_indices(pp_rank), name, mesh["tp"])
     expert_plan = setup_stage_expert_parallel(module, whole, mesh, topology, routing)
     if dims.fsdp_enabled:
-        _shard_stages(split, pp_mesh.get_local_rank(), stage_modules, mesh["dp"], settings.reshard_after_forward,
+        _shard_stages(split, pp_rank, stage_modules, mesh["dp"], settings.reshard_after_forward,
                       mesh["edp"] if expert_plan is not None else None)
     rank_zero_info(split.table())
+    partial = {id(p): p for p in (*tensor_parallel_partial_params(module, tp_plan), *(sequence_local_params(
+        module, tp_plan, split, split.stage_indices(pp_rank), name) if settings.sp else ()))}
     on_loss = getattr(module, "on_pipeline_loss", None) or (lambda loss, batch, step: None)
     return PipelineLoop(split, stage_modules, pp_mesh.get_group(),
                         mesh["dp"].get_group() if dims.dp > 1 and not dims.fsdp_enabled else None,
                         settings.pp_microbatches or min_microbatches(settings.pp_schedule, dims.pp),
                         module.pipeline_loss, getattr(module, "pipeline_batch", _default_split_batch), on_loss, device,
-                        expert_plan=expert_plan, overlap=settings.pp_overlap)
+                        expert_plan=expert_plan, overlap=settings.pp_overlap,
+                        tp_partial=(list(partial.values()), mesh["tp"].get_group()) if partial else None)
 
 
 def _shard_stages(split: PipelineSplit, pp_rank: int, stage_modules: list[nn.Module], dp_mesh: DeviceMesh,

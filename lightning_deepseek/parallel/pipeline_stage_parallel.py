@@ -38,7 +38,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_deepseek.moe.protocol import find_expert_layers
@@ -53,7 +53,8 @@ from lightning_deepseek.parallel.styles import Conv1DColwiseParallel, Conv1DRoww
 from lightning_deepseek.parallel.topology import Topology
 
 __all__ = ["apply_stage_tensor_parallel", "check_stage_boundaries", "plan_stage_tensor_parallel",
-           "reduce_stage_gradients", "setup_stage_expert_parallel"]
+           "reduce_stage_gradients", "setup_stage_expert_parallel", "sum_partial_gradients",
+           "tensor_parallel_partial_params"]
 
 
 def plan_stage_tensor_parallel(module: nn.Module, settings: LayoutSettings, mesh: WorldMesh) -> Plan:
@@ -89,14 +90,46 @@ def check_stage_boundaries(plan: Plan, split: PipelineSplit, prefix: str, tp_siz
                 "and row-wise pairs lie inside one block, or set tensor_parallel_size=1.")
 
 
-def apply_stage_tensor_parallel(module: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
+def apply_stage_tensor_parallel(module: nn.Module, plan: Plan, tp_mesh: DeviceMesh,
+                                sequence_parallel: bool = False) -> None:
     """Shard the planned layers this rank's stages hold (in ``module``, the LightningModule after the split) over
-    ``tp_mesh``: column-wise from a replicated input, row-wise to a replicated output (see the module docstring)."""
+    ``tp_mesh``: column-wise from a replicated input, row-wise to a replicated output (see the module docstring), or
+    with ``sequence_parallel`` reduce-scattered to sequence shards (:mod:`.sequence_parallel`)."""
     held = dict(module.named_modules())
     styles = {name: style for name, style in plan.styles.items() if name in held}
-    make = {"colwise": Conv1DColwiseParallel, "rowwise": Conv1DRowwiseParallel}
+    make = {"colwise": Conv1DColwiseParallel,
+            "rowwise": (lambda: Conv1DRowwiseParallel(output_layouts=Shard(1))) if sequence_parallel
+            else Conv1DRowwiseParallel}
     if styles:
         parallelize_module(module, tp_mesh, {name: make[style]() for name, style in styles.items()})
+
+
+def tensor_parallel_partial_params(module: nn.Module, plan: Plan) -> list[nn.Parameter]:
+    """The trainable parameters of ``module`` whose gradient each ``tp`` rank holds only its share of: those inside an
+    attention module whose heads ``plan`` splits, outside its projections (a norm over each head: each rank normalises
+    its own heads). Their gradients are summed over ``tp`` (:func:`sum_partial_gradients`)."""
+    attention = {e.name.rpartition(".")[0] for e in plan if e.heads}
+    planned = set(plan.names)
+    return [p for name, p in module.named_parameters()
+            if p.requires_grad and name.rpartition(".")[0] not in planned
+            and any(name.startswith(f"{parent}.") for parent in attention)]
+
+
+@torch.no_grad()
+def sum_partial_gradients(params: Sequence[nn.Parameter], tp_group: dist.ProcessGroup) -> None:
+    """Sum the gradients of ``params`` (:func:`tensor_parallel_partial_params`; their local pieces under FSDP2) over
+    ``tp_group`` with one flat all-reduce; a missing gradient counts as zeros."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=tp_group)
+    for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(piece.view_as(grad))
 
 
 def setup_stage_expert_parallel(module: nn.Module, whole: nn.Module, mesh: WorldMesh, topology: Topology | None,

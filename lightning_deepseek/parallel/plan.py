@@ -38,13 +38,15 @@ __all__ = ["STYLES", "FeedForwardBlock", "Plan", "PlanEntry", "add_attention_hea
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """One sharded linear layer: its module name (relative to the root module), its style and where it came from
-    (``"structure"``, ``"declared by <HF class>"`` or ``"explicit"``)."""
+    """One sharded linear layer: its module name (relative to the root module), its style, where it came from
+    (``"structure"``, ``"declared by <HF class>"`` or ``"explicit"``) and whether it is an attention projection whose
+    heads the plan splits (``add_attention_heads``)."""
 
     name: str
     style: str
     num_params: int
     source: str = "structure"
+    heads: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,8 @@ def add_attention_heads(module: nn.Module, plan: Plan, tp_size: int, min_params:
                                f"and {heads.kv_heads} key/value heads.")
                 continue
             source = f"{heads.source} (attention heads)"
-            added += [PlanEntry(n, "colwise", _numel(modules[n]), source) for n in heads.ups]
-            added.append(PlanEntry(heads.down, "rowwise", _numel(modules[heads.down]), source))
+            added += [PlanEntry(n, "colwise", _numel(modules[n]), source, heads=True) for n in heads.ups]
+            added.append(PlanEntry(heads.down, "rowwise", _numel(modules[heads.down]), source, heads=True))
     if not added:
         return plan
     order = {name: index for index, name in enumerate(modules)}

@@ -106,9 +106,10 @@ class HybridParallelStrategy(PipelineStrategyHooks):
             (:mod:`lightning_deepseek.parallel.activation_checkpointing`); with or without sharding.
         shard_optimizer_states: ZeRO-1: each replica of a parameter keeps the optimizer state of only the
             parameters it owns (:mod:`lightning_deepseek.parallel.zero`).
-        pipeline_parallel_size, pipeline_schedule, pipeline_microbatches, pipeline_overlap: ``pp`` stages (1: off) run
-            by the schedule, micro-batches per batch (None: its least), DualPipeV's MoE all-to-all hidden behind the
-            paired micro-batch (:mod:`.pipeline_overlap`); the protocol: :mod:`.pipeline_loop`.
+        pipeline_parallel_size, pipeline_schedule, pipeline_microbatches, pipeline_overlap, sequence_parallel: ``pp``
+            stages (1: off) run by the schedule (protocol: :mod:`.pipeline_loop`), micro-batches per batch (None: its
+            least), DualPipeV's MoE all-to-all hidden behind the paired micro-batch (:mod:`.pipeline_overlap`), the
+            stages' tp blocks on 1/tp of the sequence between their sharded layers (:mod:`.sequence_parallel`).
         save_distributed_checkpoint: ``True``: a DCP folder. ``False``: one full file gathered on rank 0.
         cluster: the machines' islands and link figures (``Cluster``); None: discovered and probed at start-up.
         expert_routing: node-limited routing and the dispatch of MoE layers (``ExpertRouting``).
@@ -135,6 +136,7 @@ class HybridParallelStrategy(PipelineStrategyHooks):
         pipeline_schedule: Literal["1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"] = "1F1B",
         pipeline_microbatches: int | None = None,
         pipeline_overlap: bool = False,
+        sequence_parallel: bool = False,
         save_distributed_checkpoint: bool = True,
         cluster: Cluster | None = None,
         expert_routing: ExpertRouting | None = None,
@@ -158,7 +160,7 @@ class HybridParallelStrategy(PipelineStrategyHooks):
             reshard_after_forward, activation_checkpointing, shard_optimizer_states, self.cluster.links,
             int((self._ddp_kwargs.get("bucket_cap_mb") or 25) * 2**20),
             bool(self._ddp_kwargs.get("gradient_as_bucket_view", False)), None, pipeline_parallel_size,
-            pipeline_schedule, pipeline_microbatches, pipeline_overlap)
+            pipeline_schedule, pipeline_microbatches, pipeline_overlap, sequence_parallel)
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._dims: ParallelDims | None = None
         self._mesh: WorldMesh | None = None
@@ -200,8 +202,7 @@ class HybridParallelStrategy(PipelineStrategyHooks):
         return self._plan
 
     def request_compression(self, config: CompressionConfig) -> None:
-        """Called by ``GradientCompression.setup``: weigh these bits with the layout (``bits="auto"``: decided in
-        the same comparison); the decided bits are in ``layout.bits``."""
+        """Called by ``GradientCompression.setup``: bits to weigh with the layout (the decided: ``layout.bits``)."""
         self._settings = dataclasses.replace(self._settings, bits=config.bits)
 
     @contextmanager
@@ -277,8 +278,7 @@ class HybridParallelStrategy(PipelineStrategyHooks):
 
     def _parallelize(self, module: pl.LightningModule, trainer: pl.Trainer, meta: bool) -> None:
         """Decide the sizes, plan, place, build the meshes and shard ``module`` (tensor, expert, then parameter
-        sharding): the flat list of steps. The layout is decided once; a later setup of an unsharded model (fit,
-        then test) reuses it."""
+        sharding): the flat list of steps. Decided once; a later setup (fit, then test) reuses the layout."""
         if self.parallel_dims.pp_enabled:
             return self._setup_pipeline(module, meta)
         if not meta:  # tp groups shard from their first rank: make every rank hold rank 0's weights

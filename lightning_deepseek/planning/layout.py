@@ -43,6 +43,7 @@ class PlanLayout:
         bits: ``GradientCompression``'s bits (8 or 4, at lds-train's preset block size of those bits: its
             ``compression=int8`` / ``int4``; the plan is of a step past the warm-up) on DDP's buckets; None: DDP's
             fp32 all-reduce.
+        sequence_parallel: ``sequence_parallel`` (with pp and tp: the stages' blocks on ``1 / tp`` of the sequence).
     """
 
     tp: int = 1
@@ -56,6 +57,7 @@ class PlanLayout:
     pp_schedule: str = "1F1B"
     pp_microbatches: int | None = None
     bits: int | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep)):
@@ -77,7 +79,7 @@ class PlanLayout:
                               activation_checkpointing=self.activation_checkpointing,
                               shard_optimizer_states=self.shard_optimizer_states, pp=self.pp,
                               pp_schedule=self.pp_schedule, pp_microbatches=self.pp_microbatches,
-                              bits=self.bits)
+                              bits=self.bits, sp=self.sequence_parallel)
 
     def compression(self) -> CompressionConfig | None:
         """The settings of the compressed exchange ``GradientCompression(bits=bits)`` runs (lds-train's preset of
@@ -100,6 +102,7 @@ class PlanLayout:
             parts += [] if self.reshard_after_forward else ["no-reshard"]
         parts += [f"ac={self.activation_checkpointing}"] if self.activation_checkpointing != "none" else []
         parts += [f"int{self.bits}"] if self.bits is not None else []
+        parts += ["sp"] if self.sequence_parallel else []
         return " ".join(parts)
 
 

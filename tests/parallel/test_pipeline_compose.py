@@ -7,8 +7,9 @@ same batch) with 1F1B, and with Interleaved1F1B under gradient accumulation and 
 routed experts sharded over each stage's two data-parallel ranks, DeepSeek-V3's shape) with DualPipeV and its
 ``pipeline_overlap``, clipping and ``ExpertLoadBalancing`` (its bias updates from every micro-batch's routed counts, as
 one process makes them), and with ZeRO-1 on 1F1B (4 steps; the replicated parameters' states dealt over each stage's two
-dp ranks, the experts' kept: edp=1); HF Llama from a tiny config (random init) at pp=2 x tp=2, its declared attention
-heads sharded beside its feed-forward layers (losses); a pp=2 x tp=2
+dp ranks, the experts' kept: edp=1); HF Llama and Qwen3 (a norm over each head) from tiny configs (random init) at
+pp=2 x tp=2, their declared attention heads sharded beside their feed-forward layers, and with sequence parallelism
+(Qwen3's under full activation checkpointing) (losses); a pp=2 x tp=2
 DCP checkpoint resumed at the same layout and without tp (``test_pipeline_checkpoint.py``'s runs: 10 + 10 steps against
 20 uninterrupted, 1e-6).
 
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -38,8 +40,16 @@ from lightning_deepseek.parallel.pipeline_split import plan_pipeline_split
 from lightning_deepseek.parallel.pipeline_stage_parallel import check_stage_boundaries
 from lightning_deepseek.parallel.plan import Plan, PlanEntry
 from tests.helpers import run_distributed
-from tests.parallel.common import loader, make_trainer, relative_error, token_data
+from tests.parallel.common import (
+    global_indices,
+    lm_loss,
+    loader,
+    make_trainer,
+    relative_error,
+    token_data,
+)
 from tests.parallel.test_expert_strategy import RATE, _balancing
+from tests.parallel.test_pipeline import LAYERS, SEQ, VOCAB
 from tests.parallel.test_pipeline_checkpoint import SaveAtStep, _shared_folder, check_resumed
 from tests.parallel.test_pipeline_checkpoint import _fit as fit_scheduled
 from tests.parallel.test_pipeline_strategy import (
@@ -56,13 +66,40 @@ from tests.parallel.test_pipeline_strategy import (
 pytestmark = pytest.mark.timeout(900)
 
 
-def _llama(world_size: int) -> dict[str, Any]:
-    """HF Llama (tiny config) at pp=2 x tp=2 (1F1B): its losses and its tensor-parallel parameters."""
+QWEN_STEPS = 6
+
+
+def _qwen3() -> nn.Module:
+    """HF Qwen3 from a tiny config: a norm over each attention head (``q_norm``, ``k_norm``) inside the attention."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=SEQ, tie_word_embeddings=False)
+    return transformers.Qwen3ForCausalLM(config).float()
+
+
+def _hf(world_size: int, model: nn.Module | None = None, steps: int = STEPS, **settings: Any) -> dict[str, Any]:
+    """An HF model (Llama by default; tiny config) at pp=2 x tp=2 (1F1B): its losses and tensor-parallel parameters."""
     module = PipelinedLlama()
+    module.model = model if model is not None else module.model
     strategy = HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=4,
-                                      min_shard_params=0)
-    make_trainer(world_size, strategy, max_steps=STEPS).fit(module, loader(token_data(STEPS * MICRO), MICRO))
+                                      min_shard_params=0, **settings)
+    make_trainer(world_size, strategy, max_steps=steps).fit(module, loader(token_data(STEPS * MICRO), MICRO))
     return {"losses": module.losses, "shards": [n for n, p in module.named_parameters() if isinstance(p, DTensor)]}
+
+
+def _qwen3_reference() -> list[float]:
+    model = _qwen3()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    dataset, losses = token_data(STEPS * MICRO), []  # the data of _hf's runs, whatever their steps
+    for step in range(QWEN_STEPS):
+        loss = lm_loss(lambda x: model(x).logits, dataset[global_indices(step, MICRO, len(dataset))])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def _checkpoints(world_size: int) -> dict[str, Any]:
@@ -92,7 +129,10 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
             "ep_zero": _fit(world_size, "1F1B", ep=2, zero=True, steps=4, **MOE),
             **{f"tp_{name}": _fit(world_size, name, tp=2, steps=4) for name in OTHER_SCHEDULES["tp"]},
             **{f"ep_{name}": _fit(world_size, name, ep=2, steps=4, **MOE) for name in OTHER_SCHEDULES["ep"]},
-            "llama": _llama(world_size), "checkpoints": _checkpoints(world_size)}
+            "llama": _hf(world_size), "qwen3": _hf(world_size, _qwen3(), QWEN_STEPS),
+            "llama_sp": _hf(world_size, steps=QWEN_STEPS, sequence_parallel=True),
+            "qwen3_sp": _hf(world_size, _qwen3(), QWEN_STEPS, sequence_parallel=True, activation_checkpointing="full"),
+            "checkpoints": _checkpoints(world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +216,22 @@ def test_pp2_x_tp2_hf_llama_matches_one_process(four_ranks: list[dict[str, Any]]
         projections = {n.split(".")[-2] for n in result["llama"]["shards"]}
         assert len(result["llama"]["shards"]) == 28 and projections == {"q_proj", "k_proj", "v_proj", "o_proj",
                                                                         "gate_proj", "up_proj", "down_proj"}
+
+
+def test_pp2_x_tp2_hf_qwen3_sums_its_head_norms_over_tp(four_ranks: list[dict[str, Any]]) -> None:
+    # q_norm/k_norm see only their rank's heads: without the sum over tp the losses leave 1e-5 from the second step
+    reference = _qwen3_reference()
+    for result in four_ranks:
+        np.testing.assert_allclose(result["qwen3"]["losses"], reference, rtol=TOL)
+        assert len(result["qwen3"]["shards"]) == 28
+
+
+def test_pp2_x_tp2_sequence_parallel_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
+    # the blocks' norms on half the sequence each (their gradients summed over tp); Qwen3's under full checkpointing
+    llama, qwen3 = _llama_reference()[:QWEN_STEPS], _qwen3_reference()
+    for result in four_ranks:
+        np.testing.assert_allclose(result["llama_sp"]["losses"], llama, rtol=TOL)
+        np.testing.assert_allclose(result["qwen3_sp"]["losses"], qwen3, rtol=TOL)
 
 
 def test_pp2_x_tp2_checkpoint_resumes_with_and_without_tp(four_ranks: list[dict[str, Any]]) -> None:
