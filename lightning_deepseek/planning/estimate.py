@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from lightning_deepseek.parallel.placement import LinkCost, all_reduce_seconds, all_to_all_seconds
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.counting import CollectiveCall
+from lightning_deepseek.planning.ddp_exchange import CODEC_PASSES
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.report import PlanReport, RankMemory, Traffic
 
@@ -34,6 +35,8 @@ ASSUMPTIONS = (
     "the across-nodes link, one NIC per GPU",
     "memory: the step's tensors only (no CUDA context, allocator cache or fragmentation)",
 )
+CODEC_ASSUMPTION = (f"gradient compression: a step past its warm-up; quantise and dequantise memory-bound "
+                    f"({CODEC_PASSES} fp32 passes over each compressed bucket at the memory bandwidth) and exposed")
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,10 @@ class GroupInfo:
 class StepMeasurement:
     """What the fake step measured at rank 0; ``phase_peaks`` are the peaks of forward, backward and the optimizer
     step, ``param_sizes`` each replicated trainable parameter's bytes with the position of its block (``-1``: none)
-    in the stepped copy (DDP's buckets are cut from them), ``buffer_bytes`` the buffers DDP broadcasts,
-    ``fp8_flops`` the share of ``flops`` in FP8 GEMMs and ``cast_bytes`` the FP8 casts' traffic (``dtype="fp8"``)."""
+    in the stepped copy (DDP's buckets are cut from them), ``param_ndims`` their dimensions likewise,
+    ``buffer_bytes`` the buffers DDP broadcasts, ``fp8_flops`` the share of ``flops`` in FP8 GEMMs and
+    ``cast_bytes`` the FP8 casts' traffic (``dtype="fp8"``), ``codec_bytes`` gradient compression's quantise and
+    dequantise traffic (:mod:`.ddp_exchange`)."""
 
     memory: RankMemory
     flops: float
@@ -64,6 +69,8 @@ class StepMeasurement:
     buffer_bytes: int = 0
     fp8_flops: float = 0.0
     cast_bytes: int = 0
+    param_ndims: tuple[tuple[int, int], ...] = ()
+    codec_bytes: int = 0
 
 
 def is_fsdp_dim(dim: str) -> bool:
@@ -105,6 +112,7 @@ def estimate(model: str, world_size: int, layout: PlanLayout, cluster: ClusterSp
     peak = cluster.peak_flops(compute_dtype(step))
     compute = compute_seconds(measured.flops, measured.fp8_flops, measured.cast_bytes, cluster, step)
     optimizer = measured.owned_state_elements * ADAMW_BYTES_PER_ELEMENT / (cluster.memory_bandwidth_gbs * 1e9)
+    codec = measured.codec_bytes / (cluster.memory_bandwidth_gbs * 1e9)  # compression's, exposed
     rows: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
     ddp_seconds, last_bucket, fsdp_seconds, first_gather = 0.0, 0.0, 0.0, 0.0
     for call in measured.calls:
@@ -129,14 +137,15 @@ def estimate(model: str, world_size: int, layout: PlanLayout, cluster: ClusterSp
             exposed = fsdp_exposed * seconds / fsdp_seconds
         if dim == "ddp":
             world = next(g for g in measured.groups.values() if g.dim.endswith("world"))
-            group, exposed = GroupInfo("ddp (world)", world.size, world.link), ddp_exposed
+            group, exposed = GroupInfo("ddp (world)", world.size, world.link), ddp_exposed * seconds / ddp_seconds
         traffic.append(Traffic(group.dim, op, group.size, group.link, int(calls), int(num_bytes), seconds, exposed))
     comm = sum(t.exposed_seconds for t in traffic)
-    total = compute + optimizer + comm
+    total = compute + optimizer + comm + codec
     return PlanReport(model=model, world_size=world_size, layout=layout, cluster=cluster.name, step=step,
                       placement=measured.placement, num_sharded_layers=measured.num_sharded_layers,
                       memory=measured.memory, memory_capacity=cluster.memory_bytes, traffic=tuple(traffic),
                       flops=measured.flops, compute_seconds=compute, optimizer_seconds=optimizer, comm_seconds=comm,
                       step_seconds=total, tokens_per_second_per_gpu=step.tokens / total,
-                      mfu=measured.flops / total / peak, plan_seconds=plan_seconds,
-                      assumptions=(*ASSUMPTIONS, f"compute_efficiency={step.compute_efficiency}"))
+                      mfu=measured.flops / total / peak, plan_seconds=plan_seconds, codec_seconds=codec,
+                      assumptions=(*ASSUMPTIONS, f"compute_efficiency={step.compute_efficiency}",
+                                   *([CODEC_ASSUMPTION] if codec else [])))

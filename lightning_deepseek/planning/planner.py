@@ -14,10 +14,11 @@ The steps, the strategy's own code for each (:mod:`lightning_deepseek.parallel`)
    (:mod:`.counting`): forward and backward (BF16 autocast where ``dtype="bf16"``), the strategy's reductions of
    the tensor- and expert-parallel gradients (FSDP2 reduces its shards in backward), the optimizer step (ZeRO-1's
    broadcasts in its hooks);
-4. DDP's gradient all-reduce, which the fake step does not run (DDP's reducer calls the process group from C++), is
-   added from DDP's buckets: the replicated trainable parameters in reverse order, a first bucket of 1 MiB, then
-   ``bucket_cap_mb`` (DDP's rule); its buckets are also memory (``gradient_as_bucket_view=False``, the default);
-   with it, DDP's broadcast of the module's buffers before forward (``broadcast_buffers=True``, its default).
+4. DDP's gradient exchange, which the fake step does not run (DDP's reducer calls the process group from C++), is
+   added from DDP's buckets (:mod:`.ddp_exchange`: DDP's rule; each bucket an fp32 all-reduce, or with
+   ``PlanLayout.bits`` the collectives ``GradientCompression``'s hook issues, its residuals and message buffers in
+   memory and its quantise/dequantise time); its buckets are also memory (``gradient_as_bucket_view=False``, the
+   default); with it, DDP's broadcast of the module's buffers before forward (``broadcast_buffers=True``, its default).
 
 Only rank 0 is stepped: without a pipeline every rank holds the same shapes but ZeRO-1's owned states, whose maximum
 over ranks comes from the partition (``memory_per_rank``, the strategy's own table). Pipelined layouts
@@ -37,7 +38,8 @@ Costs: seconds to a minute of CPU (benchmarks/planning/REPORT.md), growing with 
 ``depth="representative"`` (:mod:`.depth`) three or four blocks of each kind are stepped, not every block; no
 device, no weights. Plans of one model share a :class:`.cache.PlanCache` where given one (``layout="auto"``); block
 detection probes each kind of activation once per plan (``cached_probes``; once per search under ``"auto"``).
-Not supported: gradient accumulation, compression; uneven routing; optimizers other than torch's AdamW.
+Not supported: gradient accumulation; uneven routing; optimizers other than torch's AdamW; compression of FSDP2's
+reduce-scatters or of a pipeline's exchange.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ from lightning_deepseek.parallel.topology import Topology
 from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.counting import CollectiveCall, CollectiveCounter, FlopCounter, LocalOpsOnly
+from lightning_deepseek.planning.ddp_exchange import check_plannable, ddp_exchange
 from lightning_deepseek.planning.depth import check_depth, extrapolate, full_sizes, keep_blocks, layer_kinds
 from lightning_deepseek.planning.estimate import GroupInfo, StepMeasurement, estimate
 from lightning_deepseek.planning.fake_world import fake_world
@@ -88,7 +91,6 @@ from lightning_deepseek.precision.fsdp_policy import fsdp_units, set_mixed_preci
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                      "lightning_utilities.core.rank_zero")
 CPU = torch.device("cpu")
-FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
 
 
 def _heads(shape: Any, heads: int) -> tuple[int, ...]:
@@ -121,18 +123,6 @@ def local_bytes(tensors: list[torch.Tensor]) -> int:
     return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
 
 
-def ddp_buckets(sizes: list[int], bucket_cap_bytes: int) -> list[int]:
-    """Bytes of each DDP bucket of the replicated trainable parameters of ``sizes`` bytes, in the model's order
-    (DDP's rule: reverse order, 1 MiB first)."""
-    buckets, current, cap = [], 0, FIRST_BUCKET_BYTES
-    for size in reversed(sizes):
-        current += size
-        if current >= cap:
-            buckets.append(current)
-            current, cap = 0, bucket_cap_bytes
-    return buckets + ([current] if current else [])
-
-
 def plan(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: ClusterSpec,
          step: StepShape | None = None, depth: str = "representative", cache: PlanCache | None = None) -> PlanReport:
     """Set up the strategy's layout for rank 0 of a fake world and step once; the report (see the module docstring).
@@ -143,9 +133,11 @@ def plan(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: Cluster
         cache: what plans of the same model share (:mod:`.cache`; ``search`` passes one); None: a fresh one.
 
     Raises:
-        ValueError: a size does not divide the world size or an expert count (the strategy's own messages).
+        ValueError: a size does not divide the world size or an expert count (the strategy's own messages), or
+            compression the planner does not model (:func:`.ddp_exchange.check_plannable`).
     """
     check_depth(depth)
+    check_plannable(layout)
     step = step or StepShape()
     if layout.pp > 1:
         from lightning_deepseek.planning.pipeline import plan_pipeline  # it builds on this module
@@ -175,7 +167,7 @@ def _measure(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepSh
     kinds = cache.get(("kinds", key), lambda: layer_kinds(whole())) if depth == "representative" else None
     if kinds is None or not kinds.worth_it:
         measured = _step(model, world_size, layout, step, topology, cluster, cache)
-        sizes = [size for _, size in measured.param_sizes]
+        sizes, ndims = [size for _, size in measured.param_sizes], [ndim for _, ndim in measured.param_ndims]
     else:  # the placement the whole model's tensor-parallel traffic decides, for every copy
         dims = ParallelDims(world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard)
         placement = cache.get(("placement", key, dims.dp, dims.tp, layout.placement), lambda: _placement(
@@ -185,20 +177,24 @@ def _measure(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepSh
         extras = {kind: _step(model, world_size, layout, step, topology, cluster, cache, kinds.with_one_more(kind),
                               placement) for kind in kinds.extended}
         measured = extrapolate(base, extras, kinds)
-        sizes = full_sizes(list(base.param_sizes), kinds)
+        sizes, ndims = full_sizes(list(base.param_sizes), kinds), full_sizes(list(base.param_ndims), kinds)
         if layout.shard_optimizer_states:  # ZeRO-1 deals the owners over every parameter: its step on the whole
             states = _step(model, world_size, layout, step, topology, cluster, cache, placement=placement,
                            optimizer_only=True)
             measured = _with_optimizer_of(measured, states)
-    buckets = ddp_buckets(sizes, int(step.bucket_cap_mb * 2**20)) if world_size > 1 else []
-    calls = [CollectiveCall("all_reduce", dist.group.WORLD.group_name, b, "ddp") for b in buckets]
-    if buckets and measured.buffer_bytes:  # DDP's broadcast_buffers (its default): rank 0's buffers before forward
+    exchange = ddp_exchange(sizes, ndims, world_size, int(step.bucket_cap_mb * 2**20), dist.group.WORLD.group_name,
+                            layout.compression())
+    calls = list(exchange.calls)
+    if calls and measured.buffer_bytes:  # DDP's broadcast_buffers (its default): rank 0's buffers before forward
         calls.insert(0, CollectiveCall("broadcast", dist.group.WORLD.group_name, measured.buffer_bytes))
     forward, backward, optimizer = measured.phase_peaks  # later steps: forward and backward hold the states too
     steady = max(forward + measured.memory.states, backward + measured.memory.states, optimizer)
-    memory = dataclasses.replace(measured.memory, ddp_buckets=sum(buckets), peak=measured.memory.peak + sum(buckets),
-                                 steady_peak=max(steady, measured.memory.peak) + sum(buckets))
-    return dataclasses.replace(measured, memory=memory, calls=measured.calls + tuple(calls))
+    held = exchange.bucket_bytes + exchange.compression_bytes
+    memory = dataclasses.replace(measured.memory, ddp_buckets=exchange.bucket_bytes,
+                                 compression=exchange.compression_bytes, peak=measured.memory.peak + held,
+                                 steady_peak=max(steady, measured.memory.peak) + held)
+    return dataclasses.replace(measured, memory=memory, calls=measured.calls + tuple(calls),
+                               codec_bytes=exchange.codec_bytes)
 
 
 def _with_optimizer_of(measured: StepMeasurement, whole: StepMeasurement) -> StepMeasurement:
@@ -277,13 +273,14 @@ def _tp_plan(cache: PlanCache, key: tuple, keep: tuple[int, ...] | None, module:
 def _step(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
           cluster: ClusterSpec, cache: PlanCache, keep: tuple[int, ...] | None = None, placement: str | None = None,
           optimizer_only: bool = False) -> StepMeasurement:
-    """One step of the model (of the copy keeping the blocks at positions ``keep``), without DDP's buckets;
-    ``optimizer_only``: zero gradients in place of forward and backward (the optimizer's states and collectives),
-    the same under every activation checkpointing (it runs no forward): cached without it."""
+    """One step of the model (of the copy keeping the blocks at positions ``keep``), without DDP's buckets (so
+    the same under every compression: cached without it); ``optimizer_only``: zero gradients in place of forward
+    and backward (the optimizer's states and collectives), the same under every activation checkpointing (it runs
+    no forward): cached without it."""
     key = _cache_key(model, world_size, cluster, step)
     checkpointing = "none" if optimizer_only else layout.activation_checkpointing
     settings = dataclasses.replace(layout, placement=placement or layout.placement,
-                                   activation_checkpointing=checkpointing)
+                                   activation_checkpointing=checkpointing, bits=None)
     return cache.get(("step", key, settings, keep, optimizer_only), lambda: _step_once(
         model, world_size, layout, step, topology, cluster, cache, keep, placement, optimizer_only))
 
@@ -355,12 +352,14 @@ def _step_once(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
                         states_max=max(states_max or 0, state_bytes),  # the estimate leaves out step counters
                         activations=snapshot_bytes(saved, "Activation") + snapshot_bytes(saved, "Temp"),
                         ddp_buckets=0, peak=peak)
-    sizes = tuple((positions.get(name, -1), local_bytes([p])) for name, p in module.named_parameters()
-                  if p.requires_grad and not isinstance(p, DTensor))
+    replicated = [(positions.get(name, -1), p) for name, p in module.named_parameters()
+                  if p.requires_grad and not isinstance(p, DTensor)]
     return StepMeasurement(memory=memory, flops=flops.total, calls=tuple(counter.calls),
                            groups=mesh_groups(mesh, dims, topology), num_sharded_layers=len(tp_plan),
                            placement=placed.policy, owned_state_elements=_owned_elements(optimizer),
-                           phase_peaks=(forward_peak, backward_peak, optimizer_peak), param_sizes=sizes,
+                           phase_peaks=(forward_peak, backward_peak, optimizer_peak),
+                           param_sizes=tuple((at, local_bytes([p])) for at, p in replicated),
+                           param_ndims=tuple((at, p.dim()) for at, p in replicated),
                            buffer_bytes=local_bytes(list(module.buffers())), fp8_flops=flops.fp8,
                            cast_bytes=flops.cast_bytes)
 

@@ -14,8 +14,9 @@ class RankMemory:
     """Bytes one rank holds. ``params``, ``grads`` (after backward), ``states`` (after the step) are counted on the
     sharded tensors; ``states_max`` is the most loaded rank's states (ZeRO-1); ``activations`` is what the memory
     tracker sees held at the end of forward (activations saved for backward and temporaries), ``peak`` its highest
-    total over the first step plus DDP's buckets (``ddp_buckets``); ``steady_peak`` the peak of the steps after it,
-    whose forward and backward run with the optimizer states held (a run's maximum: what must fit)."""
+    total over the first step plus DDP's buckets (``ddp_buckets``) and gradient compression's residuals and message
+    buffers (``compression``); ``steady_peak`` the peak of the steps after it, whose forward and backward run with
+    the optimizer states held (a run's maximum: what must fit)."""
 
     params: int
     grads: int
@@ -25,6 +26,7 @@ class RankMemory:
     ddp_buckets: int
     peak: int
     steady_peak: int = 0
+    compression: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class PlanReport:
     plan_seconds: float
     assumptions: tuple[str, ...]
     pipeline: PipelinePlan | None = None
+    codec_seconds: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -154,8 +157,9 @@ class PlanReport:
         rows = [("parameters", m.params), ("gradients", m.grads), ("optimizer states", m.states)]
         rows += [("optimizer states, most loaded rank", m.states_max)] if m.states_max != m.states else []
         held = "activations at the end of forward" if self.pipeline is None else "activations held (most in flight)"
-        rows += [(held, m.activations), ("DDP buckets", m.ddp_buckets),
-                 ("peak, first step", m.peak), ("peak, later steps (optimizer states held)", m.steady_peak),
+        rows += [(held, m.activations), ("DDP buckets", m.ddp_buckets)]
+        rows += [("compression residuals and messages", m.compression)] if m.compression else []
+        rows += [("peak, first step", m.peak), ("peak, later steps (optimizer states held)", m.steady_peak),
                  ("device memory", self.memory_capacity)]
         unit, scale = ("GiB", GIB) if m.steady_peak >= GIB else ("MiB", 2**20)
         who = "rank 0" if self.pipeline is None else "the most loaded pipeline rank"
@@ -168,6 +172,7 @@ class PlanReport:
                   f"{t.seconds:.4f} | {t.exposed_seconds:.4f} |" for t in self.traffic]
         lines += ["", self.pipeline.table(unit, scale)] if self.pipeline is not None else []
         bubble = f" + pipeline bubble {self.pipeline.bubble_seconds:.3f} s" if self.pipeline is not None else ""
+        bubble += f" + compression codec {self.codec_seconds:.3f} s" if self.codec_seconds else ""
         lines += ["", f"step: {self.step_seconds:.3f} s = compute {self.compute_seconds:.3f} s "
                   f"({self.flops / 1e12:.1f} TFLOP) + optimizer {self.optimizer_seconds:.3f} s + exposed "
                   f"communication {self.comm_seconds:.3f} s{bubble}; {self.tokens_per_second_per_gpu:,.0f} tokens/s "
