@@ -3,9 +3,10 @@
 Resolves ``model=`` (a preset of ``conf/plan/presets/model``, ``lds-<preset>`` for this package's GPT presets, or
 a local transformers ``config.json``) and ``cluster=`` (a preset of ``conf/plan/presets/cluster`` or a user's YAML
 file), plans the layout the ``strategy.*`` settings give (``layout=manual``) or searches every supported one
-(``layout=auto``), and prints a table or JSON (``output=json``). An unknown preset, a cluster file lacking a
-field, a layout the world size cannot hold, or a model that fits no layout end in one paragraph on stderr and exit
-code 2.
+(``layout=auto``), with ``compression=`` (``none``, ``int8``, ``int4``: ``GradientCompression`` as lds-train's
+presets set it) on DDP's buckets, and prints a table or JSON (``output=json``). An unknown preset, a cluster file
+lacking a field, a layout the world size cannot hold, or a model that fits no layout end in one paragraph on stderr
+and exit code 2.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ CONFIG_DIR = Path(__file__).resolve().parent / "conf" / "plan"
 PRESETS_DIR = CONFIG_DIR / "presets"
 PLAN_ERROR_PREFIX = "lds-plan: error: "
 LDS_PREFIX = "lds-"
+COMPRESSION_BITS = {"none": None, "int8": 8, "int4": 4}  # lds-train's compression= presets: their bits
 
 
 def _presets(folder: str) -> list[str]:
@@ -80,6 +82,9 @@ def run_plan(cfg: DictConfig) -> int:
 
     if cfg.layout not in ("manual", "auto") or cfg.output not in ("table", "json"):
         raise ConfigError(f"layout={cfg.layout!r} must be manual or auto, output={cfg.output!r} table or json.")
+    if cfg.compression not in COMPRESSION_BITS:
+        raise ConfigError(f"compression={cfg.compression!r} must be one of {', '.join(map(str, COMPRESSION_BITS))} "
+                          "(lds-train's compression presets; layout=auto plans each).")
     if not isinstance(cfg.world_size, int) or cfg.world_size < 1:
         raise ConfigError(f"world_size={cfg.world_size!r} must be a positive integer.")
     model, cluster = resolve_model(str(cfg.model)), resolve_cluster(str(cfg.cluster))
@@ -89,7 +94,8 @@ def run_plan(cfg: DictConfig) -> int:
     if cfg.layout == "manual":
         layout = PlanLayout(s.tensor_parallel_size, s.expert_parallel_size, s.shard_optimizer_states, s.placement,
                             s.data_parallel_shard_size, s.reshard_after_forward, s.activation_checkpointing,
-                            s.pipeline_parallel_size, s.pipeline_schedule, s.pipeline_microbatches)
+                            s.pipeline_parallel_size, s.pipeline_schedule, s.pipeline_microbatches,
+                            COMPRESSION_BITS[cfg.compression])
         report = plan(model, cfg.world_size, layout, cluster, step, cfg.depth)
         print(json.dumps(report.to_dict(), indent=1) if cfg.output == "json" else report.table())
         return 0
