@@ -135,7 +135,8 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
             held += stage.first_backward_keeps if first else stage.released - again
             kept.add(index)
             gathered.add(index)
-            calls += stage.backward_calls if previous.get(index) == "F" else ()
+            calls += stage.backward_calls if previous.get(index) == "F" else _recurring(stage.backward_calls,
+                                                                                         rank.groups)
             if index > 0 and stage_rank[index - 1] != rank.pp_rank:
                 calls.append(CollectiveCall("send", pp, stage.input_bytes, "pipeline"))
             if index < last and stage_rank[index + 1] != rank.pp_rank:
@@ -148,6 +149,14 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
     peak = max(rank.params + rank.states + buffers + most, rank.exchange_peak + buffers)
     return _Composed(first_peak, peak, most_acts, buffers, tuple(calls) + rank.exchange_calls,
                      held_forwards(actions))
+
+
+def _recurring(calls: tuple[CollectiveCall, ...], groups: dict[str, GroupInfo]) -> tuple[CollectiveCall, ...]:
+    """The calls of a backward that a backward right after another backward of its stage runs too: all but FSDP2's
+    gathers over the stage's ``dp`` or ``edp`` (the blocks stay gathered between backwards); the all-to-alls of
+    expert parallelism and the all-reduces of tensor parallelism run in every backward."""
+    return tuple(c for c in calls if not (c.op == "all_gather" and c.group in groups
+                                          and groups[c.group].dim.split("/")[0] in ("dp", "edp")))
 
 
 def _link(topology: Topology, cluster: ClusterSpec, a: int, b: int) -> LinkCost:
