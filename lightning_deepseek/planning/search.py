@@ -4,11 +4,11 @@ planned (:func:`lightning_deepseek.planning.plan`), those that fit kept and rank
 The axes: ``tensor_parallel_size`` (the divisors of the world size up to the GPUs of a node: a ``tp`` group
 crossing nodes gathers activations over the slow link), ``expert_parallel_size`` (the divisors of the world size
 that divide every MoE layer's expert count; 1 for dense models), the sharding (none, ZeRO-1, FSDP2 over a node with
-replicas across nodes (HSDP), FSDP2 over the world) and activation checkpointing (none, selective, full);
-placement is the strategy's ``"auto"``; pipeline stages (``pp`` of 2, 4, 8) and their schedule
-(:func:`pipelined_layouts`, at the schedule's least micro-batches). A layout the strategy refuses (a ``tp``
-dividing no feed-forward width) is listed as rejected with the strategy's reason. Micro-batch counts and
-compression each become one more axis of :func:`candidate_layouts` when wanted.
+replicas across nodes (HSDP), FSDP2 over the world), activation checkpointing (none, selective, full) and, where
+DDP's buckets exist, ``GradientCompression``'s bits (none, 8, 4); placement is the strategy's ``"auto"``; pipeline
+stages (``pp`` of 2, 4, 8) and their schedule (:func:`pipelined_layouts`, at the schedule's least micro-batches). A
+layout the strategy refuses (a ``tp`` dividing no feed-forward width) is listed as rejected with the strategy's
+reason. Micro-batch counts become one more axis of :func:`candidate_layouts` when wanted.
 
 Costs: one plan per candidate (see :mod:`.planner`), each of a few representative blocks (:mod:`.depth`). With
 ``cache=True`` (the default) the candidates share what does not change between them (:mod:`.cache`: block kinds,
