@@ -5,7 +5,8 @@ afresh (``cache=False``) and a check that both give the same fastest ``--top`` p
 
 Usage: ``PYTHONPATH=. .venv/bin/python benchmarks/planning/bench_search.py CASE [--pipelined] [--uncached]
 [--top K]`` with CASE one of ``llama3-8b``, ``llama3-70b``, ``deepseek-v3``; ``--pipelined``: the pipelined
-candidates (pp > 1) instead of the others; ``--top``: as ``lds-plan``'s ``top`` (5; 0: every layout planned).
+candidates (pp > 1) instead of the others; ``--top``: as ``lds-plan``'s ``top`` (5; 0: every layout planned);
+``--budget``: CPU seconds after which the search is stopped and its rate so far printed (default: none).
 """
 
 from __future__ import annotations
@@ -27,12 +28,17 @@ CASES = {  # model, world size, cluster, step
 }
 
 
+class OutOfBudget(Exception):
+    """The ``--budget`` of CPU seconds is spent."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=sorted(CASES))
     parser.add_argument("--pipelined", action="store_true")
     parser.add_argument("--uncached", action="store_true")
     parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=None)
     args = parser.parse_args()
     name, world_size, cluster_name, step = CASES[args.case]
     model, cluster = resolve_model(name), resolve_cluster(cluster_name)
@@ -45,20 +51,31 @@ def main() -> None:
 
     def progress(*plan_args: Any, **kwargs: Any) -> Any:  # a line per plan: a long search's rate so far
         report = plan(*plan_args, **kwargs)
+        done.append(report)
         print(f"  planned {report.layout.describe(world_size)}: {report.plan_seconds:.1f} s wall, "
               f"{time.process_time() - started:.1f} CPU s so far", flush=True)
+        if args.budget is not None and time.process_time() - started > args.budget:
+            raise OutOfBudget
         return report
 
     search_module.plan = progress
     runs = [True, False] if args.uncached else [True]
+    done: list[Any] = []
     results = {}
     for cache in runs:
         started = time.process_time()
-        result = search(model, world_size, cluster, step, layouts, cache=cache, top=args.top or None)
+        done.clear()
+        try:
+            result = search(model, world_size, cluster, step, layouts, cache=cache, top=args.top or None)
+        except OutOfBudget:
+            seconds = time.process_time() - started
+            print(f"| {args.case} x {world_size} | stopped after {len(done)} plans ({len(done) / seconds:.3f} plans / "
+                  f"CPU s), {seconds:.1f} CPU s |")
+            return
         seconds = time.process_time() - started
         results[cache] = result
         planned = len(result.fitting) + len(result.not_fitting)
-        by_compute = sum("compute alone" in why for _, why in result.pruned)
+        by_compute = sum("fastest fitting" in why for _, why in result.pruned)
         print(f"| {args.case} x {world_size} {'pp>1' if args.pipelined else 'pp=1'} | "
               f"{'cached' if cache else 'uncached'} | {len(layouts)} | {planned} planned, {len(result.pruned)} "
               f"pruned ({by_compute} by compute), {len(result.rejected)} refused, {len(result.fitting)} fit | "

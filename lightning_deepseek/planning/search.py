@@ -19,10 +19,11 @@ under another activation checkpointing (model states do not depend on it), or, f
 ZeRO-1 (which holds fewer optimizer states and the same parameters, gradients and buckets). The later steps' peak
 holds the parameters, gradients, optimizer states and DDP's buckets at once (the optimizer step), so a pruned layout
 is one that would not fit: such layouts are listed in :attr:`SearchResult.pruned` with the bound, not planned. With
-``top``, a layout is also pruned when its compute alone exceeds the step time of the ``top``-th fastest fitting plan
-so far (a step is at least its compute): the compute of a planned layout that differs from it only in how the
-data-parallel ranks shard the model states (ZeRO-1, FSDP2's sizes: the same blocks run on the same shapes), under
-the same activation checkpointing or one recomputing less (none, selective, full); layouts are planned in that order.
+``top``, a layout is also pruned when its compute and exposed tensor- and expert-parallel collectives alone (compute
+alone under a pipeline) exceed the step time of the ``top``-th fastest fitting plan so far: those of a planned layout
+that differs from it only in how the data-parallel ranks shard the model states (ZeRO-1, FSDP2's sizes: the same
+blocks run on the same shapes and send the same activations), under the same activation checkpointing or one
+recomputing less (none, selective, full); layouts are planned in that order.
 The fitting plans are those of ``cache=False``, the ``top`` fastest where ``top`` is given
 (``tests/planning/test_cache.py``); the speed: benchmarks/planning/REPORT.md.
 """
@@ -56,6 +57,7 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # FSDP2 under them needs reshard_a
 # Checkpointing modes by what they recompute, each a superset of the previous one's: "selective" recomputes a block's
 # cheap ops and half its matrix multiplies, "full" its whole forward.
 RECOMPUTE_ORDER = ("none", "selective", "full")
+PARALLEL_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # the tp and ep collectives of forward and backward
 
 Bound = tuple[PlanLayout, int]  # a planned layout and its model states per rank (bytes)
 
@@ -177,10 +179,11 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
             continue
         slowest = fastest[top - 1] if top is not None and len(fastest) >= top else None
         sibling = _least_compute(layout, computes) if slowest is not None else None
-        if sibling is not None and sibling.compute_seconds > slowest:
-            pruned.append((index, layout, f"compute alone at least {sibling.compute_seconds:.3f} s (that of "
-                           f"{sibling.layout.describe(world_size)}) exceeds the step time of the {top} fastest "
-                           f"fitting layouts ({slowest:.3f} s at most)"))
+        if sibling is not None and _least_seconds(sibling) > slowest:
+            least = _least_seconds(sibling)
+            pruned.append((index, layout, f"compute and exposed tp / ep collectives alone at least {least:.3f} s "
+                           f"(those of {sibling.layout.describe(world_size)}) exceed the step time of the {top} "
+                           f"fastest fitting layouts ({slowest:.3f} s at most)"))
             continue
         try:
             report = plan(model, world_size, layout, cluster, step, depth, shared)
@@ -271,7 +274,17 @@ def _least_compute(layout: PlanLayout, computes: dict[tuple, list[PlanReport]]) 
     mode = RECOMPUTE_ORDER.index(layout.activation_checkpointing)
     same = [r for r in computes.get(_compute_key(layout), [])
             if RECOMPUTE_ORDER.index(r.layout.activation_checkpointing) <= mode]
-    return max(same, key=lambda r: r.compute_seconds, default=None)
+    return max(same, key=_least_seconds, default=None)
+
+
+def _least_seconds(report: PlanReport) -> float:
+    """The step time of a layout that differs from ``report``'s only in its sharding is at least its compute and,
+    without a pipeline, its exposed tensor- and expert-parallel collectives of forward and backward (the same
+    groups and bytes; they add to the compute, see :mod:`.estimate`)."""
+    if report.layout.pp > 1:
+        return report.compute_seconds
+    return report.compute_seconds + sum(t.exposed_seconds for t in report.traffic
+                                        if t.op in PARALLEL_OPS and set(t.dim.split("/")) <= {"tp", "ep"})
 
 
 def _without_checkpointing(layout: PlanLayout) -> PlanLayout:

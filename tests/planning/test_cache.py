@@ -16,14 +16,15 @@ from lightning_deepseek.parallel.plan import plan_blocks
 from lightning_deepseek.planning import PlanLayout
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.report import PlanReport
-from lightning_deepseek.planning.search import ParameterShards, SearchResult, _compute_key, search
+from lightning_deepseek.planning.search import ParameterShards, SearchResult, _compute_key, _least_seconds, search
 from tests.planning.test_against_real_runs import CLUSTER
 from tests.planning.test_depth import DENSE, MIXED, STEP
 
 LAYOUTS = [PlanLayout(shard_optimizer_states=True), PlanLayout(shard_optimizer_states=True,
                                                                activation_checkpointing="full"),
            PlanLayout(), PlanLayout(tp=2, shard_optimizer_states=True), PlanLayout(dp_shard=4,
-                                                                                   activation_checkpointing="full")]
+                                                                                   activation_checkpointing="full"),
+           PlanLayout(tp=2, dp_shard=2)]
 
 
 # CLUSTER's compute, links and memory so fast that a step is about its compute: a layout under full checkpointing is
@@ -77,12 +78,14 @@ def test_least_states_bound_the_planned_states(uncached: SearchResult) -> None:
 
 
 def test_compute_depends_on_no_sharding(uncached: SearchResult) -> None:
-    """What pruning by compute assumes: layouts that differ only in how they shard the model states compute alike;
-    checkpointing only adds compute."""
+    """What pruning by compute assumes: layouts that differ only in how they shard the model states compute alike
+    and send the same tensor-parallel collectives; checkpointing only adds compute."""
     by_key: dict[tuple, dict[str, set[float]]] = {}
     for report in uncached.fitting:
         by_key.setdefault(_compute_key(report.layout), {}).setdefault(report.layout.activation_checkpointing,
-                                                                     set()).add(report.compute_seconds)
+                                                                     set()).add(_least_seconds(report))
+    tp2 = by_key[_compute_key(PlanLayout(tp=2))]["none"]
+    assert len(tp2) == 1 and min(tp2) > min(by_key[_compute_key(PlanLayout())]["none"])  # ZeRO-1 and FSDP2 alike
     assert all(len(seconds) == 1 for modes in by_key.values() for seconds in modes.values())
     tp1 = by_key[_compute_key(PlanLayout())]
     assert len(tp1["full"]) == 1 and min(tp1["full"]) > max(tp1["none"])
@@ -90,10 +93,11 @@ def test_compute_depends_on_no_sharding(uncached: SearchResult) -> None:
 
 def test_layouts_pruned_by_compute_would_not_rank(uncached: SearchResult) -> None:
     cached = search(DENSE, 4, FAST, STEP, CHECKPOINTED, top=1)
-    assert [layout for layout, _ in cached.pruned] == [LAYOUTS[4]] and "compute alone" in cached.pruned[0][1]
+    assert [layout for layout, _ in cached.pruned] == [LAYOUTS[4]]
     by_layout = {r.layout: r for r in uncached.fitting}  # planned afresh, on a cluster of the same compute
     assert [r.compute_seconds for r in cached.fitting] == [by_layout[lay].compute_seconds for lay in LAYOUTS[:2]]
     assert by_layout[LAYOUTS[4]].compute_seconds > cached.fitting[0].step_seconds  # so is its step time
+    assert "compute and exposed tp / ep collectives alone" in cached.pruned[0][1]
 
 
 def test_cached_probes_find_the_same_blocks() -> None:
