@@ -3,7 +3,7 @@
 counted at the dispatcher (``CollectiveCounter``, as every real run of ``tests/planning`` is counted): the bytes per
 (mesh dimension, op) and the model states equal, the peak within ``PEAK_TOLERANCE``. Without processes: the
 two-phase exchange (more than two ranks) sends what the hook's own byte count says, and the buckets the hook leaves
-fp32 are planned as DDP's all-reduce.
+fp32 are planned as DDP's all-reduce; the bits axis of ``layout=auto`` and lds-plan's ``compression=``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,16 @@ import pytest
 import torch
 
 from lightning_deepseek import GradientCompression, HybridParallelStrategy
+from lightning_deepseek.app.errors import ConfigError
+from lightning_deepseek.app.plan import run_plan
 from lightning_deepseek.compression.state import compressed_bytes
 from lightning_deepseek.planning import PlanLayout, StepShape, plan
 from lightning_deepseek.planning.ddp_exchange import ddp_exchange
+from lightning_deepseek.planning.search import candidate_layouts
 from tests.helpers import run_distributed
 from tests.planning.real_run import PlannedModule, StepCounter
 from tests.planning.test_against_real_runs import CLUSTER, DENSE, MICRO, PEAK_TOLERANCE, SEQ
+from tests.planning.test_lds_plan import SMALL, config
 
 BITS = (8, 4)
 DDP = "ddp (world)"  # the plan's label of DDP's exchange
@@ -99,3 +103,21 @@ def test_compression_of_unmodelled_exchanges_is_refused() -> None:
         plan(DENSE, 4, PlanLayout(dp_shard=2, bits=8), CLUSTER)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not planned"):
         plan(DENSE, 4, PlanLayout(pp=2, bits=4), CLUSTER)
+
+
+def test_bits_axis_of_layout_auto() -> None:
+    layouts = candidate_layouts(4, 4, [], 0)
+    unsharded = [lay for lay in layouts if lay.dp_shard == 1 and lay.tp < 4 and lay.pp == 1]  # DDP over dp > 1
+    assert sorted(lay.bits or 0 for lay in unsharded) == sorted([0, 4, 8] * (len(unsharded) // 3))
+    assert all(lay.bits is None for lay in layouts if lay not in unsharded)
+    with pytest.raises(ValueError, match="compression bits=2 cannot be planned: use None"):
+        PlanLayout(bits=2)
+
+
+def test_lds_plan_compression(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_plan(config(*SMALL, "compression=int8")) == 0
+    table = capsys.readouterr().out
+    assert "layout dp=4 tp=1 int8" in table and "| ddp (world) | all_to_all | 4 |" in table
+    assert "| compression residuals and messages |" in table and "compression codec" in table
+    with pytest.raises(ConfigError, match="compression='int2' must be one of none, int8, int4"):
+        run_plan(config(*SMALL, "compression=int2"))
