@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, _redistribute
+from torch.distributed.tensor import _redistribute
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 # torch 2.11-2.13 register the "fake" backend only in this testing module; there is no public FakeStore
 # (torchtitan imports it from here for COMM_MODE=fake_backend as well).
@@ -38,8 +39,9 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
 
 def _clear_dtensor_caches() -> None:
-    # private LRU caches, in torch 2.11-2.13: the sharding propagator's and the redistribute planner's
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    # private LRU caches, in torch 2.11-2.13: the sharding propagator's (Python and the C++ fast path's: torch's
+    # debug module clears both) and the redistribute planner's
+    _clear_sharding_prop_cache()
     getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()
     for name in ("_gen_transform_infos", "_gen_transform_infos_non_cached"):
         cached = getattr(_redistribute, name, None)
