@@ -22,8 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "elastic_train.py"
 BLOCK_SIZE = 16
 CORPUS_BYTES = 1139  # 64 training windows of 16 bytes: 8 optimizer steps per epoch
-# The job of the end-to-end tests (torchrun, SLURM): 5 epochs; the same options give one reference run for both.
-GLOBAL_BATCH, MICRO_BATCH, MAX_STEPS, CHECKPOINT_EVERY = 8, 2, 40, 4
+# The job of the end-to-end tests (torchrun, SLURM): 6 epochs, so that a resize delayed on a loaded runner still lands
+# mid-training; the same options give one reference run for both.
+GLOBAL_BATCH, MICRO_BATCH, MAX_STEPS, CHECKPOINT_EVERY = 8, 2, 48, 4
 JOB_OPTIONS = dict(max_steps=MAX_STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
                    checkpoint_every=CHECKPOINT_EVERY, corpus_bytes=CORPUS_BYTES)
 

@@ -60,7 +60,7 @@ def test_shrink_and_grow_keep_global_batch_and_see_every_sample_once(tmp_path: P
                                                                      reference_run: ReferenceRun) -> None:
     run_dir = tmp_path / "elastic"
     (run_dir / "audit").mkdir(parents=True)
-    # 0.15 s per micro-batch: every resize and the crash land mid-training (the crash some 20 steps before the end).
+    # 0.15 s per micro-batch: every resize and the crash land mid-training (the crash some 30 steps before the end).
     job = JobSpec("test-elastic", script_args(run_dir, step_sleep=0.15, audit_dir=run_dir / "audit", **JOB_OPTIONS),
                   min_workers=1, max_workers=2, run_dir=run_dir)
     # Heartbeats may be late on a loaded 2-core runner (an agent counted as gone would add a rendezvous round), and
