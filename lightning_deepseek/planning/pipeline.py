@@ -49,6 +49,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_deepseek.moe.protocol import find_expert_layers
 from lightning_deepseek.parallel.dims import ParallelDims
+from lightning_deepseek.parallel.memory import setup_optimizer_states
 from lightning_deepseek.parallel.pipeline import PipelineRunner
 from lightning_deepseek.parallel.pipeline_loop import split_lightning_module
 from lightning_deepseek.parallel.topology import Topology
@@ -205,7 +206,8 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     holder = _Holder(module, model)
     dims = ParallelDims(world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard, pp=layout.pp)
     mesh = dims.build_mesh("cpu")
-    loop = split_lightning_module(holder, mesh, layout.settings(), CPU)
+    settings = dataclasses.replace(layout.settings(), min_shard_params=step.min_shard_params)
+    loop = split_lightning_module(holder, mesh, settings, CPU)
     with mode:  # the strategy materialises only the rank's stages; here as fake tensors of this plan's mode
         holder.model.to_empty(device=CPU)
     if step.fsdp_bf16 and dims.fsdp_enabled:  # StagedPrecision's BF16 stage on the stages' units
@@ -216,6 +218,7 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     pairs = overlapped(runner.schedule.pipeline_order) if layout.pp_schedule != "1F1B" else {}
     params = [p for p in holder.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
+    setup_optimizer_states([optimizer], pp_rank * dims.dp * dims.tp, world_size, mesh, layout.shard_optimizer_states)
     tracker, counter, flops = MicroBatchMemTracker(), CollectiveCounter(), FlopCounter(CPU_SDPA)
     tracker.track_external(holder.model, optimizer)
     autocast = torch.autocast("cpu", torch.bfloat16) if step.dtype == "bf16" else contextlib.nullcontext()
@@ -237,13 +240,14 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
             for torch_stage in runner.stages:
                 torch_stage.perform_reduce_grad(1)  # FSDP2's reduce-scatter at the end of the schedule
             loop.reduce_gradients()
+            grads = local_bytes([p.grad for p in params if p.grad is not None])  # before ZeRO-1's step frees some
             counter.phase = "optimizer"
             optimizer.step()
         exchange_peak = peaks.peak()
     states = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     owned = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in optimizer.state)
     rank = RankStep(pp_rank, stages, local_bytes(list(holder.model.parameters())),
-                    local_bytes([p.grad for p in params if p.grad is not None]), local_bytes(states),
+                    grads, local_bytes(states),
                     tuple(counter.calls[exchange_start:]), exchange_peak, owned,
                     mesh_groups(mesh, dims, topology), loop.pp_group.group_name,
                     sum(1 for m in holder.model.modules() if _tensor_parallel(getattr(m, "weight", None))))
