@@ -23,12 +23,13 @@ def _steps(rank: int, world_size: int, names: list[str]) -> list[dict[str, Any]]
 
 def _row(world_size: int, name: str, memory: dict[str, int], traffic: dict | None, measured: dict[str, Any]) -> str:
     same = all(memory[k] == measured[k] for k in ("params", "grads", "states"))
-    states = " / ".join(f"{memory[k]:,}" for k in ("params", "grads", "states"))
+    states = " / ".join(f"{memory[k]:,}" if memory[k] == measured[k] else f"{memory[k]:,} vs {measured[k]:,}"
+                        for k in ("params", "grads", "states"))
     calls = [] if traffic is not None else ["(the plan gives the most loaded pipeline rank's)"]
     for (dim, op), planned in sorted((traffic or {}).items()):
         got = measured["traffic"].get((dim, op), 0)
-        calls.append(f"{dim} {op} {planned:,}" if planned == got else
-                     f"**{dim} {op} {planned:,} vs {got:,} ({(planned - got) / got:+.1%})**")
+        calls.append(f"{dim} {op} {planned:,}" if planned == got else f"**not measured: {dim} {op} {planned:,}**"
+                     if not got else f"**{dim} {op} {planned:,} vs {got:,} ({(planned - got) / got:+.1%})**")
     missing = set(measured["traffic"]) - set(traffic) if traffic is not None else set()
     calls += [f"**not planned: {dim} {op}**" for dim, op in sorted(missing)]
     peak, real_peak = memory["peak"], measured["peak"]

@@ -11,8 +11,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_deepseek import HybridParallelStrategy
@@ -43,16 +45,29 @@ class PlannedModule(pl.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
 
 
+class _NoModuleHooks(ModTracker):
+    """A ``ModTracker`` that installs no hooks: its gradient hooks on a stage's input refuse the input-gradient
+    ``autograd.grad`` of a split backward (ZBVZeroBubble, DualPipeV); the tracker's totals and peak need none."""
+
+    def __enter__(self) -> ModTracker:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
 class StepCounter(pl.Callback):
     """Counts one training step: collectives by (mesh dimension, op), gradient bytes before the optimizer step,
     parameter and optimizer-state bytes after it; under a pipeline, the step ``counted`` (the first step also
     infers the stages' shapes) and the receive buffers torch's stages hold."""
 
-    def __init__(self, gpus_per_node: int, counted: int = 0) -> None:
+    def __init__(self, gpus_per_node: int, counted: int = 0, split_backward: bool = False) -> None:
         self.gpus_per_node = gpus_per_node
         self.counted = counted
         self.counter = CollectiveCounter()
         self.tracker = MicroBatchMemTracker()
+        if split_backward:  # MemTracker takes no ModTracker argument: its private one replaced
+            self.tracker._mod_tracker = _NoModuleHooks()
         self.local_ops = LocalOpsOnly()
         self.ddp_bytes: list[int] = []
         self.result: dict[str, Any] = {}
@@ -127,6 +142,9 @@ def real_step(spec: ModelSpec, layout: PlanLayout, world_size: int, micro_batch_
               gpus_per_node: int) -> dict[str, Any]:
     """One training step of ``spec`` at ``layout`` on this rank's real process group (collective)."""
     pl.seed_everything(0, verbose=False)
+    # DTensor caches sharding by a mesh's value (ranks, names): an equal mesh of an earlier fit would lend this one's
+    # tensor-parallel collectives its groups, unlabelled here (torch's debug module holds the only reset)
+    _clear_sharding_prop_cache()
     module = PlannedModule(spec)
     topology = ";".join(",".join(map(str, island)) for island in cluster_topology(world_size, gpus_per_node).islands)
     cluster = Cluster(topology=topology, link_costs={"intra": {"bandwidth_gbit": 16}, "inter": {"bandwidth_gbit": 1}})
@@ -139,7 +157,8 @@ def real_step(spec: ModelSpec, layout: PlanLayout, world_size: int, micro_batch_
                                       activation_checkpointing=layout.activation_checkpointing,
                                       placement=layout.placement, cluster=cluster, **pipeline)
     steps = 2 if layout.pp > 1 else 1  # a pipeline's first step also infers the stages' shapes: count the second
-    counter = StepCounter(gpus_per_node, counted=steps - 1)
+    counter = StepCounter(gpus_per_node, counted=steps - 1,
+                          split_backward=layout.pp_schedule in ("ZBVZeroBubble", "DualPipeV"))
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=[counter])

@@ -1,6 +1,6 @@
 """The plan of each layout the strategy supports against one real step on 2 and 4 gloo processes (DDP, tensor and
-expert parallelism, ZeRO-1, FSDP2, HSDP, activation checkpointing, pipelines: every pipeline rank against the
-plan's row for it, at the second step): the model-state bytes per rank (parameters,
+expert parallelism, ZeRO-1, FSDP2 (with tp), HSDP, activation checkpointing, pipelines of every schedule and with
+tp, ep, ZeRO-1 or FSDP2: every pipeline rank against the plan's row for it, at the second step): the model-state bytes per rank (parameters,
 gradients, optimizer states, from the sharded tensors) exactly; the bytes per step of every (mesh dimension,
 collective) exactly, except the expert all-to-all's token rows, which follow the real router's choices (the plan
 assumes uniform routing): their relative error is bounded; and the peak of the step's allocations as torch's
@@ -20,6 +20,7 @@ from tests.helpers import run_distributed
 from tests.planning.real_run import real_step
 
 DENSE = ModelSpec("lds-tiny", "lds", dict(PRESETS["tiny"]))
+DEEP = ModelSpec("lds-tiny-4", "lds", dict(PRESETS["tiny"], n_layer=4))  # two stages per rank (V, interleaved)
 MOE = ModelSpec("mixtral-tiny", "hf", dict(model_type="mixtral", hidden_size=64, intermediate_size=128,
                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                            vocab_size=256, max_position_embeddings=128, num_local_experts=4,
@@ -34,14 +35,19 @@ CASES = {
         ("zero1", DENSE, PlanLayout(shard_optimizer_states=True)), ("ep=2", MOE, PlanLayout(ep=2)),
         ("fsdp=2", DENSE, PlanLayout(dp_shard=2)),
         ("fsdp=2 ac=full", DENSE, PlanLayout(dp_shard=2, activation_checkpointing="full")),
-        ("pp=2", DENSE, PlanLayout(pp=2))],
+        ("pp=2", DENSE, PlanLayout(pp=2)),
+        *[(f"pp=2 {name}", DEEP, PlanLayout(pp=2, pp_schedule=name))
+          for name in ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")]],
     4: [("ddp", DENSE, PlanLayout()), ("tp=2", DENSE, PlanLayout(tp=2)),
         ("tp=2 zero1", DENSE, PlanLayout(tp=2, shard_optimizer_states=True)),
         ("ep=2 zero1", MOE, PlanLayout(ep=2, shard_optimizer_states=True)),
         ("fsdp=4", DENSE, PlanLayout(dp_shard=4)), ("hsdp=2x2", DENSE, PlanLayout(dp_shard=2)),
         ("fsdp=4 ac=full", DENSE, PlanLayout(dp_shard=4, activation_checkpointing="full")),
         ("fsdp=2 ep=2 ac=selective", MOE, PlanLayout(ep=2, dp_shard=2, activation_checkpointing="selective")),
-        ("pp=2 dp=2", DENSE, PlanLayout(pp=2)), ("pp=2 fsdp=2", DENSE, PlanLayout(pp=2, dp_shard=2))],
+        ("tp=2 fsdp=2", DENSE, PlanLayout(tp=2, dp_shard=2)),
+        ("pp=2 dp=2", DENSE, PlanLayout(pp=2)), ("pp=2 fsdp=2", DENSE, PlanLayout(pp=2, dp_shard=2)),
+        ("pp=2 dp=2 zero1", DENSE, PlanLayout(pp=2, shard_optimizer_states=True)),
+        ("pp=2 tp=2", DENSE, PlanLayout(pp=2, tp=2)), ("pp=2 ep=2", MOE, PlanLayout(pp=2, ep=2))],
 }
 ALL_TO_ALL_TOLERANCE = 0.5  # routing of a freshly initialised router on random tokens is far from uniform
 PEAK_TOLERANCE = 0.10  # the peak's error is reported in benchmarks/planning/REPORT.md (0.0% bar the all-to-all's)
