@@ -1,10 +1,10 @@
-"""The plan of each layout the strategy supports against one real step on 2 and 4 gloo processes (DDP, tensor and
-expert parallelism, ZeRO-1, FSDP2 (with tp), HSDP, activation checkpointing, pipelines of every schedule and with
-tp, ep, ZeRO-1 or FSDP2: every pipeline rank against the plan's row for it, at the second step): the model-state bytes per rank (parameters,
-gradients, optimizer states, from the sharded tensors) exactly; the bytes per step of every (mesh dimension,
-collective) exactly, except the expert all-to-all's token rows, which follow the real router's choices (the plan
-assumes uniform routing): their relative error is bounded; and the peak of the step's allocations as torch's
-``MemTracker`` sees them within ``PEAK_TOLERANCE`` (the issue's target: 10%).
+"""The plan of each layout the strategy supports against one real step on 2 and 4 gloo processes (DDP, tensor and expert
+parallelism, ZeRO-1, FSDP2 (with tp), HSDP, activation checkpointing, pipelines of every schedule and with tp, ep,
+ZeRO-1 or FSDP2: every pipeline rank against the plan's row for it, at the second step): the model-state bytes per
+rank (parameters, gradients, optimizer states, from the sharded tensors) exactly; the bytes per step of every (mesh
+dimension, collective) exactly, except the expert all-to-all's token rows, which follow the real router's choices
+(the plan assumes uniform routing): their relative error is bounded; and the peak of the step's allocations as
+torch's ``MemTracker`` sees them within ``PEAK_TOLERANCE`` (the issue's target: 10%).
 """
 
 from __future__ import annotations
