@@ -1,7 +1,8 @@
 """Pipelined plans without a process group of their own: the schedules' orders (1F1B's written out, torch's tables
 replayed), and one large-world plan of each of two schedules (1,024 fake ranks, FSDP2 over each stage's 256 ``dp``
 ranks): the micro-batches each stage holds in flight as torch's tables give them, the point-to-point bytes per step,
-the model states per pipeline rank, and the smaller bubble of the interleaved schedule."""
+the model states per pipeline rank, and the smaller bubble of the interleaved schedule; sequence parallelism's
+collectives and smaller activations (a tiny HF Llama at pp=2 x tp=2)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,18 @@ def test_fsdp_bf16_policy_halves_gathers_and_hidden_states() -> None:
             assert bf16[key] == expected, (layout, key, num_bytes, bf16[key])
     with pytest.raises(ValueError, match="fsdp_bf16=True needs dtype='bf16'"):
         StepShape(MICRO, SEQ, "fp32", fsdp_bf16=True)
+
+
+def test_sequence_parallel_plan_holds_a_slice_of_the_tokens() -> None:
+    llama = ModelSpec("llama-tiny", "hf", dict(model_type="llama", vocab_size=128, hidden_size=64,
+                                              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, tie_word_embeddings=False))
+    step = StepShape(1, SEQ, "bf16", min_shard_params=0)
+    reports = {sp: plan(llama, 8, PlanLayout(tp=2, pp=2, pp_microbatches=4, activation_checkpointing="full",
+                                             sequence_parallel=sp), H100, step) for sp in (False, True)}
+    tp = {sp: {t.op: t.num_bytes for t in r.traffic if t.dim == "tp"} for sp, r in reports.items()}
+    assert set(tp[False]) == {"all_reduce"} and set(tp[True]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert tp[True]["all_reduce"] < tp[False]["all_reduce"] / 10  # only the blocks' norms' gradients, once per step
+    first = {sp: r.pipeline.stages[0].activations for sp, r in reports.items()}  # per micro-batch, stage 0
+    assert first[True] < first[False]
+    assert reports[True].memory.params == reports[False].memory.params
