@@ -61,6 +61,7 @@ from lightning_deepseek.planning.counting import (
     MicroBatchMemTracker,
 )
 from lightning_deepseek.planning.fake_world import fake_world
+from lightning_deepseek.planning.float8 import convert_float8
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
 from lightning_deepseek.planning.pipeline_estimate import RankStep, StageStep, pipeline_report
@@ -161,6 +162,7 @@ def _step_stage(spec: ModelSpec, index: int, stage: nn.Module, is_last: bool, id
     for _ in range(2):
         inputs = ids if hidden is None else hidden.detach().requires_grad_(True)
         before, flops_before, calls_before = peaks.reset(), flops.total, len(counter.calls)
+        fp8_before, casts_before = flops.fp8, flops.cast_bytes
         activations_before, parameters_before = peaks.activations(), peaks.parameters()
         with autocast:
             output = stage(inputs)
@@ -168,7 +170,8 @@ def _step_stage(spec: ModelSpec, index: int, stage: nn.Module, is_last: bool, id
         after_forward, forward_peak = peaks.current(), peaks.peak()
         activations = peaks.activations() - activations_before
         released = parameters_before - peaks.parameters()  # FSDP2 resharding after a forward that followed a backward
-        flops_forward, calls_forward = flops.total, len(counter.calls)
+        flops_forward, calls_forward, fp8_forward, casts_forward = (flops.total, len(counter.calls), flops.fp8,
+                                                                    flops.cast_bytes)
         _no_sync(stage)
         peaks.reset()
         if loss is not None:
@@ -182,16 +185,18 @@ def _step_stage(spec: ModelSpec, index: int, stage: nn.Module, is_last: bool, id
         records.append((before, after_forward, peaks.current(), forward_peak, backward_peak,
                         flops_forward - flops_before, flops.total - flops_forward,
                         tuple(counter.calls[calls_before:calls_forward]), tuple(counter.calls[calls_forward:]),
-                        output_bytes, activations, released))
+                        output_bytes, activations, released,
+                        (fp8_forward - fp8_before, flops.fp8 - fp8_forward, casts_forward - casts_before,
+                         flops.cast_bytes - casts_forward)))
     (first_before, first_forward, first_after, _, first_backward, *_, first_forward_calls, _, output_bytes,
-     _, _) = records[0]
+     _, _, _) = records[0]
     before, after_forward, _, forward_peak, backward_peak, forward_flops, backward_flops, forward_calls, \
-        backward_calls, _, activations, released = records[1]
+        backward_calls, _, activations, released, low_precision = records[1]
     return StageStep(index, forward_flops, backward_flops, activations, forward_peak - before,
                      max(backward_peak - after_forward, 0), first_after - first_before,
                      max(first_backward - first_forward, 0),
                      0 if hidden is None else hidden.numel() * hidden.element_size(), output_bytes,
-                     first_forward_calls, forward_calls, backward_calls, max(released, 0))
+                     first_forward_calls, forward_calls, backward_calls, max(released, 0), *low_precision)
 
 
 def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
@@ -201,6 +206,8 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with torch.device("meta"):  # as a meta-device model in a real run: the stage copies hold no storage
         module = model.build()
+        if step.dtype == "fp8":  # StagedPrecision's FP8 stage, converted before the set-up shards
+            convert_float8(module)
     hidden_size = _hidden_size(module)
     layers = find_expert_layers(module)
     holder = _Holder(module, model)
@@ -221,7 +228,7 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     setup_optimizer_states([optimizer], pp_rank * dims.dp * dims.tp, world_size, mesh, layout.shard_optimizer_states)
     tracker, counter, flops = MicroBatchMemTracker(), CollectiveCounter(), FlopCounter(CPU_SDPA)
     tracker.track_external(holder.model, optimizer)
-    autocast = torch.autocast("cpu", torch.bfloat16) if step.dtype == "bf16" else contextlib.nullcontext()
+    autocast = torch.autocast("cpu", torch.bfloat16) if step.dtype != "fp32" else contextlib.nullcontext()
     indices = loop.split.stage_indices(pp_rank)
     with mode:  # the stages' inputs: token ids, or the buffer torch receives hidden states into (counted apart)
         ids = torch.randint(0, model.vocab_size, (step.micro_batch_size, step.seq_len))
