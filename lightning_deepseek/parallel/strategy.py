@@ -73,7 +73,7 @@ from lightning_deepseek.parallel.layout import (
 )
 from lightning_deepseek.parallel.memory import setup_optimizer_states, summary_rows
 from lightning_deepseek.parallel.optimizers import disable_foreach_on_mixed_groups, settle_mixed_param_groups
-from lightning_deepseek.parallel.pipeline_loop import PipelineStrategyHooks
+from lightning_deepseek.parallel.pipeline_hooks import PipelineStrategyHooks
 from lightning_deepseek.parallel.plan import Plan, log_plan
 from lightning_deepseek.parallel.styles import apply_tensor_parallel, reduce_tensor_parallel_gradients
 from lightning_deepseek.parallel.topology import Topology, discover_topology
