@@ -238,11 +238,12 @@ class ParameterShards:
         """Bytes of parameters, gradients and AdamW states a rank holds at least under ``layout``: every parameter
         split over as many ranks as the layout can split it (experts over ``ep x tp x dp_shard``, the tensor-parallel
         layers over ``tp x dp_shard``, the rest over ``dp_shard``; ZeRO-1's states left out, rank 0 may own few);
-        None for a ``tp`` the strategy refuses or a pipeline (its stages hold parts of the model)."""
-        if getattr(layout, "pp", 1) > 1 or (layout.tp > 1 and layout.tp not in self.planned):
+        under a pipeline their mean over the ``pp`` stages' ranks (the most loaded one, which the plan reports,
+        holds at least that); None for a ``tp`` the strategy refuses."""
+        if layout.tp > 1 and layout.tp not in self.planned:
             return None
         try:  # sizes the strategy refuses are left to the plan, which reports its reason
-            ParallelDims(self.world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard)
+            ParallelDims(self.world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard, pp=layout.pp)
         except ValueError:
             return None
         planned = self.planned.get(layout.tp, ())
@@ -253,7 +254,7 @@ class ParameterShards:
 
         tp_bytes = held(planned, layout.tp * layout.dp_shard)
         rest = held(self.other, layout.dp_shard) - held(planned, layout.dp_shard)
-        return copies * (held(self.experts, layout.ep * layout.tp * layout.dp_shard) + tp_bytes + rest)
+        return copies * (held(self.experts, layout.ep * layout.tp * layout.dp_shard) + tp_bytes + rest) // layout.pp
 
 
 def _planning_order(layout: PlanLayout) -> tuple[int, bool]:

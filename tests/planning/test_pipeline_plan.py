@@ -12,6 +12,7 @@ from lightning_deepseek.models.config import PRESETS
 from lightning_deepseek.planning import ModelSpec, PlanLayout, StepShape, plan
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.schedule import held_forwards, one_f_one_b, replay
+from lightning_deepseek.planning.search import ParameterShards
 
 DEEP = ModelSpec("lds-tiny-8", "lds", dict(PRESETS["tiny"], n_layer=8))
 TINY = ModelSpec("lds-tiny", "lds", dict(PRESETS["tiny"]))
@@ -54,6 +55,8 @@ def test_large_world_pipelined_plans() -> None:
         sent = {(t.dim, t.op): t.num_bytes for t in report.traffic}
         assert sent["pp", "send"] == sent["pp", "recv"] == sends * hidden_bytes
         assert sent["dp", "reduce_scatter"] > 0 and sent["dp", "all_gather"] > 0  # FSDP2 over each stage's dp
+        least = ParameterShards.of(DEEP, WORLD, step, (1,)).least_states(report.layout)  # layout=auto's bound
+        assert least is not None and least <= max(row.params + row.grads + row.states for row in report.pipeline.ranks)
         for row in report.pipeline.ranks:
             assert row.grads == row.params and row.states >= 2 * row.params
             assert row.peak >= row.params + row.states + row.grads + row.activations + row.buffers
