@@ -13,7 +13,9 @@ so that resizes happen mid-training in tests and benchmarks.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import Dataset
 
 from lightning_deepseek.data import TextDataModule, read_corpus
-from lightning_deepseek.elastic import ElasticTraining
+from lightning_deepseek.elastic import ElasticStop, ElasticTraining
 from lightning_deepseek.models import GPTConfig, LightningGPT
 
 
@@ -118,7 +120,15 @@ def main() -> None:
         max_steps=args.max_steps, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[elastic],
     )
-    trainer.fit(model, datamodule=data)
+    try:
+        trainer.fit(model, datamodule=data)
+    except ElasticStop as stop:
+        # The stop checkpoint is complete and Lightning has torn down: skip the interpreter's teardown of torch and
+        # Lightning (a second or more of CPU), which the resize's rendezvous would otherwise wait for.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(stop.code)
 
 
 if __name__ == "__main__":
