@@ -29,9 +29,10 @@ Also printed: excess ms, (measured - table) x the step's wall, the idle time the
 assumption. The first stage's split backward is timed but left out of the chunk means: torch skips its I (the
 micro-batch needs no gradient) and runs the full backward as its W.
 
-Run: ``.venv/bin/python benchmarks/pipeline/bench_bubble.py --compute sleep --sleep-ms 100 100 100 --microbatches 8
-16 --repeats 3 --steps 2`` (prints the table and writes ``--json``). With ``matmul`` on fewer cores than ranks the
-measured idle time is not the schedule's: ranks that wait give their core to ranks that compute.
+Run: ``.venv/bin/python benchmarks/pipeline/bench_bubble.py --compute sleep --microbatches 8 16 32 --repeats 3
+--steps 1`` (18 minutes; prints the table and writes ``--json``). What the formulas do not count (transfers, wake-ups:
+some ms per micro-batch on a loaded machine) shrinks against the bubble as the sleeps grow. With ``matmul`` on fewer
+cores than ranks the measured idle time is not the schedule's: ranks that wait give their core to ranks that compute.
 """
 
 from __future__ import annotations
@@ -309,7 +310,7 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     parser.add_argument("--compute", choices=("matmul", "sleep"), default="matmul",
                         help="a block's work: real matmuls, or fixed sleeps (F, I, W of --sleep-ms)")
-    parser.add_argument("--sleep-ms", type=float, nargs=3, default=(20.0, 20.0, 20.0), metavar=("F", "I", "W"),
+    parser.add_argument("--sleep-ms", type=float, nargs=3, default=(200.0, 200.0, 200.0), metavar=("F", "I", "W"),
                         help="--compute sleep: a block's forward, input-gradient and weight-gradient times")
     parser.add_argument("--width", type=int, default=256, help="block width (matmul: 4x hidden)")
     parser.add_argument("--rows", type=int, default=32, help="rows per micro-batch")
