@@ -12,8 +12,8 @@ Supported models (found by structure, never by importing them):
   stage runs its blocks, the last applies ``ln_f`` and ``head``.
 - **HF decoder LMs** laid out as ``model.embed_tokens / model.layers / model.norm / lm_head`` (Llama, Mistral, Qwen2
   and their kin): the stage runs the decoder layers itself with the rotary embedding (kept on every stage, it holds no
-  parameters), the positions and an explicit causal mask, so eager and SDPA attention both apply; HF's own ``forward``
-  (cache, masks built from ``attention_mask``, loss from ``labels``) is not reused.
+  parameters), the positions and the causal mask (SDPA's causal kernel, as HF's forward without padding: no mask
+  tensor held per micro-batch in flight; an explicit mask for eager attention); HF's own ``forward`` is not reused.
 - **a chain**: any other model whose top-level children run one after another, each on the previous one's output
   (``nn.Sequential``; a child that is an ``nn.ModuleList`` is expanded into its elements). Its stages begin
   at the declared ``split_points`` (names of chain elements), or, when it has a block list, are balanced over it.
@@ -31,8 +31,8 @@ embedding joins the first stage, the final norm and head the last.
 Virtual stages: ``1F1B`` has one stage per rank; ``Interleaved1F1B`` two per rank in loop order (stage s on rank
 s mod P); ``ZBVZeroBubble`` and ``DualPipeV`` two per rank in V order (rank r holds stages r and 2P-1-r).
 
-Costs: ``build_stage_module`` deep-copies the whole model before deleting what the stage does not own: on the meta
-device that is free, on a real device it holds a second whole model for a moment (build large models on meta).
+Costs: ``build_stage_module`` deep-copies the whole model before deleting what the stage does not own: free on the
+meta device, a second whole model for a moment on a real one (build large models on meta).
 
 Does not support: tied input and output embeddings (the two stages would share one parameter; untie them), blocks
 that need more than the hidden states (a key/value cache, cross-attention inputs, HF attention masks with padding),
@@ -119,10 +119,8 @@ def _abbreviate(names: Sequence[str]) -> str:
 
     for name in names:
         prefix, _, index = name.rpartition(".")
-        if index.isdigit() and run and run[-1][0] == prefix and run[-1][1] + 1 == int(index):
-            run.append((prefix, int(index)))
-            continue
-        flush()
+        if not (index.isdigit() and run and run[-1][0] == prefix and run[-1][1] + 1 == int(index)):
+            flush()
         if index.isdigit():
             run.append((prefix, int(index)))
         else:
@@ -288,8 +286,10 @@ def _hf_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         x = inner.embed_tokens(x)
     batch, length = x.shape[:2]
     position_ids = torch.arange(length, device=x.device).unsqueeze(0).expand(batch, -1)
-    mask = torch.full((length, length), torch.finfo(x.dtype).min, device=x.device, dtype=x.dtype).triu(1)
-    mask = mask[None, None].expand(batch, 1, length, length)
+    mask = None  # SDPA: its causal kernel; eager attention: the explicit mask
+    if getattr(inner.config, "_attn_implementation", "eager") != "sdpa":
+        mask = torch.full((length, length), torch.finfo(x.dtype).min, device=x.device, dtype=x.dtype).triu(1)[
+            None, None].expand(batch, 1, length, length)
     rotary = getattr(inner, "rotary_emb", None)
     position_embeddings = rotary(x, position_ids) if rotary is not None else None
     for layer in inner.layers.values():

@@ -53,7 +53,8 @@ def make_model(name: str) -> nn.Module:
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=False, attn_implementation="eager")  # the stages' explicit mask path
+    assert config._attn_implementation == "eager"
     return LlamaForCausalLM(config).float()
 
 
