@@ -141,7 +141,7 @@ _BATTERY = """
 import contextlib, io, json, sys
 from pathlib import Path
 from hydra import compose, initialize_config_dir
-from lightning_deepseek.app import cli, console
+from lightning_deepseek.app import cli
 from lightning_deepseek.app.run import CONFIG_DIR, RunFolder
 
 def run(job):
@@ -150,7 +150,7 @@ def run(job):
         try:
             if job["entry"]:
                 sys.argv = ["lds-train", *job["argv"], *job["run_dir"]]
-                console.train()
+                cli.train()  # the console script's own target ends the process (console.py): not in here
             else:
                 cfg = compose("train", overrides=job["argv"])
                 cli.check_training_config(cfg, RunFolder(Path(job["run_dir"][0].split("=", 1)[1]), False))
