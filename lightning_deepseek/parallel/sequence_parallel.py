@@ -20,7 +20,11 @@ Requires: every block of the split holds an attention whose heads the plan split
 :func:`.plan.add_attention_heads`), since a replicated attention would see only a slice of the sequence; a sequence
 length divisible by ``tp``. Costs per stage and micro-batch: one all-gather of the stage's output over ``tp`` in the
 forward and one of its input gradient in the backward; otherwise the collectives of the tensor-parallel layers, split
-differently (an all-gather before and a reduce-scatter after each sharded module, not one all-reduce after it).
+differently (an all-gather before and a reduce-scatter after each sharded module, not one all-reduce after it). In the
+backward each column-wise layer all-reduces its own input gradient (torch's ``ColwiseParallel`` from a plain input: the
+query, key and value three times), where one reduce-scatter per module would do; feeding them one shared replicated
+DTensor does that, but gave wrong outputs with transformers' SDPA attention in Qwen3 (eager and Llama were right), so
+it is not done.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The plan of each layout the strategy supports against one real step on 2 and 4 gloo processes (DDP, tensor and expert
 parallelism, ZeRO-1, FSDP2 (with tp), HSDP, activation checkpointing, pipelines of every schedule and with tp, ep,
-ZeRO-1 or FSDP2: every pipeline rank against the plan's row for it, at the second step): the model-state bytes per
+ZeRO-1 or FSDP2, and HF Llama's attention heads and sequence parallelism at pp x tp: every pipeline rank against the
+plan's row for it, at the second step): the model-state bytes per
 rank (parameters, gradients, optimizer states, from the sharded tensors) exactly; the bytes per step of every (mesh
 dimension, collective) exactly, except the expert all-to-all's token rows, which follow the real router's choices
 (the plan assumes uniform routing): their relative error is bounded; and the peak of the step's allocations as
@@ -25,6 +26,9 @@ MOE = ModelSpec("mixtral-tiny", "hf", dict(model_type="mixtral", hidden_size=64,
                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                            vocab_size=256, max_position_embeddings=128, num_local_experts=4,
                                            num_experts_per_tok=2))
+LLAMA = ModelSpec("llama-tiny", "hf", dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False))
 CLUSTER = ClusterSpec.from_mapping(dict(name="two-per-node", gpus_per_node=2, peak_tflops={"fp32": 0.05},
                                         memory_gib=16, memory_bandwidth_gbs=20,
                                         links={"intra": {"bandwidth_gbs": 2, "latency_us": 30},
@@ -47,7 +51,8 @@ CASES = {
         ("tp=2 fsdp=2", DENSE, PlanLayout(tp=2, dp_shard=2)),
         ("pp=2 dp=2", DENSE, PlanLayout(pp=2)), ("pp=2 fsdp=2", DENSE, PlanLayout(pp=2, dp_shard=2)),
         ("pp=2 dp=2 zero1", DENSE, PlanLayout(pp=2, shard_optimizer_states=True)),
-        ("pp=2 tp=2", DENSE, PlanLayout(pp=2, tp=2)), ("pp=2 ep=2", MOE, PlanLayout(pp=2, ep=2))],
+        ("pp=2 tp=2", DENSE, PlanLayout(pp=2, tp=2)), ("pp=2 ep=2", MOE, PlanLayout(pp=2, ep=2)),
+        ("pp=2 tp=2 sp", LLAMA, PlanLayout(pp=2, tp=2, sequence_parallel=True))],
 }
 ALL_TO_ALL_TOLERANCE = 0.5  # routing of a freshly initialised router on random tokens is far from uniform
 PEAK_TOLERANCE = 0.10  # the peak's error is reported in benchmarks/planning/REPORT.md (0.0% bar the all-to-all's)
