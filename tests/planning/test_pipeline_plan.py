@@ -49,13 +49,14 @@ def test_large_world_pipelined_plans() -> None:
     assert {s.stage: s.in_flight for s in interleaved.stages} == {0: 8, 1: 8, 2: 7, 3: 5, 4: 4, 5: 4, 6: 3, 7: 1}
     assert interleaved.bubble_seconds / interleaved.makespan < one.bubble_seconds / one.makespan
     hidden_bytes = MICRO * SEQ * PRESETS["tiny"]["n_embd"] * 4  # FP32 hidden states per micro-batch
+    shards = ParameterShards.of(DEEP, WORLD, step, (1,))
     for report, sends in ((reports["1F1B"], M), (reports["Interleaved1F1B"], 3 * M)):  # rank 0: its stages' sends
         worst = max(report.pipeline.ranks, key=lambda row: row.peak)
         assert worst.pp_rank == 0 and report.memory.steady_peak == worst.peak
         sent = {(t.dim, t.op): t.num_bytes for t in report.traffic}
         assert sent["pp", "send"] == sent["pp", "recv"] == sends * hidden_bytes
         assert sent["dp", "reduce_scatter"] > 0 and sent["dp", "all_gather"] > 0  # FSDP2 over each stage's dp
-        least = ParameterShards.of(DEEP, WORLD, step, (1,)).least_states(report.layout)  # layout=auto's bound
+        least = shards.least_states(report.layout)  # layout=auto's bound
         assert least is not None and least <= max(row.params + row.grads + row.states for row in report.pipeline.ranks)
         for row in report.pipeline.ranks:
             assert row.grads == row.params and row.states >= 2 * row.params
