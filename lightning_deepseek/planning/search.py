@@ -160,6 +160,7 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
             depth: str, shared: PlanCache | None, top: int | None) -> SearchResult:
     cache = shared is not None
     reports, rejected, pruned = [], [], []
+    closest: list[tuple[int, PlanLayout]] = []  # (model-state bound, layout) of those pruned by the bound alone
     states: dict[PlanLayout, Bound] = {}  # by layout without checkpointing: its model states
     computes: dict[tuple, list[PlanReport]] = {}  # by the settings that decide a rank's compute (_compute_key)
     fastest: list[float] = []  # the fitting plans' step times, ascending
@@ -168,6 +169,7 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
         layout = layouts[index]
         least = shards.least_states(layout) if shards is not None else None
         if least is not None and least > cluster.memory_bytes:
+            closest.append((least, layout))
             pruned.append((index, layout, f"model states alone at least {least / GIB:.1f} GiB (every parameter at "
                            f"its most sharded) exceed the {cluster.memory_bytes / GIB:.1f} GiB of a device"))
             continue
@@ -197,6 +199,9 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
         memory = report.memory
         states.setdefault(_without_checkpointing(layout),
                           (layout, memory.params + memory.grads + memory.states + memory.ddp_buckets))
+    if not reports and closest:  # every layout pruned by its bound: plan the least bounded, to say by how much
+        with contextlib.suppress(ValueError):
+            reports.append(plan(model, world_size, min(closest, key=lambda c: c[0])[1], cluster, step, depth, shared))
     fitting = sorted((r for r in reports if r.fits), key=lambda r: r.step_seconds)
     not_fitting = sorted((r for r in reports if not r.fits), key=lambda r: r.memory.steady_peak)
     return SearchResult(tuple(fitting), tuple(not_fitting), tuple((lay, why) for _, lay, why in sorted(rejected)),
