@@ -20,7 +20,11 @@ OLDEST_TESTS := tests/test_versions.py tests/moe tests/parallel/test_hf_families
 	tests/hpo/test_search.py tests/precision tests/compression/test_hook.py tests/compression/test_callback.py \
 	tests/elastic/test_components.py tests/optim tests/data tests/models tests/autotune/test_decision.py \
 	tests/planning/test_fake_world.py tests/app/test_cli.py tests/app/test_summary.py \
-	tests/parallel/test_pipeline_compose.py tests/parallel/test_pipeline_overlap.py
+	tests/parallel/test_pipeline_compose.py tests/parallel/test_pipeline_overlap.py tests/parallel/test_sequence_parallel.py
+# The 8-rank spawn of the 3-D pipeline compositions stays in `make test` only (CI's 15 minutes; run on 2.11 by hand).
+OLDEST_SKIP := test_pp2_x_tp2_x_fsdp2_matches_one_process_and_resumes_from_dcp \
+	test_pp2_x_tp2_x_zero1_matches_one_process_with_states_over_each_stage_dp \
+	test_pp2_x_ep2_x_zero1_deals_the_experts_states_over_edp test_pp2_x_ep2_x_fsdp2_matches_one_process
 
 .PHONY: demo test test-oldest lint bench clean
 
@@ -47,7 +51,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 tests  # the slowest listed: the suite must stay under 15 minutes in CI
 
 test-oldest: $(OLDEST)/.installed
-	$(OLDEST)/bin/python -m pytest -q $(OLDEST_TESTS)
+	$(OLDEST)/bin/python -m pytest -q $(OLDEST_TESTS) $(addprefix --deselect tests/parallel/test_pipeline_compose.py::,$(OLDEST_SKIP))
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

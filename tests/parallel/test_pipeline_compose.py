@@ -8,8 +8,8 @@ routed experts sharded over each stage's two data-parallel ranks, DeepSeek-V3's 
 ``pipeline_overlap``, clipping and ``ExpertLoadBalancing`` (its bias updates from every micro-batch's routed counts, as
 one process makes them), and with ZeRO-1 on 1F1B (4 steps; the replicated parameters' states dealt over each stage's two
 dp ranks, the experts' kept: edp=1); HF Llama and Qwen3 (a norm over each head) from tiny configs (random init) at
-pp=2 x tp=2, their declared attention heads sharded beside their feed-forward layers, and with sequence parallelism
-(Qwen3's under full activation checkpointing) (losses); a pp=2 x tp=2
+pp=2 x tp=2, their declared attention heads sharded beside their feed-forward layers, and Qwen3 with sequence
+parallelism under full activation checkpointing (losses); a pp=2 x tp=2
 DCP checkpoint resumed at the same layout and without tp (``test_pipeline_checkpoint.py``'s runs: 10 + 10 steps against
 20 uninterrupted, 1e-6).
 
@@ -66,7 +66,7 @@ from tests.parallel.test_pipeline_strategy import (
 pytestmark = pytest.mark.timeout(900)
 
 
-QWEN_STEPS = 6
+QWEN_STEPS = 4
 
 
 def _qwen3() -> nn.Module:
@@ -130,7 +130,6 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
             **{f"tp_{name}": _fit(world_size, name, tp=2, steps=4) for name in OTHER_SCHEDULES["tp"]},
             **{f"ep_{name}": _fit(world_size, name, ep=2, steps=4, **MOE) for name in OTHER_SCHEDULES["ep"]},
             "llama": _hf(world_size), "qwen3": _hf(world_size, _qwen3(), QWEN_STEPS),
-            "llama_sp": _hf(world_size, steps=QWEN_STEPS, sequence_parallel=True),
             "qwen3_sp": _hf(world_size, _qwen3(), QWEN_STEPS, sequence_parallel=True, activation_checkpointing="full"),
             "checkpoints": _checkpoints(world_size)}
 
@@ -227,10 +226,9 @@ def test_pp2_x_tp2_hf_qwen3_sums_its_head_norms_over_tp(four_ranks: list[dict[st
 
 
 def test_pp2_x_tp2_sequence_parallel_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
-    # the blocks' norms on half the sequence each (their gradients summed over tp); Qwen3's under full checkpointing
-    llama, qwen3 = _llama_reference()[:QWEN_STEPS], _qwen3_reference()
+    # the blocks' norms on half the sequence each (their gradients summed over tp), under full checkpointing
+    qwen3 = _qwen3_reference()
     for result in four_ranks:
-        np.testing.assert_allclose(result["llama_sp"]["losses"], llama, rtol=TOL)
         np.testing.assert_allclose(result["qwen3_sp"]["losses"], qwen3, rtol=TOL)
 
 
