@@ -41,8 +41,6 @@ from lightning_deepseek.parallel.pipeline_stage_parallel import check_stage_boun
 from lightning_deepseek.parallel.plan import Plan, PlanEntry
 from tests.helpers import run_distributed
 from tests.parallel.common import (
-    global_indices,
-    lm_loss,
     loader,
     make_trainer,
     relative_error,
@@ -61,6 +59,7 @@ from tests.parallel.test_pipeline_strategy import (
     _fit,
     _llama_reference,
     check_parity,
+    hf_reference,
 )
 
 pytestmark = pytest.mark.timeout(900)
@@ -90,16 +89,7 @@ def _hf(world_size: int, model: nn.Module | None = None, steps: int = STEPS, **s
 
 
 def _qwen3_reference() -> list[float]:
-    model = _qwen3()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    dataset, losses = token_data(STEPS * MICRO), []  # the data of _hf's runs, whatever their steps
-    for step in range(QWEN_STEPS):
-        loss = lm_loss(lambda x: model(x).logits, dataset[global_indices(step, MICRO, len(dataset))])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return hf_reference(_qwen3(), QWEN_STEPS)
 
 
 def _checkpoints(world_size: int) -> dict[str, Any]:

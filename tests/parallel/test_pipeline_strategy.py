@@ -184,17 +184,21 @@ def _llama(world_size: int) -> list[float]:
     return module.losses
 
 
-def _llama_reference() -> list[float]:
-    model = make_hf_model("llama")
+def hf_reference(model: torch.nn.Module, steps: int = STEPS) -> list[float]:
+    """One process's losses of ``model`` (an HF causal LM) over the first ``steps`` batches of the pipelined runs."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     dataset, losses = token_data(STEPS * MICRO), []
-    for step in range(STEPS):
+    for step in range(steps):
         loss = lm_loss(lambda x: model(x).logits, dataset[global_indices(step, MICRO, len(dataset))])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def _llama_reference() -> list[float]:
+    return hf_reference(make_hf_model("llama"))
 
 
 def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
