@@ -13,6 +13,12 @@ PP8): tp=8 x pp=8 with each stage's parameters FSDP2-sharded over its 8 dp ranks
 feed-forward and, with sequence_parallel, the sequence over tp), local batch 32 as torchtitan's default 8 micro-batches
 (its ``pipeline_parallel_microbatches`` unset: the pp degree) of 4 sequences; ``--microbatches-32``: 32 of one. Not
 planned: async TP. Calibration targets, not tuned to: compute_efficiency stays the preset default.
+Memory: torchtitan's figure is the caching allocator's peak reserved memory (``reserved_bytes.all.peak``, the
+maximum over GPUs), compared with the plan's ``RankMemory.reserved`` (the tensors' later-steps peak, printed as
+``tensors_gib``, times ``ALLOCATOR_RESERVE``, calibrated on the two 8B eager rows). The 70B row is the strategy's
+layout, not torchtitan's: torchtitan's sequence-parallel Llama with loss parallel holds more at its peak (the loss
+backward: its full exp(logits) and one-hot gradients in FP32, the head's sequence-gathered input), this layout holds
+the embedding and head unsharded over tp.
 Usage: ``python benchmarks/planning/torchtitan_rows.py [--no-fsdp-bf16] [--microbatches-32] [row name ...]``.
 """
 
@@ -64,7 +70,8 @@ if __name__ == "__main__":
         bubble = report.pipeline.bubble_seconds / report.pipeline.makespan if report.pipeline else None
         print(json.dumps({"row": name, "published_tokens": tokens, "published_gib": gib,
                           "planned_tokens": round(report.tokens_per_second_per_gpu),
-                          "planned_gib": round(report.memory.steady_peak / 2**30, 1),
+                          "planned_gib": round(report.memory.reserved / 2**30, 1),
+                          "tensors_gib": round(report.memory.steady_peak / 2**30, 1),
                           "first_step_gib": round(report.memory.peak / 2**30, 1), "fits": report.fits,
                           "layout": report.layout.describe(world), "dtype": dtype, "compiled": compiled,
                           "fsdp_bf16": fsdp_bf16, "bubble": bubble,

@@ -33,7 +33,8 @@ ASSUMPTIONS = (
     "its first all-gather; shard reductions and ZeRO-1 broadcasts exposed",
     "ring all-reduce / all-gather / reduce-scatter / all-to-all, tree-latency broadcast; a group spanning nodes at "
     "the across-nodes link, one NIC per GPU",
-    "memory: the step's tensors only (no CUDA context, allocator cache or fragmentation)",
+    "memory: the step's tensors (what must fit; no CUDA context); the caching allocator's reserved memory estimated "
+    "at ALLOCATOR_RESERVE x their later steps' peak (calibrated on torchtitan's Llama 3.1 8B FSDP rows)",
 )
 CODEC_ASSUMPTION = (f"gradient compression: a step past its warm-up; quantise and dequantise memory-bound "
                     f"({CODEC_PASSES} fp32 passes over each compressed bucket at the memory bandwidth) and exposed")

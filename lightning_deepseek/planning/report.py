@@ -7,6 +7,13 @@ from dataclasses import asdict, dataclass
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 
 GIB = 2**30
+# What torch's caching allocator reserves over the step's tensors (its ``reserved_bytes.all.peak`` over the tensors'
+# peak): torchtitan's published Llama 3.1 8B eager rows, FSDP over 8 and 128 H100s (82.4 and 67.0 GiB reserved;
+# benchmarks/llama3_h100_202412_torchtitan.md), over the peak of the same steps under torch's MemTracker (68.6 and
+# 58.1 GiB: torchtitan's own model and layout on a fake world, and this planner, alike): x1.20 and x1.15. The two rows
+# it is calibrated on; a caching allocator's reserve grows with freed blocks it cannot reuse (fragmentation, other
+# streams' pools), not with a fixed share: an estimate of what a run reports, not a bound.
+ALLOCATOR_RESERVE = 1.18
 
 
 @dataclass(frozen=True)
@@ -16,7 +23,9 @@ class RankMemory:
     tracker sees held at the end of forward (activations saved for backward and temporaries), ``peak`` its highest
     total over the first step plus DDP's buckets (``ddp_buckets``) and gradient compression's residuals and message
     buffers (``compression``); ``steady_peak`` the peak of the steps after it, whose forward and backward run with
-    the optimizer states held (a run's maximum: what must fit)."""
+    the optimizer states held (a run's maximum: what must fit; the caching allocator frees its cache and retries
+    before it runs out); ``reserved`` what the caching allocator is estimated to reserve for it
+    (:data:`ALLOCATOR_RESERVE`): what a run's ``torch.cuda.max_memory_reserved`` reports."""
 
     params: int
     grads: int
@@ -27,6 +36,10 @@ class RankMemory:
     peak: int
     steady_peak: int = 0
     compression: int = 0
+
+    @property
+    def reserved(self) -> int:
+        return int(self.steady_peak * ALLOCATOR_RESERVE)
 
 
 @dataclass(frozen=True)
@@ -144,6 +157,7 @@ class PlanReport:
     def to_dict(self) -> dict[str, object]:
         out = asdict(self)
         out["fits"] = self.fits
+        out["memory"]["reserved"] = self.memory.reserved
         out["layout_text"] = self.layout.describe(self.world_size)
         return out
 
@@ -160,6 +174,7 @@ class PlanReport:
         rows += [(held, m.activations), ("DDP buckets", m.ddp_buckets)]
         rows += [("compression residuals and messages", m.compression)] if m.compression else []
         rows += [("peak, first step", m.peak), ("peak, later steps (optimizer states held)", m.steady_peak),
+                 (f"reserved by the caching allocator, later steps (x{ALLOCATOR_RESERVE}, estimate)", m.reserved),
                  ("device memory", self.memory_capacity)]
         unit, scale = ("GiB", GIB) if m.steady_peak >= GIB else ("MiB", 2**20)
         who = "rank 0" if self.pipeline is None else "the most loaded pipeline rank"
