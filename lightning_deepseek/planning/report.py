@@ -7,12 +7,13 @@ from dataclasses import asdict, dataclass
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 
 GIB = 2**30
-# What torch's caching allocator reserves over the step's tensors (its ``reserved_bytes.all.peak`` over the tensors'
-# peak): torchtitan's published Llama 3.1 8B eager rows, FSDP over 8 and 128 H100s (82.4 and 67.0 GiB reserved;
-# benchmarks/llama3_h100_202412_torchtitan.md), over the peak of the same steps under torch's MemTracker (68.6 and
-# 58.1 GiB: torchtitan's own model and layout on a fake world, and this planner, alike): x1.20 and x1.15. The two rows
-# it is calibrated on; a caching allocator's reserve grows with freed blocks it cannot reuse (fragmentation, other
-# streams' pools), not with a fixed share: an estimate of what a run reports, not a bound.
+# What torch's caching allocator reserves over the step's tensors (its ``reserved_bytes.all.peak`` over their peak).
+# Calibrated on torchtitan's published Llama 3.1 8B eager rows, FSDP over 8 and 128 H100s (82.4 and 67.0 GiB
+# reserved, torchtitan's benchmarks/llama3_h100_202412_torchtitan.md) over the tensors' peak of the same steps under
+# torch's MemTracker (68.6 and 58.1 GiB, torchtitan's own step on a fake world, benchmarks/planning/
+# torchtitan_own_step.py, and this planner's alike): x1.20 and x1.15. A caching allocator's reserve grows with the
+# freed blocks it cannot reuse (fragmentation, other streams' pools), not as a fixed share: an estimate of what a run
+# reports, not a bound.
 ALLOCATOR_RESERVE = 1.18
 
 
