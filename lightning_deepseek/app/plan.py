@@ -95,7 +95,7 @@ def run_plan(cfg: DictConfig) -> int:
         layout = PlanLayout(s.tensor_parallel_size, s.expert_parallel_size, s.shard_optimizer_states, s.placement,
                             s.data_parallel_shard_size, s.reshard_after_forward, s.activation_checkpointing,
                             s.pipeline_parallel_size, s.pipeline_schedule, s.pipeline_microbatches,
-                            COMPRESSION_BITS[cfg.compression], s.sequence_parallel)
+                            COMPRESSION_BITS[cfg.compression], s.sequence_parallel, s.loss_parallel)
         report = plan(model, cfg.world_size, layout, cluster, step, cfg.depth)
         print(json.dumps(report.to_dict(), indent=1) if cfg.output == "json" else report.table())
         return 0

@@ -89,6 +89,7 @@ class LayoutSettings:
         pp, pp_schedule, pp_microbatches, pp_overlap: ``pipeline_parallel_size``, ``pipeline_schedule``,
             ``pipeline_microbatches`` (None: the schedule's least), ``pipeline_overlap``.
         sp: ``sequence_parallel`` (:mod:`.sequence_parallel`).
+        loss_parallel: ``loss_parallel`` (:mod:`.loss_parallel`).
     """
 
     tp: Size = "auto"
@@ -110,6 +111,7 @@ class LayoutSettings:
     pp_microbatches: int | None = None
     pp_overlap: bool = False
     sp: bool = False
+    loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         check_pipeline_composition(self.pp, self.pp_schedule, self.pp_microbatches, tensor_parallel_size=self.tp,
@@ -118,11 +120,13 @@ class LayoutSettings:
                                    activation_checkpointing=self.activation_checkpointing, bits=self.bits,
                                    reshard_after_forward=self.reshard_after_forward)
         check_pipeline_overlap(self.pp_overlap, self.pp_schedule, self.pp)
-        if self.sp and not (self.pp > 1 and isinstance(self.tp, int) and self.tp > 1):
-            raise ValueError(f"sequence_parallel=True with pipeline_parallel_size={self.pp} and tensor_parallel_size="
-                             f"{self.tp!r}: sequence parallelism splits the stages' tensor-parallel blocks, so it "
-                             "needs pipeline_parallel_size > 1 and a tensor_parallel_size > 1 (without a pipeline each "
-                             "rank of a tp group already reads its own batch). Set both, or sequence_parallel=False.")
+        for name, on, what in (("sequence_parallel", self.sp, "splits the stages' tensor-parallel blocks"),
+                               ("loss_parallel", self.loss_parallel, "shards the stages' vocabulary over tp")):
+            if on and not (self.pp > 1 and isinstance(self.tp, int) and self.tp > 1):
+                raise ValueError(f"{name}=True with pipeline_parallel_size={self.pp} and tensor_parallel_size="
+                                 f"{self.tp!r}: it {what}, so it needs pipeline_parallel_size > 1 and a "
+                                 "tensor_parallel_size > 1 (without a pipeline each rank of a tp group reads its own "
+                                 f"batch). Set both, or {name}=False.")
         for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep)):
             if size not in ("auto", "per_node") and not (isinstance(size, int) and not isinstance(size, bool)
                                                          and size > 0):

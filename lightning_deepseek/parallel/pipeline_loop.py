@@ -38,7 +38,8 @@ as torch's ``PipelineStage`` runs it); under ZBVZeroBubble and DualPipeV only wi
 
 Model parallelism inside a stage (:mod:`.pipeline_stage_parallel`): ``tensor_parallel_size`` (the ``tp`` ranks of a
 stage read the same batch; the automatic plan's feed-forward pairs sharded Megatron-style, stage boundaries plain full
-tensors) or ``expert_parallel_size`` (routed experts over ``ep`` of the stage's ``dp`` ranks, all-to-all dispatch;
+tensors; with ``loss_parallel`` the embedding, head and loss sharded by vocabulary: :mod:`.loss_parallel`) or
+``expert_parallel_size`` (routed experts over ``ep`` of the stage's ``dp`` ranks, all-to-all dispatch;
 expert gradients summed over the stage's ``edp`` replicas, with ZeRO-1 their states dealt over ``edp``); ZeRO-1 deals
 the states over the stage's ``dp`` ranks; with FSDP2 the tensor-parallel layers are sharded over ``dp`` too (2-D
 DTensors over ``(dp, tp)``), the routed experts over ``edp`` (over ``(edp, ep)``); ``"auto"`` sizes resolve to 1 under a
@@ -68,6 +69,7 @@ rank's parameters by name.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -86,6 +88,13 @@ from lightning_deepseek.parallel.dims import WorldMesh
 from lightning_deepseek.parallel.expert_plan import ExpertParallelPlan
 from lightning_deepseek.parallel.expert_routing import ExpertRouting
 from lightning_deepseek.parallel.layout import LayoutSettings
+from lightning_deepseek.parallel.loss_parallel import (
+    apply_loss_parallel,
+    gather_vocabulary,
+    loss_parallel,
+    parallel_loss,
+    vocabulary_modules,
+)
 from lightning_deepseek.parallel.pipeline import PipelineRunner, check_pipeline_settings, min_microbatches
 from lightning_deepseek.parallel.pipeline_exchange import average_gradients
 from lightning_deepseek.parallel.pipeline_split import PipelineSplit, build_rank_module, plan_pipeline_split
@@ -133,6 +142,7 @@ class PipelineLoop:
     overlap: bool = False  # pipeline_overlap: DualPipeV's MoE all-to-all behind the paired micro-batch's compute
     compression: CompressionState | None = None  # set by GradientCompression (compress_pipeline_gradients)
     tp_partial: tuple[list[nn.Parameter], dist.ProcessGroup] | None = None  # summed over tp first (split heads' norms)
+    vocabulary_mesh: DeviceMesh | None = None  # loss_parallel: the logits sharded by vocabulary over this tp mesh
     _pending: list[torch.Tensor | None] | None = None
 
     @property
@@ -167,7 +177,8 @@ class PipelineLoop:
         held = [p.grad if accumulating else None for p in params]
         for p in params:
             p.grad = None
-        loss = self._runner().step(inputs, targets, grad_scale=grad_scale)
+        with self.loss_context():
+            loss = self._runner().step(inputs, targets, grad_scale=grad_scale)
         self._pending = [p.grad for p in params]
         for p, grad in zip(params, held):
             p.grad = grad
@@ -188,7 +199,8 @@ class PipelineLoop:
 
     def eval_step(self, batch: Any, step: str) -> torch.Tensor:
         """Forwards of ``batch`` through the pipeline; the mean micro-batch loss, on every rank."""
-        loss = self._runner().eval_step(*self.split_batch(batch))
+        with self.loss_context():
+            loss = self._runner().eval_step(*self.split_batch(batch))
         self.on_loss(loss, batch, step)
         return loss
 
@@ -202,7 +214,13 @@ class PipelineLoop:
             inputs = batch[0]
         else:
             inputs = self.split_batch(batch)[0]
-        return self._runner().predict_step(inputs)
+        output = self._runner().predict_step(inputs)
+        return output if self.vocabulary_mesh is None else gather_vocabulary(output, self.vocabulary_mesh)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """What the schedule's forwards and backwards run under: torch's ``loss_parallel()`` with ``loss_parallel``
+        (:mod:`.loss_parallel`), else nothing."""
+        return loss_parallel() if self.vocabulary_mesh is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -277,12 +295,19 @@ def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, settings
     apply_activation_checkpointing(whole, settings.activation_checkpointing)  # on the whole model
     split = plan_pipeline_split(whole, dims.pp, settings.pp_schedule)
     check_stage_boundaries(tp_plan, split, name, dims.tp)
+    if settings.loss_parallel:
+        embeddings, head = vocabulary_modules(whole, split, dims.tp)
+        vocabulary = ([f"{name}.{e}" if name else e for e in embeddings], f"{name}.{head}" if name else head)
     if settings.sp:
         check_sequence_parallel(tp_plan, split, name, dims.tp)
     pp_rank = pp_mesh.get_local_rank()
     rank_module, stage_modules = build_rank_module(whole, split, pp_rank)
     setattr(module, name, rank_module)
     apply_stage_tensor_parallel(module, tp_plan, mesh["tp"], settings.sp)
+    loss_fn = module.pipeline_loss
+    if settings.loss_parallel:
+        apply_loss_parallel(module, *vocabulary, mesh["tp"])
+        loss_fn = parallel_loss(loss_fn, mesh["tp"])
     if settings.sp:
         apply_sequence_parallel(module, tp_plan, split, split.stage_indices(pp_rank), name, mesh["tp"])
     expert_plan = setup_stage_expert_parallel(module, whole, mesh, topology, routing)
@@ -296,8 +321,9 @@ def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, settings
     return PipelineLoop(split, stage_modules, pp_mesh.get_group(),
                         mesh["dp"].get_group() if dims.dp > 1 and not dims.fsdp_enabled else None,
                         settings.pp_microbatches or min_microbatches(settings.pp_schedule, dims.pp),
-                        module.pipeline_loss, getattr(module, "pipeline_batch", _default_split_batch), on_loss, device,
+                        loss_fn, getattr(module, "pipeline_batch", _default_split_batch), on_loss, device,
                         expert_plan=expert_plan, overlap=settings.pp_overlap,
+                        vocabulary_mesh=mesh["tp"] if settings.loss_parallel else None,
                         tp_partial=(list(partial.values()), mesh["tp"].get_group()) if partial else None)
 
 

@@ -110,6 +110,7 @@ class HybridParallelStrategy(PipelineStrategyHooks):
             stages (1: off) run by the schedule (protocol: :mod:`.pipeline_loop`), micro-batches per batch (None: its
             least), DualPipeV's MoE all-to-all hidden behind the paired micro-batch (:mod:`.pipeline_overlap`), the
             stages' tp blocks on 1/tp of the sequence between their sharded layers (:mod:`.sequence_parallel`).
+        loss_parallel: with pp and tp, the embedding, head and loss sharded by vocabulary (:mod:`.loss_parallel`).
         save_distributed_checkpoint: ``True``: a DCP folder. ``False``: one full file gathered on rank 0.
         cluster: the machines' islands and link figures (``Cluster``); None: discovered and probed at start-up.
         expert_routing: node-limited routing and the dispatch of MoE layers (``ExpertRouting``).
@@ -137,6 +138,7 @@ class HybridParallelStrategy(PipelineStrategyHooks):
         pipeline_microbatches: int | None = None,
         pipeline_overlap: bool = False,
         sequence_parallel: bool = False,
+        loss_parallel: bool = False,
         save_distributed_checkpoint: bool = True,
         cluster: Cluster | None = None,
         expert_routing: ExpertRouting | None = None,
@@ -160,7 +162,7 @@ class HybridParallelStrategy(PipelineStrategyHooks):
             reshard_after_forward, activation_checkpointing, shard_optimizer_states, self.cluster.links,
             int((self._ddp_kwargs.get("bucket_cap_mb") or 25) * 2**20),
             bool(self._ddp_kwargs.get("gradient_as_bucket_view", False)), None, pipeline_parallel_size,
-            pipeline_schedule, pipeline_microbatches, pipeline_overlap, sequence_parallel)
+            pipeline_schedule, pipeline_microbatches, pipeline_overlap, sequence_parallel, loss_parallel)
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._dims: ParallelDims | None = None
         self._mesh: WorldMesh | None = None

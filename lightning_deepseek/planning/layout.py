@@ -44,6 +44,7 @@ class PlanLayout:
             ``compression=int8`` / ``int4``; the plan is of a step past the warm-up) on DDP's buckets; None: DDP's
             fp32 all-reduce.
         sequence_parallel: ``sequence_parallel`` (with pp and tp: the stages' blocks on ``1 / tp`` of the sequence).
+        loss_parallel: ``loss_parallel`` (with pp and tp: the embedding, head and loss sharded by vocabulary).
     """
 
     tp: int = 1
@@ -58,6 +59,7 @@ class PlanLayout:
     pp_microbatches: int | None = None
     bits: int | None = None
     sequence_parallel: bool = False
+    loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name, size in (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep)):
@@ -79,7 +81,7 @@ class PlanLayout:
                               activation_checkpointing=self.activation_checkpointing,
                               shard_optimizer_states=self.shard_optimizer_states, pp=self.pp,
                               pp_schedule=self.pp_schedule, pp_microbatches=self.pp_microbatches,
-                              bits=self.bits, sp=self.sequence_parallel)
+                              bits=self.bits, sp=self.sequence_parallel, loss_parallel=self.loss_parallel)
 
     def compression(self) -> CompressionConfig | None:
         """The settings of the compressed exchange ``GradientCompression(bits=bits)`` runs (lds-train's preset of
@@ -103,6 +105,7 @@ class PlanLayout:
         parts += [f"ac={self.activation_checkpointing}"] if self.activation_checkpointing != "none" else []
         parts += [f"int{self.bits}"] if self.bits is not None else []
         parts += ["sp"] if self.sequence_parallel else []
+        parts += ["loss-parallel"] if self.loss_parallel else []
         return " ".join(parts)
 
 
