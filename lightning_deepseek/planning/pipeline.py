@@ -26,8 +26,11 @@ whose stages hold other blocks; V schedules hold two stages per rank), the plann
    makespan (compute, bubble, exposed transfers) plus the exchange over ``dp`` and the optimizer step.
 
 Reported per plan: the most loaded rank's memory (and every pipeline rank's and stage's rows), the bytes of that
-rank by mesh dimension. Costs: two micro-batches of every block of each distinct rank (``depth`` is not used: a
-stage is ``1 / pp`` of the model). Not modelled: FSDP2's collectives under a pipeline are counted per action from
+rank by mesh dimension. Costs: two micro-batches of each distinct rank's stages; with ``depth="representative"``
+of copies holding three or four blocks of each kind per stage (:mod:`.stage_depth`; ranks whose copies would step
+as many blocks, and ZeRO-1, whose owned states depend on the whole rank's partition, are stepped whole). With a
+:class:`.cache.PlanCache` the block kinds, the split and each copy's measurement are shared by the plans of a
+search (a copy's key: the layout and its stages' kept block kinds). Not modelled: FSDP2's collectives under a pipeline are counted per action from
 the two stepped micro-batches (the first forward's gathers repeat wherever a forward follows a forward); the point
 to point transfers are not overlapped with compute (torch waits for them before the action that needs them).
 """
@@ -48,11 +51,15 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_deepseek.moe.protocol import find_expert_layers
+from lightning_deepseek.parallel.activation_checkpointing import find_transformer_blocks
+from lightning_deepseek.parallel.detection import cached_probes
 from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.memory import setup_optimizer_states
 from lightning_deepseek.parallel.pipeline import PipelineRunner
 from lightning_deepseek.parallel.pipeline_loop import split_lightning_module
+from lightning_deepseek.parallel.pipeline_split import PipelineSplit, plan_pipeline_split
 from lightning_deepseek.parallel.topology import Topology
+from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.counting import (
     CollectiveCounter,
@@ -60,6 +67,7 @@ from lightning_deepseek.planning.counting import (
     LocalOpsOnly,
     MicroBatchMemTracker,
 )
+from lightning_deepseek.planning.depth import check_depth, layer_kinds
 from lightning_deepseek.planning.fake_world import fake_world
 from lightning_deepseek.planning.float8 import convert_float8
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
@@ -68,6 +76,7 @@ from lightning_deepseek.planning.pipeline_estimate import RankStep, StageStep, p
 from lightning_deepseek.planning.planner import (
     CPU,
     CPU_SDPA,
+    _cache_key,
     _quiet_set_up,
     cluster_topology,
     local_bytes,
@@ -79,7 +88,10 @@ from lightning_deepseek.planning.report import (
 )
 from lightning_deepseek.planning.routing import uniform_routing
 from lightning_deepseek.planning.schedule import Action, overlapped, schedule_order
+from lightning_deepseek.planning.stage_depth import RankBlocks, extrapolate_rank, rank_blocks
 from lightning_deepseek.precision.fsdp_policy import fsdp_units, set_mixed_precision, stage_policy
+
+Table = tuple[dict[int, list[Action]], dict[Action, Action]]  # every rank's actions and the overlapped pairs
 
 
 class _Holder(pl.LightningModule):
@@ -100,22 +112,6 @@ class _Holder(pl.LightningModule):
 def _hidden_size(module: nn.Module) -> int:
     config = getattr(module, "config", None)
     return int(config.hidden_size) if hasattr(config, "hidden_size") else int(module.tok_emb.embedding_dim)
-
-
-def _signature(split: Any, pp_rank: int, kinds: dict[str, tuple]) -> tuple:
-    """What makes two pipeline ranks step alike: per stage, whether it embeds or has the head, and its blocks'
-    shapes."""
-    out = []
-    for index in split.stage_indices(pp_rank):
-        modules = split.stages[index].modules
-        out.append((index == 0, index == split.num_stages - 1, tuple(kinds.get(name, name) for name in modules
-                                                                          if name in kinds)))
-    return tuple(out)
-
-
-def _block_kinds(module: nn.Module) -> dict[str, tuple]:
-    return {name: (type(child).__name__, tuple((n, tuple(p.shape)) for n, p in child.named_parameters()))
-            for name, child in module.named_modules() if name.rpartition(".")[2].isdigit()}
 
 
 class _Peaks:
@@ -144,6 +140,17 @@ class _Peaks:
 
     def peak(self) -> int:
         return max(self.tracker._peak_mem.get(CPU, 0), self.current())
+
+
+class _StageTracker(MicroBatchMemTracker):
+    """``MicroBatchMemTracker`` keeping only the running peak of the rank, which is all ``_Peaks`` reads: torch's
+    tracker also updates the peak of every module seen so far after each op (ops x modules: most of a deep stage's
+    planning time)."""
+
+    def _update_peak_stats(self, peak_state: Any) -> None:  # torch's hook per op; no public way to skip modules
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
 
 
 def _no_sync(stage: nn.Module) -> None:
@@ -200,14 +207,12 @@ def _step_stage(spec: ModelSpec, index: int, stage: nn.Module, is_last: bool, id
 
 
 def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
-               pp_rank: int) -> tuple[RankStep, Any, tuple[dict[int, list[Action]], dict[Action, Action]]]:
-    """Set up pipeline rank ``pp_rank`` with the strategy's split on the fake world and step its stages; also the
-    split, every rank's action table and its overlapped pairs."""
+               pp_rank: int, split: PipelineSplit, drop: tuple[str, ...] = ()) -> tuple[RankStep, Table]:
+    """Set up pipeline rank ``pp_rank`` with the strategy's split on the fake world (which must be ``split``),
+    remove the blocks ``drop`` from its stages, and step them; also every rank's action table and its overlapped
+    pairs."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with torch.device("meta"):  # as a meta-device model in a real run: the stage copies hold no storage
-        module = model.build()
-        if step.dtype == "fp8":  # StagedPrecision's FP8 stage, converted before the set-up shards
-            convert_float8(module)
+    module = _built(model, step)
     hidden_size = _hidden_size(module)
     layers = find_expert_layers(module)
     holder = _Holder(module, model)
@@ -215,6 +220,12 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     mesh = dims.build_mesh("cpu")
     settings = dataclasses.replace(layout.settings(), min_shard_params=step.min_shard_params)
     loop = split_lightning_module(holder, mesh, settings, CPU)
+    if loop.split != split:
+        raise RuntimeError(f"the strategy split {model.name} otherwise than the planner: {loop.split} != {split}.")
+    _drop_blocks([holder.model, *loop.stage_modules], drop)
+    if loop.tp_partial is not None:  # the removed blocks' partial parameters: no gradient to sum over tp
+        held = {id(p) for p in holder.model.parameters()}
+        loop.tp_partial = ([p for p in loop.tp_partial[0] if id(p) in held], loop.tp_partial[1])
     with mode:  # the strategy materialises only the rank's stages; here as fake tensors of this plan's mode
         holder.model.to_empty(device=CPU)
     if step.fsdp_bf16 and dims.fsdp_enabled:  # StagedPrecision's BF16 stage on the stages' units
@@ -226,7 +237,7 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     params = [p for p in holder.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     setup_optimizer_states([optimizer], pp_rank * dims.dp * dims.tp, world_size, mesh, layout.shard_optimizer_states)
-    tracker, counter, flops = MicroBatchMemTracker(), CollectiveCounter(), FlopCounter(CPU_SDPA)
+    tracker, counter, flops = _StageTracker(), CollectiveCounter(), FlopCounter(CPU_SDPA)
     tracker.track_external(holder.model, optimizer)
     autocast = torch.autocast("cpu", torch.bfloat16) if step.dtype != "fp32" else contextlib.nullcontext()
     indices = loop.split.stage_indices(pp_rank)
@@ -258,7 +269,17 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
                     tuple(counter.calls[exchange_start:]), exchange_peak, owned,
                     mesh_groups(mesh, dims, topology), loop.pp_group.group_name,
                     sum(1 for m in holder.model.modules() if _tensor_parallel(getattr(m, "weight", None))))
-    return rank, loop.split, (order, pairs)
+    return rank, (order, pairs)
+
+
+def _drop_blocks(roots: list[nn.Module], names: tuple[str, ...]) -> None:
+    """Remove the blocks ``names`` from the rank module and each stage module (the split keeps blocks in
+    ``nn.ModuleDict`` containers by their original index; a stage view holds copies of those containers)."""
+    for root in roots:
+        for name in names:
+            parent, _, leaf = name.rpartition(".")
+            with contextlib.suppress(AttributeError):
+                root.get_submodule(parent)._modules.pop(leaf, None)
 
 
 def _tensor_parallel(weight: object) -> bool:
@@ -266,27 +287,68 @@ def _tensor_parallel(weight: object) -> bool:
     return mesh is not None and "tp" in (mesh.mesh_dim_names or ())
 
 
-def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: ClusterSpec,
-                  step: StepShape) -> PlanReport:
-    """The plan of a pipelined ``layout`` (see the module docstring)."""
+def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: ClusterSpec, step: StepShape,
+                  depth: str = "representative", cache: PlanCache | None = None) -> PlanReport:
+    """The plan of a pipelined ``layout`` (see the module docstring); ``depth`` and ``cache`` as
+    :func:`.planner.plan`'s."""
+    check_depth(depth)
     started = time.perf_counter()
+    cache = PlanCache() if cache is None else cache
+    key = _cache_key(model, world_size, cluster, step)
     topology = cluster_topology(world_size, cluster.gpus_per_node)
-    stride = world_size // layout.pp  # the global rank of pipeline rank r (dp and tp coordinates 0): r * stride
+    kinds = cache.get(("pipeline_kinds", key), lambda: _kinds_by_name(model, step))
+    split = cache.get(("pipeline_split", key, layout.pp, layout.pp_schedule), lambda: _split(model, step, layout))
     ranks: dict[int, RankStep] = {}
-    stepped: dict[tuple, RankStep] = {}
-    split, table = None, ({}, {})
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        whole = model.build()
-    kinds = _block_kinds(whole)
-    del whole
+    table: Table | None = None
     for pp_rank in range(layout.pp):
-        if split is not None and (signature := _signature(split, pp_rank, kinds)) in stepped:
-            ranks[pp_rank] = dataclasses.replace(stepped[signature], pp_rank=pp_rank)
-            continue
-        with fake_world(world_size, rank=pp_rank * stride), warnings.catch_warnings(), _quiet_set_up():
-            warnings.simplefilter("ignore")  # the strategy's and torch's set-up warnings are for real runs
-            rank, split, table = _step_rank(model, world_size, layout, step, topology, pp_rank)
-        ranks[pp_rank] = stepped[_signature(split, pp_rank, kinds)] = rank
-    assert split is not None
+        blocks = rank_blocks(split, pp_rank, kinds)
+
+        def measure(keep: tuple[str, ...], pp_rank: int = pp_rank, blocks: RankBlocks = blocks
+                    ) -> tuple[RankStep, Table]:
+            """The copy keeping the blocks ``keep``, stepped once per shape (plan and search)."""
+            drop = tuple(name for name in blocks.names if name not in keep)
+            return cache.get(("pipeline_rank", key, layout, blocks.copy_shape(keep)),
+                             lambda: _stepped(model, world_size, layout, step, topology, pp_rank, split, drop))
+
+        if depth == "full" or layout.shard_optimizer_states or not blocks.worth_it:  # ZeRO-1: see the docstring
+            rank, table = measure(blocks.names)
+        else:
+            base, table = measure(blocks.base)
+            rank = extrapolate_rank(base, {kind: measure(blocks.with_one_more(kind))[0] for kind in blocks.extended},
+                                    blocks)
+        ranks[pp_rank] = dataclasses.replace(rank, pp_rank=pp_rank)
+    assert table is not None
     return pipeline_report(model, world_size, layout, cluster, step, topology, ranks, split, *table,
-                   time.perf_counter() - started)
+                           time.perf_counter() - started)
+
+
+def _stepped(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
+             pp_rank: int, split: PipelineSplit, drop: tuple[str, ...]) -> tuple[RankStep, Table]:
+    """:func:`_step_rank` on the fake world at pipeline rank ``pp_rank``'s first global rank."""
+    with fake_world(world_size, rank=pp_rank * (world_size // layout.pp)), cached_probes(), \
+            warnings.catch_warnings(), _quiet_set_up():
+        warnings.simplefilter("ignore")  # the strategy's and torch's set-up warnings are for real runs
+        return _step_rank(model, world_size, layout, step, topology, pp_rank, split, drop)
+
+
+def _built(model: ModelSpec, step: StepShape) -> nn.Module:
+    """The model on the meta device, as in a real run (the stage copies hold no storage)."""
+    with torch.device("meta"):
+        module = model.build()
+        if step.dtype == "fp8":  # StagedPrecision's FP8 stage, converted before the set-up shards
+            convert_float8(module)
+    return module
+
+
+def _kinds_by_name(model: ModelSpec, step: StepShape) -> dict[str, int]:
+    """Each transformer block's kind (:func:`.depth.layer_kinds`), by its name in the model."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        module = model.build()
+    with cached_probes():  # outside the fake mode: block detection probes norms with real tensors
+        return dict(zip(find_transformer_blocks(module), layer_kinds(module).kinds))
+
+
+def _split(model: ModelSpec, step: StepShape, layout: PlanLayout) -> PipelineSplit:
+    """The strategy's split of the model (:func:`~lightning_deepseek.parallel.pipeline_split.plan_pipeline_split`,
+    on the meta device; :func:`_step_rank` checks that the strategy's own equals it)."""
+    return plan_pipeline_split(_built(model, step), layout.pp, layout.pp_schedule)

@@ -142,7 +142,7 @@ def plan(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: Cluster
     if layout.pp > 1:
         from lightning_deepseek.planning.pipeline import plan_pipeline  # it builds on this module
 
-        return plan_pipeline(model, world_size, layout, cluster, step)
+        return plan_pipeline(model, world_size, layout, cluster, step, depth, cache)
     started = time.perf_counter()
     topology = cluster_topology(world_size, cluster.gpus_per_node)
     with fake_world(world_size), cached_probes(), warnings.catch_warnings(), _quiet_set_up():

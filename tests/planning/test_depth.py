@@ -48,6 +48,33 @@ def test_representative_equals_full(spec: ModelSpec, layout: PlanLayout) -> None
     assert abs(representative.memory.peak - full.memory.peak) <= PEAK_TOLERANCE * full.memory.peak
 
 
+DEEP = ModelSpec("lds-tiny-16", "lds", {**PRESETS["tiny"], "n_layer": 16})  # 8 blocks a stage at pp=2: 3 + 4 stepped
+LLAMA = ModelSpec("llama-tiny-16", "hf", dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                              num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2,
+                                              tie_word_embeddings=False))
+
+
+@pytest.mark.parametrize(("spec", "layout"), [
+    (DEEP, PlanLayout(pp=2, dp_shard=2)),
+    (LLAMA, PlanLayout(tp=2, pp=2, activation_checkpointing="full", sequence_parallel=True)),  # hooks on stage ends
+])
+def test_representative_stages_equal_full(spec: ModelSpec, layout: PlanLayout) -> None:
+    """Pipelined plans (:mod:`lightning_deepseek.planning.stage_depth`): every pipeline rank's states and every
+    stage's activations equal, the step's FLOPs and bytes too, the peaks within ``PEAK_TOLERANCE``."""
+    full = plan(spec, 4, layout, CLUSTER, STEP, depth="full")
+    representative = plan(spec, 4, layout, CLUSTER, STEP)
+    assert full.pipeline is not None and representative.pipeline is not None
+    for row, other in zip(full.pipeline.ranks, representative.pipeline.ranks):
+        assert (row.params, row.grads, row.states, row.buffers) == (other.params, other.grads, other.states,
+                                                                     other.buffers)
+        assert abs(row.peak - other.peak) <= PEAK_TOLERANCE * row.peak
+    assert [s.activations for s in full.pipeline.stages] == [s.activations for s in representative.pipeline.stages]
+    assert representative.flops == full.flops
+    assert {(t.dim, t.op, t.calls, t.num_bytes) for t in representative.traffic} == {
+        (t.dim, t.op, t.calls, t.num_bytes) for t in full.traffic}
+    assert abs(representative.memory.steady_peak - full.memory.steady_peak) <= PEAK_TOLERANCE * full.memory.steady_peak
+
+
 def test_unknown_depth() -> None:
     with pytest.raises(ValueError, match="depth='shallow' must be one of"):
         plan(DENSE, 4, PlanLayout(), CLUSTER, STEP, depth="shallow")
