@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -161,7 +162,8 @@ def _no_sync(stage: nn.Module) -> None:
         stage.set_requires_gradient_sync(False)
 
 
-def _step_stage(spec: ModelSpec, index: int, stage: nn.Module, is_last: bool, ids: torch.Tensor,
+def _step_stage(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], index: int, stage: nn.Module,
+                is_last: bool, ids: torch.Tensor,
                 hidden: torch.Tensor | None, peaks: _Peaks, flops: FlopCounter, counter: CollectiveCounter,
                 autocast: Any) -> StageStep:
     """Two micro-batches of one stage (see the module docstring)."""
@@ -173,7 +175,7 @@ def _step_stage(spec: ModelSpec, index: int, stage: nn.Module, is_last: bool, id
         activations_before, parameters_before = peaks.activations(), peaks.parameters()
         with autocast:
             output = stage(inputs)
-            loss = spec.loss_from_logits(output, ids) if is_last else None
+            loss = loss_fn(output, ids) if is_last else None  # the strategy's: vocabulary-parallel or not
         after_forward, forward_peak = peaks.current(), peaks.peak()
         activations = peaks.activations() - activations_before
         released = parameters_before - peaks.parameters()  # FSDP2 resharding after a forward that followed a backward
@@ -246,9 +248,9 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
         residual = torch.bfloat16 if step.fsdp_bf16 and dims.fsdp_enabled else torch.float32  # parameters' dtype
         hidden = torch.empty(step.micro_batch_size, step.seq_len, hidden_size, dtype=residual)
     peaks = _Peaks(tracker)
-    with mode, uniform_routing(layers), tracker, counter:
+    with mode, uniform_routing(layers), tracker, counter, loop.loss_context():
         with flops, LocalOpsOnly(mode):
-            stages = tuple(_step_stage(model, index, stage, index == loop.split.num_stages - 1, ids,
+            stages = tuple(_step_stage(loop.loss_fn, index, stage, index == loop.split.num_stages - 1, ids,
                                        None if index == 0 else hidden, peaks, flops, counter, autocast)
                            for index, stage in zip(indices, loop.stage_modules))
         counter.phase = "gradients"

@@ -149,8 +149,8 @@ def real_step(spec: ModelSpec, layout: PlanLayout, world_size: int, micro_batch_
     topology = ";".join(",".join(map(str, island)) for island in cluster_topology(world_size, gpus_per_node).islands)
     cluster = Cluster(topology=topology, link_costs={"intra": {"bandwidth_gbit": 16}, "inter": {"bandwidth_gbit": 1}})
     pipeline = dict(pipeline_parallel_size=layout.pp, pipeline_schedule=layout.pp_schedule,
-                    pipeline_microbatches=layout.pp_microbatches,
-                    sequence_parallel=layout.sequence_parallel) if layout.pp > 1 else {}
+                    pipeline_microbatches=layout.pp_microbatches, sequence_parallel=layout.sequence_parallel,
+                    loss_parallel=layout.loss_parallel) if layout.pp > 1 else {}
     strategy = HybridParallelStrategy(tensor_parallel_size=layout.tp, expert_parallel_size=layout.ep,
                                       shard_optimizer_states=layout.shard_optimizer_states, min_shard_params=0,
                                       data_parallel_shard_size=layout.dp_shard,

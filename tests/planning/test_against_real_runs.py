@@ -52,7 +52,8 @@ CASES = {
         ("pp=2 dp=2", DENSE, PlanLayout(pp=2)), ("pp=2 fsdp=2", DENSE, PlanLayout(pp=2, dp_shard=2)),
         ("pp=2 dp=2 zero1", DENSE, PlanLayout(pp=2, shard_optimizer_states=True)),
         ("pp=2 tp=2", DENSE, PlanLayout(pp=2, tp=2)), ("pp=2 ep=2", MOE, PlanLayout(pp=2, ep=2)),
-        ("pp=2 tp=2 sp", LLAMA, PlanLayout(pp=2, tp=2, sequence_parallel=True))],
+        ("pp=2 tp=2 sp", LLAMA, PlanLayout(pp=2, tp=2, sequence_parallel=True)),
+        ("pp=2 tp=2 sp loss-parallel", LLAMA, PlanLayout(pp=2, tp=2, sequence_parallel=True, loss_parallel=True))],
 }
 ALL_TO_ALL_TOLERANCE = 0.5  # routing of a freshly initialised router on random tokens is far from uniform
 PEAK_TOLERANCE = 0.10  # the peak's error is reported in benchmarks/planning/REPORT.md (0.0% bar the all-to-all's)
