@@ -8,10 +8,10 @@ routed experts sharded over each stage's two data-parallel ranks, DeepSeek-V3's 
 ``pipeline_overlap``, clipping and ``ExpertLoadBalancing`` (its bias updates from every micro-batch's routed counts, as
 one process makes them), and with ZeRO-1 on 1F1B (4 steps; the replicated parameters' states dealt over each stage's two
 dp ranks, the experts' kept: edp=1); HF Llama and Qwen3 (a norm over each head) from tiny configs (random init) at
-pp=2 x tp=2, their declared attention heads sharded beside their feed-forward layers, and Qwen3 with sequence
-parallelism under full activation checkpointing (losses); a pp=2 x tp=2
-DCP checkpoint resumed at the same layout and without tp (``test_pipeline_checkpoint.py``'s runs: 10 + 10 steps against
-20 uninterrupted, 1e-6).
+pp=2 x tp=2, their declared attention heads sharded beside their feed-forward layers: Llama under every schedule (1F1B
+for 20 steps, the others 4), Qwen3 (losses) and with sequence parallelism under full activation checkpointing; a
+pp=2 x tp=2 DCP checkpoint resumed at the same layout and without tp (``test_pipeline_checkpoint.py``'s runs: 10 + 10
+steps against 20 uninterrupted, 1e-6).
 
 One 8-rank spawn (few steps: CI's time) runs the 3-D compositions: pp=2 x tp=2 x dp_shard=2 (torchtitan's FSDP x TP x
 PP; 2-D DTensors over (dp, tp), clipping, a DCP folder resumed), pp=2 x tp=2 x dp=2 with ZeRO-1, pp=2 x ep=2 x
@@ -36,7 +36,7 @@ from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.moe import ExpertLoadBalancing
 from lightning_deepseek.parallel.pipeline import check_pipeline_composition
 from lightning_deepseek.parallel.pipeline_overlap import record_exposed_all_to_all
-from lightning_deepseek.parallel.pipeline_split import plan_pipeline_split
+from lightning_deepseek.parallel.pipeline_split import SCHEDULES, plan_pipeline_split
 from lightning_deepseek.parallel.pipeline_stage_parallel import check_stage_boundaries
 from lightning_deepseek.parallel.plan import Plan, PlanEntry
 from tests.helpers import run_distributed
@@ -57,8 +57,9 @@ from tests.parallel.test_pipeline_strategy import (
     TOL,
     PipelinedLlama,
     _fit,
-    _llama_reference,
+    check_hf_parity,
     check_parity,
+    gathered_state,
     hf_reference,
 )
 
@@ -78,14 +79,17 @@ def _qwen3() -> nn.Module:
     return transformers.Qwen3ForCausalLM(config).float()
 
 
-def _hf(world_size: int, model: nn.Module | None = None, steps: int = STEPS, **settings: Any) -> dict[str, Any]:
-    """An HF model (Llama by default; tiny config) at pp=2 x tp=2 (1F1B): its losses and tensor-parallel parameters."""
+def _hf(world_size: int, model: nn.Module | None = None, steps: int = STEPS, schedule: str = "1F1B",
+        **settings: Any) -> dict[str, Any]:
+    """An HF model (Llama by default; tiny config) at pp=2 x tp=2: its losses, final weights and tensor-parallel
+    parameters."""
     module = PipelinedLlama()
     module.model = model if model is not None else module.model
-    strategy = HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_microbatches=4,
-                                      min_shard_params=0, **settings)
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_schedule=schedule,
+                                      pipeline_microbatches=4, min_shard_params=0, **settings)
     make_trainer(world_size, strategy, max_steps=steps).fit(module, loader(token_data(STEPS * MICRO), MICRO))
-    return {"losses": module.losses, "shards": [n for n, p in module.named_parameters() if isinstance(p, DTensor)]}
+    return {"losses": module.losses, "state": gathered_state(module),
+            "shards": [n for n, p in module.named_parameters() if isinstance(p, DTensor)]}
 
 
 def _qwen3_reference() -> list[float]:
@@ -107,6 +111,8 @@ def _checkpoints(world_size: int) -> dict[str, Any]:
 
 # The schedules the cases above do not run, at each model-parallel size (4 steps each): every schedule composes.
 OTHER_SCHEDULES = {"tp": ("ZBVZeroBubble", "DualPipeV"), "ep": ("Interleaved1F1B", "ZBVZeroBubble")}
+# HF Llama at pp=2 x tp=2: 1F1B for 20 steps, every other schedule for 4.
+LLAMA_STEPS = {schedule: STEPS if schedule == "1F1B" else 4 for schedule in SCHEDULES}
 
 
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
@@ -119,7 +125,8 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
             "ep_zero": _fit(world_size, "1F1B", ep=2, zero=True, steps=4, **MOE),
             **{f"tp_{name}": _fit(world_size, name, tp=2, steps=4) for name in OTHER_SCHEDULES["tp"]},
             **{f"ep_{name}": _fit(world_size, name, ep=2, steps=4, **MOE) for name in OTHER_SCHEDULES["ep"]},
-            "llama": _hf(world_size), "qwen3": _hf(world_size, _qwen3(), QWEN_STEPS),
+            **{f"llama_{name}": _hf(world_size, steps=steps, schedule=name) for name, steps in LLAMA_STEPS.items()},
+            "qwen3": _hf(world_size, _qwen3(), QWEN_STEPS),
             "qwen3_sp": _hf(world_size, _qwen3(), QWEN_STEPS, sequence_parallel=True, activation_checkpointing="full"),
             "checkpoints": _checkpoints(world_size)}
 
@@ -197,14 +204,16 @@ def test_every_schedule_composes_with_tp_and_ep(four_ranks: list[dict[str, Any]]
     check_parity([r[case] for r in four_ranks], **(MOE if case.startswith("ep") else {}))
 
 
-def test_pp2_x_tp2_hf_llama_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
-    reference = _llama_reference()
-    for result in four_ranks:
-        np.testing.assert_allclose(result["llama"]["losses"], reference, rtol=TOL)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_x_tp2_hf_llama_matches_one_process_under_every_schedule(four_ranks: list[dict[str, Any]],
+                                                                    schedule: str) -> None:
+    results = [r[f"llama_{schedule}"] for r in four_ranks]
+    check_hf_parity(results, LLAMA_STEPS[schedule])
+    for result in results:
         # each rank's 4 layers: query, key, value, output (attention heads split) and the 3 feed-forward projections
-        projections = {n.split(".")[-2] for n in result["llama"]["shards"]}
-        assert len(result["llama"]["shards"]) == 28 and projections == {"q_proj", "k_proj", "v_proj", "o_proj",
-                                                                        "gate_proj", "up_proj", "down_proj"}
+        projections = {n.split(".")[-2] for n in result["shards"]}
+        assert len(result["shards"]) == 28 and projections == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"}
 
 
 def test_pp2_x_tp2_hf_qwen3_sums_its_head_norms_over_tp(four_ranks: list[dict[str, Any]]) -> None:

@@ -7,12 +7,14 @@ auxiliary loss) and BF16 autocast on DualPipeV, HF Llama, a model built on the m
 its stages only), our ``LightningGPT``, and the bad settings that raise before training; on 4 ranks (``pp=2 x
 dp=2``, each data-parallel replica reading its own shard) Interleaved1F1B (with selective activation checkpointing)
 and DualPipeV, clipping at 1.0, FSDP2 over each stage's two replicas (1F1B; DualPipeV without resharding after the
-forward; accumulation, clipping), and ``pp=4`` with 1F1B; the validation loss after each fit. Every rank of a
-pipeline reports the same loss; the mean over the ranks is the global batch's loss.
+forward; accumulation, clipping), and ``pp=4`` with 1F1B, and HF Llama at ``pp=4`` under every schedule; the
+validation loss after each fit. Every rank of a pipeline reports the same loss; the mean over the ranks is the global
+batch's loss.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_deepseek import HybridParallelStrategy
 from lightning_deepseek.models import GPTConfig, LightningGPT
+from lightning_deepseek.parallel.pipeline_split import SCHEDULES
 from lightning_deepseek.parallel.zero import state_bytes
 from tests.helpers import run_distributed
 from tests.parallel.common import (
@@ -84,12 +87,10 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
     val = trainer.validate(module, loader(token_data(4 * dp * MICRO, seed=3), MICRO), verbose=False)
     losses: list[Any] = [None] * world_size
     dist.all_gather_object(losses, module.losses)
-    states: list[Any] = [None] * world_size
-    dist.all_gather_object(states, full_state(module))
     optimizer = trainer.optimizers[0]
     optimized = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
     return {"pp": pp, "dp": dp, "steps": max_steps or steps, "epoch_steps": steps, "losses": losses,
-            "state": {k: v for s in states for k, v in s.items()},
+            "state": gathered_state(module),
             "val": val[0]["validation_loss"], "optimized": optimized,
             "local": sum(p.numel() for p in module.parameters()), "state_bytes": state_bytes(optimizer),
             "numel": {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in module.named_parameters()},
@@ -100,6 +101,14 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
             "shards": sorted(n for n, p in module.named_parameters() if isinstance(p, DTensor)),
             "meshes": {n: p.device_mesh.mesh_dim_names for n, p in module.named_parameters() if isinstance(p, DTensor)},
             "biases": {n: b.tolist() for n, b in module.named_buffers() if n.endswith("expert_bias")}}
+
+
+def gathered_state(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The full weights of a pipelined module under the model's names: every rank's stages, tensor-parallel shards
+    gathered (collective: every rank calls it)."""
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, full_state(module))
+    return {k: v for s in states for k, v in s.items()}
 
 
 def _meta(world_size: int, shard: int = 1) -> dict[str, Any]:
@@ -175,21 +184,23 @@ class PipelinedLlama(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
-def _llama(world_size: int) -> list[float]:
-    """HF Llama through the strategy (1F1B, pp=2): its losses."""
+def _llama(world_size: int, schedule: str = "1F1B", pp: int = 2, steps: int = STEPS, batch: int = MICRO
+           ) -> dict[str, Any]:
+    """HF Llama through the strategy (one sample a micro-batch): its losses and final weights."""
     module = PipelinedLlama()
-    trainer = make_trainer(world_size, HybridParallelStrategy(pipeline_parallel_size=2, pipeline_microbatches=4),
-                           max_steps=STEPS)
-    trainer.fit(module, loader(token_data(STEPS * MICRO), MICRO))
-    return module.losses
+    strategy = HybridParallelStrategy(pipeline_parallel_size=pp, pipeline_schedule=schedule,
+                                      pipeline_microbatches=batch)
+    make_trainer(world_size, strategy, max_steps=steps).fit(module, loader(token_data(STEPS * batch), batch))
+    return {"losses": module.losses, "state": gathered_state(module)}
 
 
-def hf_reference(model: torch.nn.Module, steps: int = STEPS) -> list[float]:
-    """One process's losses of ``model`` (an HF causal LM) over the first ``steps`` batches of the pipelined runs."""
+def hf_reference(model: torch.nn.Module, steps: int = STEPS, batch: int = MICRO) -> list[float]:
+    """One process's losses of ``model`` (an HF causal LM, trained in place) over the first ``steps`` batches of
+    ``batch`` samples of the pipelined runs."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    dataset, losses = token_data(STEPS * MICRO), []
+    dataset, losses = token_data(STEPS * batch), []
     for step in range(steps):
-        loss = lm_loss(lambda x: model(x).logits, dataset[global_indices(step, MICRO, len(dataset))])
+        loss = lm_loss(lambda x: model(x).logits, dataset[global_indices(step, batch, len(dataset))])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -197,8 +208,22 @@ def hf_reference(model: torch.nn.Module, steps: int = STEPS) -> list[float]:
     return losses
 
 
-def _llama_reference() -> list[float]:
-    return hf_reference(make_hf_model("llama"))
+@cache
+def llama_reference(steps: int = STEPS, batch: int = MICRO) -> tuple[list[float], dict[str, np.ndarray]]:
+    """One process's HF Llama: its losses and final weights (under ``PipelinedLlama``'s names; computed once per
+    session for each ``steps`` and ``batch``: read only)."""
+    model = make_hf_model("llama")
+    losses = hf_reference(model, steps, batch)
+    return losses, {f"model.{name}": value for name, value in full_state(model).items()}
+
+
+def check_hf_parity(results: list[dict[str, Any]], steps: int = STEPS, batch: int = MICRO) -> None:
+    """Every rank's losses and the gathered final weights of an HF Llama run against ``llama_reference``."""
+    losses, state = llama_reference(steps, batch)
+    for result in results:  # every rank of the pipeline reports the global batch's loss
+        assert len(result["losses"]) == steps
+        np.testing.assert_allclose(result["losses"], losses, rtol=TOL)
+    assert relative_error(results[0]["state"], state) <= TOL
 
 
 def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
@@ -209,8 +234,15 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
             "gpt": _lightning_gpt(world_size), "llama": _llama(world_size)}
 
 
+# HF Llama at pp=4 (8 stages of its 8 layers on the two-stage schedules), one sample a micro-batch: each schedule's
+# (steps, batch). 1F1B for 20 steps (the pp=2 run's reference), the others for 4; DualPipeV needs 8 micro-batches.
+LLAMA_PP4 = {"1F1B": (STEPS, MICRO), "Interleaved1F1B": (4, MICRO), "ZBVZeroBubble": (4, MICRO), "DualPipeV": (4, 8)}
+
+
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    return {"Interleaved1F1B": _fit(world_size, "Interleaved1F1B", clip=1.0, activation_checkpointing="selective"),
+    return {**{f"llama_{name}": _llama(world_size, name, pp=4, steps=steps, batch=batch)
+               for name, (steps, batch) in LLAMA_PP4.items()},
+            "Interleaved1F1B": _fit(world_size, "Interleaved1F1B", clip=1.0, activation_checkpointing="selective"),
             "DualPipeV": _fit(world_size, "DualPipeV", clip=1.0), "pp4": _fit(world_size, "1F1B", pp=4),
             "fsdp": _fit(world_size, "1F1B", accumulate=2, clip=0.5, shard=2),
             "fsdp_v": _fit(world_size, "DualPipeV", accumulate=2, clip=0.5, shard=2, reshard_after_forward=False),
@@ -298,8 +330,8 @@ def test_pp2_bf16_autocast_matches_one_process(two_ranks: list[dict[str, Any]]) 
 
 
 def test_pp2_hf_llama_matches_one_process(two_ranks: list[dict[str, Any]]) -> None:
-    assert two_ranks[0]["llama"] == two_ranks[1]["llama"]
-    np.testing.assert_allclose(two_ranks[0]["llama"], _llama_reference(), rtol=TOL)
+    assert two_ranks[0]["llama"]["losses"] == two_ranks[1]["llama"]["losses"]
+    check_hf_parity([r["llama"] for r in two_ranks])
 
 
 def test_pp2_x_dp2_interleaved_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
@@ -320,6 +352,12 @@ def test_pp2_x_fsdp2_under_dualpipev_without_resharding_after_forward(four_ranks
 
 def test_pp4_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
     check_parity([r["pp4"] for r in four_ranks])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp4_hf_llama_matches_one_process_under_every_schedule(four_ranks: list[dict[str, Any]],
+                                                               schedule: str) -> None:
+    check_hf_parity([r[f"llama_{schedule}"] for r in four_ranks], *LLAMA_PP4[schedule])
 
 
 def test_pp2_x_dp2_dualpipev_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
