@@ -4,8 +4,9 @@ the searches of benchmarks/planning/REPORT.md; with ``--uncached`` also the same
 afresh (``cache=False``) and a check that both give the same fastest ``--top`` plans.
 
 Usage: ``PYTHONPATH=. .venv/bin/python benchmarks/planning/bench_search.py CASE [--pipelined] [--uncached]
-[--top K]`` with CASE one of ``llama3-8b``, ``llama3-70b``, ``deepseek-v3``; ``--pipelined``: the pipelined
-candidates (pp > 1) instead of the others; ``--top``: as ``lds-plan``'s ``top`` (5; 0: every layout planned);
+[--sequence-parallel] [--top K]`` with CASE one of ``llama3-8b``, ``llama3-70b``, ``deepseek-v3``; ``--pipelined``:
+the pipelined candidates (pp > 1) instead of the others; ``--sequence-parallel``: with the sequence-parallel ones
+(left out by default, as in REPORT.md's rows); ``--top``: as ``lds-plan``'s ``top`` (5; 0: every layout planned);
 ``--budget``: CPU seconds after which the search is stopped and its rate so far printed (default: none).
 """
 
@@ -19,7 +20,14 @@ from typing import Any
 from lightning_deepseek.app.plan import resolve_cluster, resolve_model
 from lightning_deepseek.planning import StepShape
 from lightning_deepseek.planning import search as search_module
-from lightning_deepseek.planning.search import ParameterShards, block_count, candidate_layouts, expert_counts, search
+from lightning_deepseek.planning.search import (
+    ParameterShards,
+    block_count,
+    candidate_layouts,
+    expert_counts,
+    search,
+    sequence_parallel_sizes,
+)
 
 CASES = {  # model, world size, cluster, step
     "llama3-8b": ("llama3-8b", 64, "h100", StepShape(2, 8192)),
@@ -37,13 +45,17 @@ def main() -> None:
     parser.add_argument("case", choices=sorted(CASES))
     parser.add_argument("--pipelined", action="store_true")
     parser.add_argument("--uncached", action="store_true")
+    parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--budget", type=float, default=None)
     args = parser.parse_args()
     name, world_size, cluster_name, step = CASES[args.case]
     model, cluster = resolve_model(name), resolve_cluster(cluster_name)
+    tps = [d for d in range(1, cluster.gpus_per_node + 1) if world_size % d == 0]
     layouts = [layout for layout in candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model),
-                                                      block_count(model)) if (layout.pp > 1) == args.pipelined]
+                                                      block_count(model),
+                                                      sequence_parallel_sizes(model, tps, step.min_shard_params))
+               if (layout.pp > 1) == args.pipelined and (args.sequence_parallel or not layout.sequence_parallel)]
     shards = ParameterShards.of(model, world_size, step, tuple({layout.tp for layout in layouts}))
     bounded = sum((shards.least_states(layout) or 0) > cluster.memory_bytes for layout in layouts)
     print(f"{len(layouts)} layouts, {bounded} over the device by the bound before planning", flush=True)

@@ -132,7 +132,7 @@ def extrapolate(base: StepMeasurement, extras: dict[int, StepMeasurement], kinds
     memory = RankMemory(**{name: int(scaled(lambda m, name=name: getattr(m.memory, name)))
                            for name in vars(base.memory)})
     peaks = tuple(int(scaled(lambda m, i=i: m.phase_peaks[i])) for i in range(len(base.phase_peaks)))
-    calls = scale_calls(base.calls, {kind: extra.calls for kind, extra in extras.items()}, missing)
+    calls = scale_calls(base.calls, [(missing[kind], extra.calls, base.calls) for kind, extra in extras.items()])
     return replace(base, memory=replace(memory, peak=max(peaks)), phase_peaks=peaks, calls=calls,
                    flops=scaled(lambda m: m.flops), fp8_flops=scaled(lambda m: m.fp8_flops),
                    cast_bytes=round(scaled(lambda m: m.cast_bytes)),
@@ -141,19 +141,22 @@ def extrapolate(base: StepMeasurement, extras: dict[int, StepMeasurement], kinds
                    buffer_bytes=round(scaled(lambda m: m.buffer_bytes)))
 
 
-def scale_calls(base: tuple[CollectiveCall, ...], extras: dict[int, tuple[CollectiveCall, ...]],
-                missing: dict[int, float]) -> tuple[CollectiveCall, ...]:
-    """Collectives by (op, group, phase), in order of first appearance: the base's calls and bytes plus
-    ``missing[kind]`` times the difference of ``extras[kind]``'s; each call then carries their mean."""
-    keys = dict.fromkeys((c.op, c.group, c.phase) for calls in (base, *extras.values()) for c in calls)
+Calls = tuple[CollectiveCall, ...]
+
+
+def scale_calls(base: Calls, terms: list[tuple[float, Calls, Calls]]) -> Calls:
+    """Collectives by (op, group, phase), in order of first appearance: the base's calls and bytes plus, per term
+    ``(weight, plus, minus)``, ``weight`` times the difference of ``plus``'s and ``minus``'s; each call then carries
+    their mean."""
+    keys = dict.fromkeys((c.op, c.group, c.phase) for calls in (base, *(t[1] for t in terms)) for c in calls)
     out = []
     for op, group, phase in keys:
         def of(calls: tuple[CollectiveCall, ...], op: str = op, group: str = group, phase: str = phase) -> list[int]:
             return [c.num_bytes for c in calls if (c.op, c.group, c.phase) == (op, group, phase)]
 
         def scaled(value: Callable[[list[int]], int]) -> int:
-            return round(value(of(base)) + sum(missing[kind] * (value(of(extra)) - value(of(base)))
-                                               for kind, extra in extras.items()))
+            return round(value(of(base)) + sum(weight * (value(of(plus)) - value(of(minus)))
+                                               for weight, plus, minus in terms))
         num_calls, num_bytes = scaled(len), scaled(sum)
         out += [CollectiveCall(op, group, num_bytes // num_calls + (i < num_bytes % num_calls), phase)
                 for i in range(num_calls)]

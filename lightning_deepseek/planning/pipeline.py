@@ -27,10 +27,12 @@ whose stages hold other blocks; V schedules hold two stages per rank), the plann
 
 Reported per plan: the most loaded rank's memory (and every pipeline rank's and stage's rows), the bytes of that
 rank by mesh dimension. Costs: two micro-batches of each distinct rank's stages; with ``depth="representative"``
-of copies holding three or four blocks of each kind per stage (:mod:`.stage_depth`; ranks whose copies would step
-as many blocks, and ZeRO-1, whose owned states depend on the whole rank's partition, are stepped whole). With a
-:class:`.cache.PlanCache` the block kinds, the split and each copy's measurement are shared by the plans of a
-search (a copy's key: the layout and its stages' kept block kinds). Not modelled: FSDP2's collectives under a pipeline are counted per action from
+of a base copy holding three blocks of each kind per stage, and one copy per kind and layout with one block more
+(:mod:`.stage_depth`; a rank whose stages hold no more, and ZeRO-1, whose owned states depend on the whole rank's
+partition, are stepped whole). With a :class:`.cache.PlanCache` the block kinds, the split, the action table and
+each copy's measurement are shared by the plans of a search (a copy's key: the layout but its micro-batches and
+which V schedule, and its stages' kept block kinds). Not modelled: FSDP2's collectives under a pipeline are
+counted per action from
 the two stepped micro-batches (the first forward's gathers repeat wherever a forward follows a forward); the point
 to point transfers are not overlapped with compute (torch waits for them before the action that needs them).
 """
@@ -89,10 +91,17 @@ from lightning_deepseek.planning.report import (
 )
 from lightning_deepseek.planning.routing import uniform_routing
 from lightning_deepseek.planning.schedule import Action, overlapped, schedule_order
-from lightning_deepseek.planning.stage_depth import RankBlocks, extrapolate_rank, rank_blocks
+from lightning_deepseek.planning.stage_depth import (
+    BlockDelta,
+    RankBlocks,
+    block_delta,
+    extrapolate_rank,
+    rank_blocks,
+)
 from lightning_deepseek.precision.fsdp_policy import fsdp_units, set_mixed_precision, stage_policy
 
 Table = tuple[dict[int, list[Action]], dict[Action, Action]]  # every rank's actions and the overlapped pairs
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # the same split and stages per rank
 
 
 class _Holder(pl.LightningModule):
@@ -209,10 +218,9 @@ def _step_stage(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], i
 
 
 def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
-               pp_rank: int, split: PipelineSplit, drop: tuple[str, ...] = ()) -> tuple[RankStep, Table]:
+               pp_rank: int, split: PipelineSplit, drop: tuple[str, ...] = ()) -> RankStep:
     """Set up pipeline rank ``pp_rank`` with the strategy's split on the fake world (which must be ``split``),
-    remove the blocks ``drop`` from its stages, and step them; also every rank's action table and its overlapped
-    pairs."""
+    remove the blocks ``drop`` from its stages, and step them."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     module = _built(model, step)
     hidden_size = _hidden_size(module)
@@ -234,8 +242,6 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
         set_mixed_precision(fsdp_units(holder.model), stage_policy("bf16-mixed"))
     runner = PipelineRunner.from_stage_modules(loop.split, loop.stage_modules, loop.loss_fn, loop.pp_group,
                                                loop.num_microbatches, CPU)
-    order = schedule_order(layout.pp_schedule, runner.schedule, layout.pp, loop.num_microbatches)
-    pairs = overlapped(runner.schedule.pipeline_order) if layout.pp_schedule != "1F1B" else {}
     params = [p for p in holder.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     setup_optimizer_states([optimizer], pp_rank * dims.dp * dims.tp, world_size, mesh, layout.shard_optimizer_states)
@@ -271,7 +277,19 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
                     tuple(counter.calls[exchange_start:]), exchange_peak, owned,
                     mesh_groups(mesh, dims, topology), loop.pp_group.group_name,
                     sum(1 for m in holder.model.modules() if _tensor_parallel(getattr(m, "weight", None))))
-    return rank, (order, pairs)
+    return rank
+
+
+def _table(world_size: int, layout: PlanLayout, split: PipelineSplit) -> Table:
+    """Every rank's actions and the overlapped pairs: torch's schedule object, over stand-ins of rank 0's stages
+    (its table depends on the stages and micro-batches only)."""
+    with fake_world(world_size):
+        mesh = ParallelDims(world_size, pp=layout.pp).build_mesh("cpu")
+        runner = PipelineRunner.from_stage_modules(split, [nn.Identity() for _ in split.stage_indices(0)],
+                                                   lambda output, target: output.sum(), mesh["pp"].get_group(),
+                                                   layout.num_microbatches, CPU)
+    order = schedule_order(layout.pp_schedule, runner.schedule, layout.pp, layout.num_microbatches)
+    return order, overlapped(runner.schedule.pipeline_order) if layout.pp_schedule != "1F1B" else {}
 
 
 def _drop_blocks(roots: list[nn.Module], names: tuple[str, ...]) -> None:
@@ -300,32 +318,43 @@ def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster
     topology = cluster_topology(world_size, cluster.gpus_per_node)
     kinds = cache.get(("pipeline_kinds", key), lambda: _kinds_by_name(model, step))
     split = cache.get(("pipeline_split", key, layout.pp, layout.pp_schedule), lambda: _split(model, step, layout))
+    table = cache.get(("pipeline_table", key, layout.pp, layout.pp_schedule, layout.num_microbatches),
+                      lambda: _table(world_size, layout, split))
     ranks: dict[int, RankStep] = {}
-    table: Table | None = None
+    deltas: dict[int, BlockDelta] = {}
     for pp_rank in range(layout.pp):
         blocks = rank_blocks(split, pp_rank, kinds)
 
-        def measure(keep: tuple[str, ...], pp_rank: int = pp_rank, blocks: RankBlocks = blocks
-                    ) -> tuple[RankStep, Table]:
+        def measure(keep: tuple[str, ...], pp_rank: int = pp_rank, blocks: RankBlocks = blocks) -> RankStep:
             """The copy keeping the blocks ``keep``, stepped once per shape (plan and search)."""
             drop = tuple(name for name in blocks.names if name not in keep)
-            return cache.get(("pipeline_rank", key, layout, blocks.copy_shape(keep)),
+            return cache.get(("pipeline_rank", key, _step_settings(layout), blocks.copy_shape(keep)),
                              lambda: _stepped(model, world_size, layout, step, topology, pp_rank, split, drop))
 
         if depth == "full" or layout.shard_optimizer_states or not blocks.worth_it:  # ZeRO-1: see the docstring
-            rank, table = measure(blocks.names)
+            rank = measure(blocks.names)
         else:
-            base, table = measure(blocks.base)
-            rank = extrapolate_rank(base, {kind: measure(blocks.with_one_more(kind))[0] for kind in blocks.extended},
-                                    blocks)
+            base = measure(blocks.base)
+            for kind in blocks.extended:
+                if kind not in deltas:
+                    deltas[kind] = block_delta(base, measure(blocks.with_one_more(kind)), blocks, kind)
+            rank = extrapolate_rank(base, blocks, {kind: deltas[kind] for kind in blocks.extended})
         ranks[pp_rank] = dataclasses.replace(rank, pp_rank=pp_rank)
-    assert table is not None
     return pipeline_report(model, world_size, layout, cluster, step, topology, ranks, split, *table,
                            time.perf_counter() - started)
 
 
+def _step_settings(layout: PlanLayout) -> tuple:
+    """What a stepped copy depends on: the layout but its micro-batches and which V schedule (the stages step alike;
+    the split and the table are the schedule's)."""
+    settings = dataclasses.asdict(layout)
+    settings.pop("pp_microbatches")
+    settings["pp_schedule"] = "V" if layout.pp_schedule in V_SCHEDULES else layout.pp_schedule
+    return tuple(settings.items())
+
+
 def _stepped(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
-             pp_rank: int, split: PipelineSplit, drop: tuple[str, ...]) -> tuple[RankStep, Table]:
+             pp_rank: int, split: PipelineSplit, drop: tuple[str, ...]) -> RankStep:
     """:func:`_step_rank` on the fake world at pipeline rank ``pp_rank``'s first global rank."""
     with fake_world(world_size, rank=pp_rank * (world_size // layout.pp)), cached_probes(), \
             warnings.catch_warnings(), _quiet_set_up():

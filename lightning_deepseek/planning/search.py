@@ -6,7 +6,8 @@ crossing nodes gathers activations over the slow link), ``expert_parallel_size``
 that divide every MoE layer's expert count; 1 for dense models), the sharding (none, ZeRO-1, FSDP2 over a node with
 replicas across nodes (HSDP), FSDP2 over the world), activation checkpointing (none, selective, full) and, where
 DDP's buckets exist, ``GradientCompression``'s bits (none, 8, 4); placement is the strategy's ``"auto"``; pipeline
-stages (``pp`` of 2, 4, 8) and their schedule (:func:`pipelined_layouts`, at the schedule's least micro-batches). A
+stages (``pp`` of 2, 4, 8), their schedule (:func:`pipelined_layouts`, at the schedule's least micro-batches) and,
+with ``tp > 1`` on a model declaring its attention, sequence parallelism (:func:`sequence_parallel_sizes`). A
 layout the strategy refuses (a ``tp`` dividing no feed-forward width) is listed as rejected with the strategy's
 reason. Micro-batch counts become one more axis of :func:`candidate_layouts` when wanted.
 
@@ -20,8 +21,8 @@ ZeRO-1 (which holds fewer optimizer states and the same parameters, gradients an
 holds the parameters, gradients, optimizer states and DDP's buckets at once (the optimizer step), so a pruned layout
 is one that would not fit: such layouts are listed in :attr:`SearchResult.pruned` with the bound, not planned. With
 ``top``, a layout is also pruned when its compute and exposed tensor- and expert-parallel collectives alone (compute
-alone under a pipeline) exceed the step time of the ``top``-th fastest fitting plan so far: those of a planned layout
-that differs from it only in how the data-parallel ranks shard the model states (ZeRO-1, FSDP2's sizes: the same
+and bubble under a pipeline) exceed the step time of the ``top``-th fastest fitting plan so far: those of a planned
+layout that differs from it only in how the data-parallel ranks shard the model states (ZeRO-1, FSDP2's sizes: the same
 blocks run on the same shapes and send the same activations), under the same activation checkpointing or one
 recomputing less (none, selective, full); layouts are planned in that order.
 The fitting plans are those of ``cache=False``, the ``top`` fastest where ``top`` is given
@@ -33,6 +34,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass, replace
 from itertools import product
 
@@ -45,7 +47,7 @@ from lightning_deepseek.parallel.activation_checkpointing import find_transforme
 from lightning_deepseek.parallel.detection import cached_probes
 from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.pipeline_split import SCHEDULES
-from lightning_deepseek.parallel.plan import decide_plan
+from lightning_deepseek.parallel.plan import Plan, add_attention_heads, decide_plan
 from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
@@ -101,11 +103,12 @@ def block_count(model: ModelSpec) -> int:
     return len(find_transformer_blocks(module))
 
 
-def candidate_layouts(world_size: int, gpus_per_node: int, experts: list[int], num_blocks: int = 0
-                      ) -> list[PlanLayout]:
+def candidate_layouts(world_size: int, gpus_per_node: int, experts: list[int], num_blocks: int = 0,
+                      sequence_parallel: tuple[int, ...] = ()) -> list[PlanLayout]:
     """Every layout of the axes the strategy has (see the module docstring), each with DDP's buckets (``dp > 1``
     unsharded) also compressed at 8 and 4 bits (``GradientCompression``); pipelined ones where the model has
-    ``num_blocks`` transformer blocks to split."""
+    ``num_blocks`` transformer blocks to split, also with sequence parallelism at the ``tp`` sizes
+    ``sequence_parallel`` (:func:`sequence_parallel_sizes`)."""
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     tps = [d for d in divisors if d <= gpus_per_node]
     eps = [d for d in divisors if experts and math.gcd(*experts) % d == 0] or [1]
@@ -114,25 +117,45 @@ def candidate_layouts(world_size: int, gpus_per_node: int, experts: list[int], n
     return [PlanLayout(tp, ep, zero, dp_shard=shard, activation_checkpointing=ac, bits=bits)
             for tp, ep, (zero, shard), ac in product(tps, eps, sharding, AC_MODES)
             for bits in ((None, 8, 4) if shard == 1 and world_size // tp > 1 else (None,))] + pipelined_layouts(
-        world_size, tps, num_blocks)
+        world_size, tps, num_blocks, sequence_parallel)
 
 
-def pipelined_layouts(world_size: int, tps: list[int], num_blocks: int) -> list[PlanLayout]:
+def pipelined_layouts(world_size: int, tps: list[int], num_blocks: int, sequence_parallel: tuple[int, ...] = ()
+                      ) -> list[PlanLayout]:
     """The pipelined candidates: ``pp`` a divisor of the world up to 8 whose stages the model's ``num_blocks``
     fill, every schedule at its least micro-batches, unsharded or FSDP2 over each stage's ``dp`` ranks, each
-    checkpointing mode; the combinations the strategy refuses (its ``LayoutSettings``) are left out."""
+    checkpointing mode, and at the ``tp`` sizes in ``sequence_parallel`` also with sequence parallelism; the
+    combinations the strategy refuses (its ``LayoutSettings``) are left out."""
     layouts = []
     for pp, schedule, tp, ac in product([d for d in (2, 4, 8) if world_size % d == 0], SCHEDULES, tps, AC_MODES):
         dp = world_size // (pp * tp)
         if world_size % (pp * tp) or pp * (1 if schedule == "1F1B" else 2) > num_blocks:
             continue
-        for shard in sorted({1, dp}):
+        for shard, sp in product(sorted({1, dp}), (False, True) if tp in sequence_parallel else (False,)):
             try:
                 layouts.append(PlanLayout(tp, dp_shard=shard, activation_checkpointing=ac, pp=pp,
-                                          pp_schedule=schedule, reshard_after_forward=schedule not in V_SCHEDULES))
+                                          pp_schedule=schedule, reshard_after_forward=schedule not in V_SCHEDULES,
+                                          sequence_parallel=sp))
             except ValueError:
                 continue
     return layouts
+
+
+def sequence_parallel_sizes(model: ModelSpec, tps: list[int], min_shard_params: int) -> tuple[int, ...]:
+    """The ``tp`` sizes (above 1) at which every transformer block of ``model`` (built on the meta device) holds an
+    attention whose heads the strategy's pipelined tensor-parallel plan splits: what ``sequence_parallel`` needs
+    (transformers' models declare their attention projections; the heads must divide by ``tp``)."""
+    with torch.device("meta"):
+        module = model.build()
+    blocks = find_transformer_blocks(module)
+    sizes = []
+    for tp in (t for t in tps if t > 1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the strategy's warning for heads that tp does not divide
+            heads = [e.name for e in add_attention_heads(module, Plan(), tp, min_shard_params) if e.heads]
+        if blocks and all(any(h.startswith(f"{block}.") for h in heads) for block in blocks):
+            sizes.append(tp)
+    return tuple(sizes)
 
 
 def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepShape,
@@ -150,7 +173,9 @@ def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepSh
     if top is not None and top < 1:
         raise ValueError(f"top={top!r} must be a positive number of layouts, or None to plan every layout.")
     if layouts is None:
-        layouts = candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model), block_count(model))
+        tps = [d for d in range(1, cluster.gpus_per_node + 1) if world_size % d == 0]
+        layouts = candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model), block_count(model),
+                                    sequence_parallel_sizes(model, tps, step.min_shard_params))
     with cached_probes() if cache else contextlib.nullcontext():
         return _search(model, world_size, cluster, step, layouts, depth, PlanCache() if cache else None,
                        top if cache else None)
@@ -262,16 +287,18 @@ class ParameterShards:
         return copies * (held(self.experts, layout.ep * layout.tp * layout.dp_shard) + tp_bytes + rest) // layout.pp
 
 
-def _planning_order(layout: PlanLayout) -> tuple[int, bool]:
+def _planning_order(layout: PlanLayout) -> tuple[int, bool, int]:
     """By recomputation (:data:`RECOMPUTE_ORDER`: a mode's compute bounds the later modes', its model states all
-    modes'), ZeRO-1 first (its model states bound plain DDP's)."""
-    return RECOMPUTE_ORDER.index(layout.activation_checkpointing), not layout.shard_optimizer_states
+    modes'), ZeRO-1 first (its model states bound plain DDP's), FSDP2 over fewer ranks first (the set-up of FSDP2
+    over thousands of ranks is a plan's costliest part: its siblings, planned first, may prune it by time)."""
+    return (RECOMPUTE_ORDER.index(layout.activation_checkpointing), not layout.shard_optimizer_states,
+            layout.dp_shard)
 
 
 def _compute_key(layout: PlanLayout) -> tuple:
     """What decides a rank's compute: not how the data-parallel ranks shard the model states (ZeRO-1, FSDP2)."""
     return (layout.tp, layout.ep, layout.pp, layout.pp_schedule, layout.num_microbatches, layout.placement,
-            layout.bits)
+            layout.bits, layout.sequence_parallel)
 
 
 def _least_compute(layout: PlanLayout, computes: dict[tuple, list[PlanReport]]) -> PlanReport | None:
@@ -286,9 +313,10 @@ def _least_compute(layout: PlanLayout, computes: dict[tuple, list[PlanReport]]) 
 def _least_seconds(report: PlanReport) -> float:
     """The step time of a layout that differs from ``report``'s only in its sharding is at least its compute and,
     without a pipeline, its exposed tensor- and expert-parallel collectives of forward and backward (the same
-    groups and bytes; they add to the compute, see :mod:`.estimate`)."""
-    if report.layout.pp > 1:
-        return report.compute_seconds
+    groups and bytes; they add to the compute, see :mod:`.estimate`); under a pipeline the schedule replayed with
+    its stages' compute alone (the same chunks in the same order: compute and bubble)."""
+    if report.pipeline is not None:  # the replayed schedule without its transfers: the stages' compute and bubble
+        return report.pipeline.makespan - report.pipeline.p2p_exposed_seconds
     return report.compute_seconds + sum(t.exposed_seconds for t in report.traffic
                                         if t.op in PARALLEL_OPS and set(t.dim.split("/")) <= {"tp", "ep"})
 

@@ -7,13 +7,14 @@ such stage. Both copies are split,
 sharded and stepped by the strategy's own code (:mod:`.pipeline`) with the other blocks removed from the stage
 modules after the split. Every per-micro-batch quantity of a stage (FLOPs, activations, the peaks above a forward's
 and a backward's start, what the first backward keeps, its collectives' calls and bytes) is the base's plus the
-stage's missing blocks times the stage's own difference between the copies; every quantity of the rank (model
+stage's missing blocks times one block's difference, read on a stage of the first rank holding more of that kind
+(one extra copy per kind and layout: a block adds the same wherever it sits); every quantity of the rank (model
 states, the exchange after the schedule and its peak, the owned optimizer elements, the tensor-parallel layers) the
 base's plus the missing blocks of all its stages times the difference per added block.
 
 Exact: model states, FLOPs, bytes and calls per collective (a block's are the same wherever it sits); approximate:
-the peaks (``tests/planning/test_depth.py`` bounds the error). A rank whose copies would step as many blocks as it
-holds (few blocks per stage) is stepped whole. Copies of two ranks whose stages keep the same kinds (and hold the
+the peaks (``tests/planning/test_depth.py`` bounds the error). A rank whose stages hold no more than the base
+keeps is stepped whole. Copies of two ranks whose stages keep the same kinds (and hold the
 embedding or the head alike) are the same measurement: :func:`copy_shape` is its key.
 """
 
@@ -74,9 +75,12 @@ class RankBlocks:
 
     @property
     def worth_it(self) -> bool:
-        """Whether the copies together step fewer blocks than the rank holds (else it is stepped whole)."""
-        return bool(self.extended) and len(self.base) + sum(
-            len(self.with_one_more(kind)) for kind in self.extended) < len(self.names)
+        """Whether the base copy holds fewer blocks than the rank (else it is stepped whole)."""
+        return len(self.base) < len(self.names)
+
+    def first_extended(self, kind: int) -> int:
+        """The position among the rank's stages of the first one holding more blocks of ``kind`` than the base."""
+        return next(j for j, m in enumerate(self.missing(kind)) if m)
 
     def copy_shape(self, keep: Sequence[str]) -> tuple:
         """What decides a copy's measurement: per stage, its ends and the kinds of the blocks it keeps."""
@@ -94,31 +98,65 @@ def rank_blocks(split: Any, pp_rank: int, kinds: dict[str, int]) -> RankBlocks:
                       tuple((i == 0, i == split.num_stages - 1) for i in indices))
 
 
-def extrapolate_rank(base: T, extras: dict[int, T], blocks: RankBlocks) -> T:
-    """The whole rank's ``RankStep`` from the base copy's and, per extended kind, the copy with one more block of it
-    in each stage that has more (see the module docstring)."""
-    stages = tuple(_scaled(stage, {kind: extra.stages[j] for kind, extra in extras.items()},  # type: ignore[attr-defined]
-                           {kind: blocks.missing(kind)[j] for kind in extras})
+@dataclass(frozen=True)
+class BlockDelta:
+    """What one more block of a kind adds, from a reference rank's copies: ``base`` and ``extra`` (one more block
+    of the kind in each of ``num_extended`` stages), the stage-level difference read at stage position ``stage``."""
+
+    base: Any
+    extra: Any
+    stage: int
+    num_extended: int
+
+
+def block_delta(base: Any, extra: Any, blocks: RankBlocks, kind: int) -> BlockDelta:
+    """The :class:`BlockDelta` of ``kind`` from the copies of the rank whose blocks are ``blocks``."""
+    return BlockDelta(base, extra, blocks.first_extended(kind), sum(1 for m in blocks.missing(kind) if m))
+
+
+def extrapolate_rank(base: T, blocks: RankBlocks, deltas: dict[int, BlockDelta]) -> T:
+    """The whole rank's ``RankStep`` from its base copy's and each extended kind's :class:`BlockDelta` (every
+    block of a kind adds the same, wherever it sits; see the module docstring)."""
+    deltas = {kind: _on_groups_of(base, d) for kind, d in deltas.items()}
+    stages = tuple(_scaled(stage, [(blocks.missing(kind)[j], d.extra.stages[d.stage], d.base.stages[d.stage])
+                                   for kind, d in deltas.items()])
                    for j, stage in enumerate(base.stages))  # type: ignore[attr-defined]
-    per_block = {}
-    for kind in extras:
-        missing = blocks.missing(kind)
-        per_block[kind] = sum(missing) / sum(1 for m in missing if m)  # the copy adds one block per such stage
-    return dataclasses.replace(_scaled(base, extras, per_block), stages=stages)  # type: ignore[type-var]
+    terms = [(sum(blocks.missing(kind)) / d.num_extended, d.extra, d.base) for kind, d in deltas.items()]
+    return dataclasses.replace(_scaled(base, terms), stages=stages)  # type: ignore[type-var]
 
 
-def _scaled(base: T, extras: dict[int, T], missing: dict[int, float]) -> T:
-    """``base`` with every number and every collective list scaled: the base's value plus ``missing[kind]`` times
-    the difference of ``extras[kind]``'s (fields the blocks do not change come out as the base's)."""
+def _on_groups_of(rank: Any, delta: BlockDelta) -> BlockDelta:
+    """``delta`` with its calls on ``rank``'s process groups (another pipeline rank's ``dp``, ``tp``... groups are
+    other groups of the same mesh dimensions)."""
+    by_dim = {info.dim: name for name, info in rank.groups.items()}
+    names = {name: by_dim.get(info.dim, name) for name, info in delta.base.groups.items()}
+    if all(old == new for old, new in names.items()):
+        return delta
+
+    def renamed(step: Any) -> Any:
+        changes = {f.name: tuple(dataclasses.replace(c, group=names.get(c.group, c.group))
+                                 for c in getattr(step, f.name))
+                   for f in dataclasses.fields(step) if f.name.endswith("calls")}
+        if hasattr(step, "stages"):
+            changes["stages"] = tuple(renamed(stage) for stage in step.stages)
+        return dataclasses.replace(step, **changes)
+
+    return dataclasses.replace(delta, base=renamed(delta.base), extra=renamed(delta.extra))
+
+
+def _scaled(base: T, terms: list[tuple[float, Any, Any]]) -> T:
+    """``base`` with every number and every collective list scaled: the base's value plus, per term
+    ``(weight, plus, minus)``, ``weight`` times the difference of ``plus``'s and ``minus``'s (fields the blocks do
+    not change come out as the base's)."""
     changes = {}
     for field in dataclasses.fields(base):  # type: ignore[arg-type]
         value = getattr(base, field.name)
-        others = {kind: getattr(extra, field.name) for kind, extra in extras.items()}
+        pairs = [(weight, getattr(plus, field.name), getattr(minus, field.name)) for weight, plus, minus in terms]
         if isinstance(value, bool):
             continue
         if isinstance(value, (int, float)):
-            scaled = value + sum(missing[kind] * (other - value) for kind, other in others.items())
+            scaled = value + sum(weight * (plus - minus) for weight, plus, minus in pairs)
             changes[field.name] = round(scaled) if isinstance(value, int) else scaled
         elif isinstance(value, tuple) and field.name.endswith("calls"):
-            changes[field.name] = scale_calls(value, others, missing)
+            changes[field.name] = scale_calls(value, pairs)
     return dataclasses.replace(base, **changes)  # type: ignore[type-var]
