@@ -7,7 +7,8 @@ output head and the loss.
   receives them as a DTensor sharded on its last dimension and runs under torch's ``loss_parallel()``, where
   ``F.cross_entropy`` (or ``F.nll_loss`` of ``F.log_softmax``) reduces over the shards.
 - The token embedding is sharded row-wise by vocabulary: each rank looks up the ids in its range, and the partial
-  embeddings are all-reduced over ``tp``.
+  embeddings are all-reduced over ``tp``. torch computes its gradient whole on each rank (a replicated DTensor);
+  a hook keeps this rank's rows of it.
 
 Why: with a large vocabulary (Llama 3: 128,256) the head, the embedding and the logits of a micro-batch are the last
 and first stages' largest tensors, whole on every ``tp`` rank otherwise. torch's ``ColwiseParallel`` /
@@ -81,6 +82,22 @@ def apply_loss_parallel(module: nn.Module, names: list[str], head: str, tp_mesh:
         styles[head] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)
     if styles:
         parallelize_module(module, tp_mesh, styles)
+    for name in names:
+        if name in held:
+            _shard_gradient(held[name].weight)
+
+
+def _shard_gradient(param: nn.Parameter) -> None:
+    """torch's row-wise embedding computes a replicated (whole) gradient for its row-sharded weight: keep only this
+    rank's rows, copied, so the whole gradient is freed as soon as it is made (FSDP2, which replaces the parameter,
+    redistributes the gradient itself)."""
+    def keep_rows(grad: torch.Tensor) -> torch.Tensor:
+        if not isinstance(grad, DTensor) or grad.placements == param.placements:
+            return grad
+        rows = grad.redistribute(grad.device_mesh, param.placements).to_local().clone()
+        return DTensor.from_local(rows, grad.device_mesh, param.placements, run_check=False, shape=grad.shape,
+                                  stride=grad.stride())
+    param.register_hook(keep_rows)
 
 
 def parallel_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tp_mesh: DeviceMesh

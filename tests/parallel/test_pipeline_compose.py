@@ -11,7 +11,8 @@ dp ranks, the experts' kept: edp=1); HF Llama and Qwen3 (a norm over each head) 
 pp=2 x tp=2, their declared attention heads sharded beside their feed-forward layers: Llama under every schedule (1F1B
 for 20 steps, the others 4), Qwen3 (losses) and with sequence parallelism under full activation checkpointing; a
 pp=2 x tp=2 DCP checkpoint resumed at the same layout and without tp (``test_pipeline_checkpoint.py``'s runs: 10 + 10
-steps against 20 uninterrupted, 1e-6).
+steps against 20 uninterrupted, 1e-6); ``loss_parallel`` (embedding, head and loss sharded by vocabulary): our GPT under
+DualPipeV with clipping and HF Llama with sequence parallelism (4 steps), and ``trainer.predict``'s gathered logits.
 
 One 8-rank spawn (few steps: CI's time) runs the 3-D compositions: pp=2 x tp=2 x dp_shard=2 (torchtitan's FSDP x TP x
 PP; 2-D DTensors over (dp, tp), clipping, a DCP folder resumed), pp=2 x tp=2 x dp=2 with ZeRO-1, pp=2 x ep=2 x
@@ -25,6 +26,7 @@ import shutil
 import tempfile
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -56,6 +58,7 @@ from tests.parallel.test_pipeline_strategy import (
     STEPS,
     TOL,
     PipelinedLlama,
+    PipelinedLM,
     _fit,
     check_hf_parity,
     check_parity,
@@ -115,6 +118,20 @@ OTHER_SCHEDULES = {"tp": ("ZBVZeroBubble", "DualPipeV"), "ep": ("Interleaved1F1B
 LLAMA_STEPS = {schedule: STEPS if schedule == "1F1B" else 4 for schedule in SCHEDULES}
 
 
+def _predict_vocabulary_parallel(world_size: int) -> float:
+    """``trainer.predict`` at pp=2 x tp=2 with ``loss_parallel`` (DualPipeV: rank 0 holds embedding and head): the
+    largest relative error of the gathered logits against the unsplit model's."""
+    pl.seed_everything(0, verbose=False)
+    module = PipelinedLM(n_layer=LAYERS)
+    data = token_data(8)
+    with torch.no_grad():
+        expected = module.model(data.tensors[0])
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_schedule="DualPipeV",
+                                      pipeline_microbatches=4, min_shard_params=0, loss_parallel=True)
+    logits = torch.cat(make_trainer(world_size, strategy).predict(module, loader(data, 4)))
+    return float((logits - expected).abs().max() / expected.abs().max())
+
+
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
     os.chdir(tempfile.mkdtemp())  # ExpertLoadBalancing plots into the trainer's root folder
     with record_exposed_all_to_all() as exposed:  # counts the all-to-alls the overlap hid behind compute
@@ -128,7 +145,10 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
             **{f"llama_{name}": _hf(world_size, steps=steps, schedule=name) for name, steps in LLAMA_STEPS.items()},
             "qwen3": _hf(world_size, _qwen3(), QWEN_STEPS),
             "qwen3_sp": _hf(world_size, _qwen3(), QWEN_STEPS, sequence_parallel=True, activation_checkpointing="full"),
-            "checkpoints": _checkpoints(world_size)}
+            "checkpoints": _checkpoints(world_size),
+            "vocabulary": _fit(world_size, "DualPipeV", tp=2, steps=4, clip=0.5, loss_parallel=True),
+            "llama_vocabulary": _hf(world_size, steps=4, sequence_parallel=True, loss_parallel=True),
+            "predict_vocabulary": _predict_vocabulary_parallel(world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +249,18 @@ def test_pp2_x_tp2_sequence_parallel_matches_one_process(four_ranks: list[dict[s
     qwen3 = _qwen3_reference()
     for result in four_ranks:
         np.testing.assert_allclose(result["qwen3_sp"]["losses"], qwen3, rtol=TOL)
+
+
+def test_loss_parallel_shards_the_vocabulary_and_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
+    # our GPT under DualPipeV (rank 0 holds the embedding and the head), clipped; HF Llama with sequence parallelism
+    check_parity([r["vocabulary"] for r in four_ranks], clip=0.5)
+    check_hf_parity([r["llama_vocabulary"] for r in four_ranks], 4)
+    assert [sorted(n for n in r["vocabulary"]["shards"] if "emb" in n or "head" in n) for r in four_ranks] == [
+        ["model.head.weight", "model.tok_emb.weight"]] * 2 + [[]] * 2
+    assert [[n for n in r["llama_vocabulary"]["shards"] if "emb" in n or "head" in n] for r in four_ranks] == [
+        ["model.model.embed_tokens.weight"]] * 2 + [["model.lm_head.weight"]] * 2
+    # predict gathers the logits whole on every rank
+    assert all(r["predict_vocabulary"] <= 1e-6 for r in four_ranks)
 
 
 def test_pp2_x_tp2_checkpoint_resumes_with_and_without_tp(four_ranks: list[dict[str, Any]]) -> None:

@@ -68,7 +68,7 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
          activation_checkpointing: str = "none", pp: int = 2, shard: int = 1, reshard_after_forward: bool = True,
          precision: str = "32-true", tp: int = 1, ep: int = 1, callbacks: list[pl.Callback] | None = None,
          overlap: bool = False, zero: bool = False, steps: int = STEPS, max_steps: int | None = None,
-         resume: str | None = None, **config: Any) -> dict[str, Any]:
+         resume: str | None = None, loss_parallel: bool = False, **config: Any) -> dict[str, Any]:
     """Fit PipelinedLM for ``steps`` optimizer steps (one epoch; ``max_steps``: more epochs of it, from ``resume``);
     every rank's losses, the full weights (gathered from the stages), the validation loss after fitting, and what
     each rank's optimizer holds (``zero``: ZeRO-1)."""
@@ -80,7 +80,7 @@ def _fit(world_size: int, schedule: str, accumulate: int = 1, clip: float | None
                                       activation_checkpointing=activation_checkpointing, data_parallel_shard_size=shard,
                                       reshard_after_forward=reshard_after_forward, tensor_parallel_size=tp,
                                       expert_parallel_size=ep, min_shard_params=0, pipeline_overlap=overlap,
-                                      shard_optimizer_states=zero)
+                                      shard_optimizer_states=zero, loss_parallel=loss_parallel)
     trainer = make_trainer(world_size, strategy, max_steps=max_steps or steps, accumulate_grad_batches=accumulate,
                            gradient_clip_val=clip, precision=precision, callbacks=callbacks)
     trainer.fit(module, loader(dataset, MICRO), ckpt_path=resume)
