@@ -13,12 +13,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_deepseek.parallel.detection import cached_probes
 from lightning_deepseek.parallel.plan import plan_blocks
-from lightning_deepseek.planning import PlanLayout
+from lightning_deepseek.planning import PlanLayout, plan
+from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.report import PlanReport
 from lightning_deepseek.planning.search import ParameterShards, SearchResult, _compute_key, _least_seconds, search
 from tests.planning.test_against_real_runs import CLUSTER
-from tests.planning.test_depth import DENSE, MIXED, STEP
+from tests.planning.test_depth import DEEP, DENSE, MIXED, STEP
 
 LAYOUTS = [PlanLayout(shard_optimizer_states=True), PlanLayout(shard_optimizer_states=True,
                                                                activation_checkpointing="full"),
@@ -107,3 +108,17 @@ def test_cached_probes_find_the_same_blocks() -> None:
     with cached_probes():
         cached = plan_blocks(model)
     assert cached == plan_blocks(model) and cached
+
+
+def test_pipelined_plans_share_copies_and_equal_fresh_plans() -> None:
+    """Pipelined layouts (:mod:`lightning_deepseek.planning.stage_depth`): the V schedules share their stepped copies
+    (the same split and stages per rank), and each plan equals the one a fresh cache gives."""
+    layouts = [PlanLayout(pp=2, pp_schedule="ZBVZeroBubble", reshard_after_forward=False),
+               PlanLayout(pp=2, pp_schedule="DualPipeV", reshard_after_forward=False)]
+    fresh = {r.layout: r for r in search(DEEP, 4, FAST, STEP, layouts, cache=False).fitting}
+    shared = PlanCache()
+    zbv = plan(DEEP, 4, layouts[0], FAST, STEP, cache=shared)
+    before = shared.misses
+    dual = plan(DEEP, 4, layouts[1], FAST, STEP, cache=shared)
+    assert shared.misses - before == 2  # DualPipeV's split and action table: every stepped copy shared
+    assert [_numbers(zbv), _numbers(dual)] == [_numbers(fresh[layout]) for layout in layouts[:2]]
