@@ -309,7 +309,7 @@ def split_lightning_module(module: pl.LightningModule, mesh: WorldMesh, settings
         apply_loss_parallel(module, *vocabulary, mesh["tp"])
         loss_fn = parallel_loss(loss_fn, mesh["tp"])
     if settings.sp:
-        apply_sequence_parallel(module, tp_plan, split, split.stage_indices(pp_rank), name, mesh["tp"])
+        apply_sequence_parallel(module, tp_plan, split, split.stage_indices(pp_rank), stage_modules, name, mesh["tp"])
     expert_plan = setup_stage_expert_parallel(module, whole, mesh, topology, routing)
     if dims.fsdp_enabled:
         _shard_stages(split, pp_rank, stage_modules, mesh["dp"], settings.reshard_after_forward,

@@ -284,7 +284,7 @@ def _hf_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     inner = self.model
     if inner.embed_tokens is not None:
         x = inner.embed_tokens(x)
-    batch, length = x.shape[:2]
+    batch, length = x.size(0), x.size(1) * getattr(self, "pipeline_sequence_shards", 1)  # a sequence shard's stage
     position_ids = torch.arange(length, device=x.device).unsqueeze(0).expand(batch, -1)
     mask = None  # SDPA: its causal kernel; eager attention: the explicit mask
     if getattr(inner.config, "_attn_implementation", "eager") != "sdpa":

@@ -5,8 +5,11 @@ stages of :mod:`.pipeline_stage_parallel`.
 Between the sharded layers of a block the hidden states are split along the sequence over ``tp``: the norms, the
 residual additions and what activation checkpointing keeps of each block (its input) hold ``1 / tp`` of the tokens.
 
-- Each stage's first block takes this rank's slice of its replicated input (no communication) and its last block's
-  output is all-gathered back, so stage boundaries stay plain full tensors (what the schedule sends and receives).
+- The first stage's first block takes this rank's slice of the embedded sequence (no communication) and the last
+  stage's last block all-gathers its output back for the final norm and the head. In between, each ``tp`` rank sends
+  and receives its sequence shard at the stage boundaries (plain tensors: ``1 / tp`` of the point-to-point bytes and
+  of torch's receive buffers); a later stage counts positions over the whole sequence (``pipeline_sequence_shards``
+  on its stage module, read by the HF stage forward).
 - The first tensor input of each module holding column-wise layers (the attention, the feed-forward block) is
   all-gathered once, in a forward pre-hook; the row-wise layers reduce-scatter their partial sums to sequence shards,
   in place of the all-reduce (the same bytes).
@@ -18,8 +21,8 @@ local slice works for any norm class, and the one flat all-reduce per step repla
 
 Requires: every block of the split holds an attention whose heads the plan splits (declared by the model,
 :func:`.plan.add_attention_heads`), since a replicated attention would see only a slice of the sequence; a sequence
-length divisible by ``tp``. Costs per stage and micro-batch: one all-gather of the stage's output over ``tp`` in the
-forward and one of its input gradient in the backward; otherwise the collectives of the tensor-parallel layers, split
+length divisible by ``tp``. Costs per micro-batch: one all-gather of the last stage's blocks' output over ``tp`` in
+the forward (and its gradient's reduce in the backward); otherwise the collectives of the tensor-parallel layers, split
 differently (an all-gather before and a reduce-scatter after each sharded module, not one all-reduce after it). In the
 backward each column-wise layer all-reduces its own input gradient (torch's ``ColwiseParallel`` from a plain input: the
 query, key and value three times), where one reduce-scatter per module would do; feeding them one shared replicated
@@ -97,18 +100,22 @@ def _on_output(fn: Any) -> Any:
 
 
 def apply_sequence_parallel(module: nn.Module, plan: Plan, split: PipelineSplit, stage_indices: Sequence[int],
-                            prefix: str, tp_mesh: DeviceMesh) -> None:
-    """Register the hooks of the module docstring on this rank's stages (``stage_indices``) in ``module`` (the
-    LightningModule after the split and ``apply_stage_tensor_parallel(..., sequence_parallel=True)``)."""
+                            stages: Sequence[nn.Module], prefix: str, tp_mesh: DeviceMesh) -> None:
+    """Register the hooks of the module docstring on this rank's stages (``stage_indices``, their stage modules
+    ``stages``) in ``module`` (the LightningModule after the split and ``apply_stage_tensor_parallel(...,
+    sequence_parallel=True)``)."""
     held = dict(module.named_modules())
     gathered = {e.name.rpartition(".")[0] for e in plan if e.style == "colwise"}
     for name in sorted(n for n in gathered if n in held):
         held[name].register_forward_pre_hook(_on_first_input(lambda x: _gather(x, tp_mesh)), with_kwargs=True)
-    for index in stage_indices:
+    for index, stage in zip(stage_indices, stages):
         blocks = [f"{prefix}.{b}" if prefix else b for b in _blocks(split, index)]
-        if blocks:
+        if index == 0:
             held[blocks[0]].register_forward_pre_hook(_on_first_input(lambda x: _slice(x, tp_mesh)),
                                                       with_kwargs=True)
+        else:  # its input is the previous stage's sequence shard: positions count the whole sequence
+            stage.pipeline_sequence_shards = tp_mesh.size()
+        if index == split.num_stages - 1:
             held[blocks[-1]].register_forward_hook(_on_output(lambda x: _gather(x, tp_mesh)))
 
 

@@ -252,7 +252,8 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     with mode:  # the stages' inputs: token ids, or the buffer torch receives hidden states into (counted apart)
         ids = torch.randint(0, model.vocab_size, (step.micro_batch_size, step.seq_len))
         residual = torch.bfloat16 if step.fsdp_bf16 and dims.fsdp_enabled else torch.float32  # parameters' dtype
-        hidden = torch.empty(step.micro_batch_size, step.seq_len, hidden_size, dtype=residual)
+        length = step.seq_len // layout.tp if layout.sequence_parallel else step.seq_len  # a sequence shard
+        hidden = torch.empty(step.micro_batch_size, length, hidden_size, dtype=residual)
     peaks = _Peaks(tracker)
     with mode, uniform_routing(layers), tracker, counter, loop.loss_context():
         with flops, LocalOpsOnly(mode):
