@@ -84,20 +84,25 @@ def apply_loss_parallel(module: nn.Module, names: list[str], head: str, tp_mesh:
         parallelize_module(module, tp_mesh, styles)
     for name in names:
         if name in held:
-            _shard_gradient(held[name].weight)
+            held[name].register_forward_pre_hook(_keep_gradient_rows)
 
 
-def _shard_gradient(param: nn.Parameter) -> None:
-    """torch's row-wise embedding computes a replicated (whole) gradient for its row-sharded weight: keep only this
-    rank's rows, copied, so the whole gradient is freed as soon as it is made (FSDP2, which replaces the parameter,
-    redistributes the gradient itself)."""
+def _keep_gradient_rows(embedding: nn.Module, args: tuple) -> None:
+    """torch's row-wise embedding computes a replicated (whole) gradient for its row-sharded weight: a hook on the
+    weight the forward uses keeps only this rank's rows, copied, so the whole gradient is freed as soon as it is made.
+    Registered at the forward: materialising a meta model, or FSDP2, replaces the parameter."""
+    weight = embedding.weight
+    if not isinstance(weight, DTensor) or getattr(weight, "_keeps_gradient_rows", False):
+        return
+
     def keep_rows(grad: torch.Tensor) -> torch.Tensor:
-        if not isinstance(grad, DTensor) or grad.placements == param.placements:
+        if not isinstance(grad, DTensor) or grad.placements == weight.placements:
             return grad
-        rows = grad.redistribute(grad.device_mesh, param.placements).to_local().clone()
-        return DTensor.from_local(rows, grad.device_mesh, param.placements, run_check=False, shape=grad.shape,
+        rows = grad.redistribute(grad.device_mesh, weight.placements).to_local().clone()
+        return DTensor.from_local(rows, grad.device_mesh, weight.placements, run_check=False, shape=grad.shape,
                                   stride=grad.stride())
-    param.register_hook(keep_rows)
+    weight.register_hook(keep_rows)
+    weight._keeps_gradient_rows = True
 
 
 def parallel_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tp_mesh: DeviceMesh
