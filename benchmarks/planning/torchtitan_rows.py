@@ -9,10 +9,11 @@ the 8B FSDP8 eager/compiled pair), Float8 as ``dtype="fp8"`` (StagedPrecision's 
 BF16, torchtitan's 405B config gathers FP8). torchtitan's FSDP32 x TP8 holds 1/256 of every parameter per rank; the
 strategy's tensor parallelism without a pipeline shards the feed-forward layers only, so its nearest is tp=8 with
 parameters sharded over all 256 ranks, and each rank its own 2 of the tp group's 16 sequences. 405B (FSDP8 x TP8 x
-PP8): tp=8 x pp=8 with each stage's parameters FSDP2-sharded over its 8 dp ranks (torchtitan's layout: attention heads,
-feed-forward and, with sequence_parallel, the sequence over tp), local batch 32 as torchtitan's default 8 micro-batches
-(its ``pipeline_parallel_microbatches`` unset: the pp degree) of 4 sequences; ``--microbatches-32``: 32 of one. Not
-planned: async TP. Calibration targets, not tuned to: compute_efficiency stays the preset default.
+PP8): tp=8 x pp=8 with each stage's parameters FSDP2-sharded over its 8 dp ranks (torchtitan's layout over tp: attention
+heads, feed-forward, the sequence (sequence_parallel), the embedding, head and loss (loss_parallel)), local batch 32
+as torchtitan's default 8 micro-batches (its ``pipeline_parallel_microbatches`` unset: the pp degree) of 4 sequences;
+``--microbatches-32``: 32 of one. Not planned: async TP. Calibration targets, not tuned to: compute_efficiency stays
+the preset default.
 Memory: torchtitan's figure is the caching allocator's peak reserved memory (``reserved_bytes.all.peak``, the
 maximum over GPUs), compared with the plan's ``RankMemory.reserved`` (the tensors' later-steps peak, printed as
 ``tensors_gib``, times ``ALLOCATOR_RESERVE``, calibrated on the two 8B eager rows). The 70B row is the strategy's
@@ -47,11 +48,10 @@ ROWS = [  # (name, model, world, layout, sequences per micro-batch, dtype, compi
      PlanLayout(tp=8, dp_shard=256, activation_checkpointing="full"), 2, "fp8", True, 829, 71.9),
     ("405B FSDP8xTP8xPP8 bs32 full AC 1F1B", "llama3-405b", 512,
      PlanLayout(tp=8, pp=8, dp_shard=8, pp_schedule="1F1B", pp_microbatches=8, sequence_parallel=True,
-                activation_checkpointing="full"), 4, "fp8", True, 100, 82.5),
+                loss_parallel=True, activation_checkpointing="full"), 4, "fp8", True, 100, 82.5),
     ("405B FSDP8xTP8xPP8 bs32 full AC Interleaved1F1B", "llama3-405b", 512,
-     PlanLayout(tp=8, pp=8, dp_shard=8, pp_schedule="Interleaved1F1B", pp_microbatches=8,
-                sequence_parallel=True,
-                activation_checkpointing="full"), 4, "fp8", True, 128, 72.7),
+     PlanLayout(tp=8, pp=8, dp_shard=8, pp_schedule="Interleaved1F1B", pp_microbatches=8, sequence_parallel=True,
+                loss_parallel=True, activation_checkpointing="full"), 4, "fp8", True, 128, 72.7),
 ]
 
 if __name__ == "__main__":
