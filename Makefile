@@ -25,7 +25,8 @@ OLDEST_TESTS := tests/test_versions.py tests/moe tests/parallel/test_hf_families
 # The 8-rank spawn of the 3-D pipeline compositions stays in `make test` only (CI's 15 minutes; run on 2.11 by hand).
 OLDEST_SKIP := test_pp2_x_tp2_x_fsdp2_matches_one_process_and_resumes_from_dcp \
 	test_pp2_x_tp2_x_zero1_matches_one_process_with_states_over_each_stage_dp \
-	test_pp2_x_ep2_x_zero1_deals_the_experts_states_over_edp test_pp2_x_ep2_x_fsdp2_matches_one_process
+	test_pp2_x_ep2_x_zero1_deals_the_experts_states_over_edp test_pp2_x_ep2_x_fsdp2_matches_one_process \
+	test_pp2_x_tp2_x_fsdp2_with_loss_parallel_matches_one_process
 
 .PHONY: demo test test-oldest lint bench clean
 

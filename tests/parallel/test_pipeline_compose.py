@@ -158,13 +158,15 @@ def four_ranks() -> list[dict[str, Any]]:
 
 def _eight_ranks(rank: int, world_size: int) -> dict[str, Any]:
     """pp=2 x tp=2 x dp_shard=2 (1F1B, clipping at 0.5, one batch per epoch): 4 steps, a DCP folder saved after the
-    second, and 2 steps resumed from it; pp=2 x tp=2 x dp=2 with ZeRO-1 (1F1B, 2 steps); the MoE preset at pp=2 x
+    second, and 2 steps resumed from it, and 2 steps with ``loss_parallel``; pp=2 x tp=2 x dp=2 with ZeRO-1 (1F1B, 2
+    steps); the MoE preset at pp=2 x
     ep=2 x dp_shard=4 (edp=2; 1F1B, clipping at 0.5, 2 steps), and at pp=2 x ep=2 x dp=4 with ZeRO-1 (edp=2)."""
     root = _shared_folder()
     layout = dict(tp=2, shard=2, clip=0.5, steps=1, max_steps=4)
     results = {"saved": _fit(world_size, "1F1B", callbacks=[SaveAtStep(2, root / "ckpt")], **layout),
                "resumed": _fit(world_size, "1F1B", resume=str(root / "ckpt"), **layout),
                "zero": _fit(world_size, "1F1B", tp=2, zero=True, steps=2),
+               "vocabulary": _fit(world_size, "1F1B", tp=2, shard=2, clip=0.5, steps=2, loss_parallel=True),
                "ep_fsdp": _fit(world_size, "1F1B", ep=2, shard=4, clip=0.5, steps=2, **MOE),
                "ep_zero": _fit(world_size, "1F1B", ep=2, zero=True, steps=2, **MOE)}
     dist.barrier()
@@ -280,6 +282,13 @@ def test_pp2_x_tp2_x_fsdp2_matches_one_process_and_resumes_from_dcp(eight_ranks:
     # the last 2 steps again from the folder (2-D shards, their momentum), seeded as the saving run
     assert len(resumed[0]["losses"][0]) == 2 and resumed[0]["losses"] == [r[2:] for r in saved[0]["losses"]]
     assert relative_error(resumed[0]["state"], saved[0]["state"]) <= TOL
+
+
+def test_pp2_x_tp2_x_fsdp2_with_loss_parallel_matches_one_process(eight_ranks: list[dict[str, Any]]) -> None:
+    results = [r["vocabulary"] for r in eight_ranks]  # torchtitan's 405B shape: the vocabulary over tp, FSDP2 over dp
+    check_parity(results, clip=0.5)
+    meshes = {**results[0]["meshes"], **results[-1]["meshes"]}
+    assert meshes["model.tok_emb.weight"] == meshes["model.head.weight"] == ("dp", "tp")
 
 
 def test_pp2_x_tp2_x_zero1_matches_one_process_with_states_over_each_stage_dp(eight_ranks: list[dict[str, Any]]
