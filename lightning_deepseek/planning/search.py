@@ -172,11 +172,11 @@ def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepSh
     """
     if top is not None and top < 1:
         raise ValueError(f"top={top!r} must be a positive number of layouts, or None to plan every layout.")
-    if layouts is None:
-        tps = [d for d in range(1, cluster.gpus_per_node + 1) if world_size % d == 0]
-        layouts = candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model), block_count(model),
-                                    sequence_parallel_sizes(model, tps, step.min_shard_params))
     with cached_probes() if cache else contextlib.nullcontext():
+        if layouts is None:
+            tps = [d for d in range(1, cluster.gpus_per_node + 1) if world_size % d == 0]
+            layouts = candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model), block_count(model),
+                                        sequence_parallel_sizes(model, tps, step.min_shard_params))
         return _search(model, world_size, cluster, step, layouts, depth, PlanCache() if cache else None,
                        top if cache else None)
 
