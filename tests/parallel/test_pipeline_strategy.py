@@ -186,11 +186,13 @@ class PipelinedLlama(pl.LightningModule):
 
 def _llama(world_size: int, schedule: str = "1F1B", pp: int = 2, steps: int = STEPS, batch: int = MICRO
            ) -> dict[str, Any]:
-    """HF Llama through the strategy (one sample a micro-batch): its losses and final weights."""
+    """HF Llama through the strategy (one sample a micro-batch, ``batch`` per data-parallel replica): its losses and
+    final weights."""
     module = PipelinedLlama()
     strategy = HybridParallelStrategy(pipeline_parallel_size=pp, pipeline_schedule=schedule,
                                       pipeline_microbatches=batch)
-    make_trainer(world_size, strategy, max_steps=steps).fit(module, loader(token_data(STEPS * batch), batch))
+    dataset = token_data(STEPS * batch * world_size // pp)  # the one-process reference's, at the global batch
+    make_trainer(world_size, strategy, max_steps=steps).fit(module, loader(dataset, batch))
     return {"losses": module.losses, "state": gathered_state(module)}
 
 
@@ -246,7 +248,9 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
             "DualPipeV": _fit(world_size, "DualPipeV", clip=1.0), "pp4": _fit(world_size, "1F1B", pp=4),
             "fsdp": _fit(world_size, "1F1B", accumulate=2, clip=0.5, shard=2),
             "fsdp_v": _fit(world_size, "DualPipeV", accumulate=2, clip=0.5, shard=2, reshard_after_forward=False),
-            "meta_fsdp": _meta(world_size, shard=2)}
+            "meta_fsdp": _meta(world_size, shard=2),
+            **{f"llama_dp_{name}": _llama(world_size, name, steps=4, batch=4) for name in SCHEDULES},
+            **{f"moe_dp_{name}": _fit(world_size, name, steps=4, **MOE) for name in SCHEDULES}}
 
 
 @pytest.fixture(scope="module")
@@ -358,6 +362,16 @@ def test_pp4_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
 def test_pp4_hf_llama_matches_one_process_under_every_schedule(four_ranks: list[dict[str, Any]],
                                                                schedule: str) -> None:
     check_hf_parity([r[f"llama_{schedule}"] for r in four_ranks], *LLAMA_PP4[schedule])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_x_dp2_hf_llama_and_moe_preset_match_one_process_under_every_schedule(four_ranks: list[dict[str, Any]],
+                                                                                 schedule: str) -> None:
+    results = [r[f"llama_dp_{schedule}"] for r in four_ranks]
+    losses, state = llama_reference(4, 8)  # 4 samples a replica: 8 a step; each replica logs its own batch's loss
+    np.testing.assert_allclose(np.mean([r["losses"] for r in results], axis=0), losses, rtol=TOL)
+    assert relative_error(results[0]["state"], state) <= TOL
+    check_parity([r[f"moe_dp_{schedule}"] for r in four_ranks], **MOE)
 
 
 def test_pp2_x_dp2_dualpipev_matches_one_process(four_ranks: list[dict[str, Any]]) -> None:
