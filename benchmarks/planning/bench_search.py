@@ -54,7 +54,8 @@ def main() -> None:
     tps = [d for d in range(1, cluster.gpus_per_node + 1) if world_size % d == 0]
     layouts = [layout for layout in candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model),
                                                       block_count(model),
-                                                      sequence_parallel_sizes(model, tps, step.min_shard_params))
+                                                      sequence_parallel_sizes(model, tps, step.min_shard_params),
+                                                      model.vocab_size)
                if (layout.pp > 1) == args.pipelined and (args.sequence_parallel or not layout.sequence_parallel)]
     shards = ParameterShards.of(model, world_size, step, tuple({layout.tp for layout in layouts}))
     bounded = sum((shards.least_states(layout) or 0) > cluster.memory_bytes for layout in layouts)

@@ -32,7 +32,8 @@ gathers and scatters, all-to-alls) are exposed, DDP's all-reduce overlaps backwa
 except its last bucket, FSDP2's collectives overlap the compute (prefetched) except its first all-gather, the shard
 reductions and ZeRO-1's broadcasts after backward are exposed; a group spanning
 nodes runs at the across-nodes link, each GPU with its own NIC (no sharing). Memory is what the step's tensors
-hold (no CUDA context, allocator caching or fragmentation: real peaks run higher).
+hold (what must fit; no CUDA context), and the caching allocator's reserved memory an estimate over it
+(:data:`.report.ALLOCATOR_RESERVE`).
 
 Costs: seconds to a minute of CPU (benchmarks/planning/REPORT.md), growing with the fake step's op count: with
 ``depth="representative"`` (:mod:`.depth`) three or four blocks of each kind are stepped, not every block; no

@@ -104,11 +104,12 @@ def block_count(model: ModelSpec) -> int:
 
 
 def candidate_layouts(world_size: int, gpus_per_node: int, experts: list[int], num_blocks: int = 0,
-                      sequence_parallel: tuple[int, ...] = ()) -> list[PlanLayout]:
+                      sequence_parallel: tuple[int, ...] = (), vocab_size: int = 0) -> list[PlanLayout]:
     """Every layout of the axes the strategy has (see the module docstring), each with DDP's buckets (``dp > 1``
     unsharded) also compressed at 8 and 4 bits (``GradientCompression``); pipelined ones where the model has
     ``num_blocks`` transformer blocks to split, also with sequence parallelism at the ``tp`` sizes
-    ``sequence_parallel`` (:func:`sequence_parallel_sizes`)."""
+    ``sequence_parallel`` (:func:`sequence_parallel_sizes`), and with ``loss_parallel`` at the ``tp`` sizes dividing
+    ``vocab_size``."""
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     tps = [d for d in divisors if d <= gpus_per_node]
     eps = [d for d in divisors if experts and math.gcd(*experts) % d == 0] or [1]
@@ -117,15 +118,17 @@ def candidate_layouts(world_size: int, gpus_per_node: int, experts: list[int], n
     return [PlanLayout(tp, ep, zero, dp_shard=shard, activation_checkpointing=ac, bits=bits)
             for tp, ep, (zero, shard), ac in product(tps, eps, sharding, AC_MODES)
             for bits in ((None, 8, 4) if shard == 1 and world_size // tp > 1 else (None,))] + pipelined_layouts(
-        world_size, tps, num_blocks, sequence_parallel)
+        world_size, tps, num_blocks, sequence_parallel, vocab_size)
 
 
-def pipelined_layouts(world_size: int, tps: list[int], num_blocks: int, sequence_parallel: tuple[int, ...] = ()
-                      ) -> list[PlanLayout]:
+def pipelined_layouts(world_size: int, tps: list[int], num_blocks: int, sequence_parallel: tuple[int, ...] = (),
+                      vocab_size: int = 0) -> list[PlanLayout]:
     """The pipelined candidates: ``pp`` a divisor of the world up to 8 whose stages the model's ``num_blocks``
     fill, every schedule at its least micro-batches, unsharded or FSDP2 over each stage's ``dp`` ranks, each
     checkpointing mode, and at the ``tp`` sizes in ``sequence_parallel`` also with sequence parallelism; the
-    combinations the strategy refuses (its ``LayoutSettings``) are left out."""
+    combinations the strategy refuses (its ``LayoutSettings``) are left out. With ``tp > 1`` dividing ``vocab_size``,
+    ``loss_parallel`` is on (torchtitan's default, not an axis: it shards the stages' largest tensors, the logits,
+    divides the head's compute by ``tp``, and adds all-reduces of one number per token)."""
     layouts = []
     for pp, schedule, tp, ac in product([d for d in (2, 4, 8) if world_size % d == 0], SCHEDULES, tps, AC_MODES):
         dp = world_size // (pp * tp)
@@ -135,7 +138,8 @@ def pipelined_layouts(world_size: int, tps: list[int], num_blocks: int, sequence
             try:
                 layouts.append(PlanLayout(tp, dp_shard=shard, activation_checkpointing=ac, pp=pp,
                                           pp_schedule=schedule, reshard_after_forward=schedule not in V_SCHEDULES,
-                                          sequence_parallel=sp))
+                                          sequence_parallel=sp,
+                                          loss_parallel=tp > 1 and vocab_size > 0 and vocab_size % tp == 0))
             except ValueError:
                 continue
     return layouts
@@ -176,7 +180,7 @@ def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepSh
         if layouts is None:
             tps = [d for d in range(1, cluster.gpus_per_node + 1) if world_size % d == 0]
             layouts = candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model), block_count(model),
-                                        sequence_parallel_sizes(model, tps, step.min_shard_params))
+                                        sequence_parallel_sizes(model, tps, step.min_shard_params), model.vocab_size)
         return _search(model, world_size, cluster, step, layouts, depth, PlanCache() if cache else None,
                        top if cache else None)
 
@@ -268,8 +272,9 @@ class ParameterShards:
         """Bytes of parameters, gradients and AdamW states a rank holds at least under ``layout``: every parameter
         split over as many ranks as the layout can split it (experts over ``ep x tp x dp_shard``, the tensor-parallel
         layers over ``tp x dp_shard``, the rest over ``dp_shard``; ZeRO-1's states left out, rank 0 may own few);
-        under a pipeline their mean over the ``pp`` stages' ranks (the most loaded one, which the plan reports,
-        holds at least that); None for a ``tp`` the strategy refuses."""
+        under a pipeline every parameter over ``tp x dp_shard`` (the stages also shard attention heads, and with
+        ``loss_parallel`` the embedding and head, over ``tp``), and their mean over the ``pp`` stages' ranks (the
+        most loaded one, which the plan reports, holds at least that); None for a ``tp`` the strategy refuses."""
         if layout.tp > 1 and layout.tp not in self.planned:
             return None
         try:  # sizes the strategy refuses are left to the plan, which reports its reason
@@ -282,6 +287,8 @@ class ParameterShards:
         def held(params: tuple[tuple[int, int], ...], split: int) -> int:
             return sum(size * numel // split for size, numel in params)
 
+        if layout.pp > 1:
+            planned = self.other
         tp_bytes = held(planned, layout.tp * layout.dp_shard)
         rest = held(self.other, layout.dp_shard) - held(planned, layout.dp_shard)
         return copies * (held(self.experts, layout.ep * layout.tp * layout.dp_shard) + tp_bytes + rest) // layout.pp

@@ -12,7 +12,7 @@ from lightning_deepseek.models.config import PRESETS
 from lightning_deepseek.planning import ModelSpec, PlanLayout, StepShape, plan
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.schedule import held_forwards, one_f_one_b, replay
-from lightning_deepseek.planning.search import ParameterShards
+from lightning_deepseek.planning.search import ParameterShards, pipelined_layouts
 
 DEEP = ModelSpec("lds-tiny-8", "lds", dict(PRESETS["tiny"], n_layer=8))
 TINY = ModelSpec("lds-tiny", "lds", dict(PRESETS["tiny"]))
@@ -79,12 +79,14 @@ def test_fsdp_bf16_policy_halves_gathers_and_hidden_states() -> None:
         StepShape(MICRO, SEQ, "fp32", fsdp_bf16=True)
 
 
+LLAMA = ModelSpec("llama-tiny", "hf", dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          tie_word_embeddings=False))
+
+
 def test_sequence_parallel_plan_holds_a_slice_of_the_tokens() -> None:
-    llama = ModelSpec("llama-tiny", "hf", dict(model_type="llama", vocab_size=128, hidden_size=64,
-                                              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                              num_key_value_heads=2, tie_word_embeddings=False))
     step = StepShape(1, SEQ, "bf16", min_shard_params=0)
-    reports = {sp: plan(llama, 8, PlanLayout(tp=2, pp=2, pp_microbatches=4, activation_checkpointing="full",
+    reports = {sp: plan(LLAMA, 8, PlanLayout(tp=2, pp=2, pp_microbatches=4, activation_checkpointing="full",
                                              sequence_parallel=sp), H100, step) for sp in (False, True)}
     tp = {sp: {t.op: t.num_bytes for t in r.traffic if t.dim == "tp"} for sp, r in reports.items()}
     assert set(tp[False]) == {"all_reduce"} and set(tp[True]) == {"all_gather", "reduce_scatter", "all_reduce"}
@@ -92,3 +94,16 @@ def test_sequence_parallel_plan_holds_a_slice_of_the_tokens() -> None:
     first = {sp: r.pipeline.stages[0].activations for sp, r in reports.items()}  # per micro-batch, stage 0
     assert first[True] < first[False]
     assert reports[True].memory.params == reports[False].memory.params
+
+
+def test_loss_parallel_plan_shards_the_vocabulary_and_search_turns_it_on() -> None:
+    step = StepShape(1, SEQ, "bf16", min_shard_params=0)
+    reports = {lp: plan(LLAMA, 8, PlanLayout(tp=2, pp=2, pp_microbatches=4, sequence_parallel=True, loss_parallel=lp),
+                        H100, step) for lp in (False, True)}
+    # each pipeline rank holds one of the embedding and the head (128 x 64, FP32): half of it per tp rank
+    assert [a.params - b.params for a, b in zip(reports[False].pipeline.ranks, reports[True].pipeline.ranks)] == [
+        128 * 64 // 2 * 4] * 2
+    least = ParameterShards.of(LLAMA, 8, step, (2,)).least_states(reports[True].layout)  # layout=auto's bound holds
+    assert least is not None and least <= max(r.params + r.grads + r.states for r in reports[True].pipeline.ranks)
+    layouts = pipelined_layouts(8, [1, 2, 4], 4, vocab_size=6)  # 4 does not divide a vocabulary of 6
+    assert {(layout.tp, layout.loss_parallel) for layout in layouts} == {(1, False), (2, True), (4, False)}
