@@ -45,9 +45,17 @@ def _views(rank: int, world_size: int) -> dict[str, Any]:
 
     def ranks(names: Any) -> list[int]:
         return sorted(dist.get_process_group_ranks(mesh[names].get_group()))
-    return {"tp": ranks("tp"), "dp": ranks("dp"), "ep": ranks("ep"), "edp": ranks("edp"),
-            "dense": mesh["dp", "tp"].mesh.tolist(), "expert": mesh["edp", "ep"].mesh.tolist(),
-            "same": mesh["edp", "ep"] is mesh.expert and mesh["dp", "tp"] is mesh.dense}
+    views = {"tp": ranks("tp"), "dp": ranks("dp"), "ep": ranks("ep"), "edp": ranks("edp"),
+             "dense": mesh["dp", "tp"].mesh.tolist(), "expert": mesh["edp", "ep"].mesh.tolist(),
+             "same": mesh["edp", "ep"] is mesh.expert and mesh["dp", "tp"] is mesh.dense}
+    return _after_every_rank(views)
+
+
+def _after_every_rank(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` once every rank has built its groups: a rank that returned first would close the store (rank 0's)
+    that a slower one still connects its groups through ("Connection reset by peer")."""
+    dist.barrier()
+    return result
 
 
 def test_every_view_is_cut_from_the_same_rank_order_on_real_processes() -> None:
@@ -85,10 +93,11 @@ def _shard_views(rank: int, world_size: int) -> dict[str, Any]:
 
     def ranks(names: Any) -> list[int]:
         return sorted(dist.get_process_group_ranks(mesh[names].get_group()))
-    return {"tp_split": mesh["dp_replicate_tp", "dp_shard_tp"].mesh.tolist(),
-            "ep_split": mesh["edp_replicate", "edp_shard"].mesh.tolist(),
-            "tp_replicate": ranks("dp_replicate_tp"), "edp_shard": ranks("edp_shard"),
-            "same_root": mesh["dp_replicate_tp", "dp_shard_tp"]._get_root_mesh() is mesh.dense._get_root_mesh()}
+    return _after_every_rank({
+        "tp_split": mesh["dp_replicate_tp", "dp_shard_tp"].mesh.tolist(),
+        "ep_split": mesh["edp_replicate", "edp_shard"].mesh.tolist(),
+        "tp_replicate": ranks("dp_replicate_tp"), "edp_shard": ranks("edp_shard"),
+        "same_root": mesh["dp_replicate_tp", "dp_shard_tp"]._get_root_mesh() is mesh.dense._get_root_mesh()})
 
 
 def test_the_model_parallel_shards_split_views_share_the_dense_and_expert_roots_on_real_processes() -> None:
@@ -113,7 +122,7 @@ def _pipeline_views(rank: int, world_size: int) -> dict[str, Any]:
 
     def ranks(names: Any) -> list[int]:
         return sorted(dist.get_process_group_ranks(mesh[names].get_group()))
-    return {"pp": ranks("pp"), "dp": ranks("dp"), "dense": mesh["dp", "tp"].mesh.tolist()}
+    return _after_every_rank({"pp": ranks("pp"), "dp": ranks("dp"), "dense": mesh["dp", "tp"].mesh.tolist()})
 
 
 def test_pipeline_is_the_outermost_dimension_on_real_processes() -> None:
