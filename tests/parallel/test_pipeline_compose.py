@@ -140,7 +140,7 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
             "tp_interleaved": _fit(world_size, "Interleaved1F1B", tp=2, accumulate=2, clip=0.5),
             "ep": {**ep, "handovers": exposed.handovers},
             "ep_zero": _fit(world_size, "1F1B", ep=2, zero=True, steps=4, **MOE),
-            "moe_tp": _fit(world_size, "1F1B", tp=2, steps=4, **MOE),
+            **{f"moe_tp_{name}": _fit(world_size, name, tp=2, steps=4, **MOE) for name in SCHEDULES},
             **{f"tp_{name}": _fit(world_size, name, tp=2, steps=4) for name in OTHER_SCHEDULES["tp"]},
             **{f"ep_{name}": _fit(world_size, name, ep=2, steps=4, **MOE) for name in OTHER_SCHEDULES["ep"]},
             **{f"llama_{name}": _hf(world_size, steps=steps, schedule=name) for name, steps in LLAMA_STEPS.items()},
@@ -239,10 +239,14 @@ def test_pp2_x_tp2_hf_llama_matches_one_process_under_every_schedule(four_ranks:
                                                                "up_proj", "down_proj"}
 
 
-def test_pp2_x_tp2_moe_preset_shards_its_dense_and_shared_feed_forward(four_ranks: list[dict[str, Any]]) -> None:
-    results = [r["moe_tp"] for r in four_ranks]
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_x_tp2_moe_preset_shards_its_dense_and_shared_feed_forward(four_ranks: list[dict[str, Any]],
+                                                                       schedule: str) -> None:
+    results = [r[f"moe_tp_{schedule}"] for r in four_ranks]
     check_parity(results, **MOE)  # the routed experts replicated over tp, the dense and shared ones sharded
-    assert {"model.blocks.0.mlp.fc1.weight", "model.blocks.1.mlp.shared.up.weight"} <= set(results[0]["shards"])
+    shards = set().union(*(r["shards"] for r in results))  # every stage's, over the ranks
+    assert "model.blocks.0.mlp.fc1.weight" in shards and any(".mlp.shared." in name for name in shards)
+    assert not any(".experts." in name for name in shards)
 
 
 def test_pp2_x_tp2_hf_qwen3_sums_its_head_norms_over_tp(four_ranks: list[dict[str, Any]]) -> None:
