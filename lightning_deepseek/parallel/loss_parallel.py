@@ -111,7 +111,7 @@ def parallel_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     a DTensor sharded on the last dimension, and a DTensor loss comes back as its (replicated) local value. Run the
     forward and backward under :func:`loss_parallel`."""
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        value = loss_fn(DTensor.from_local(output, tp_mesh, [Shard(output.dim() - 1)], run_check=False), target)
+        value = loss_fn(_vocabulary_shard(output, tp_mesh), target)
         # a copy, not DTensor's view of its local value: the split backward detaches the loss in place
         return value.full_tensor().clone() if isinstance(value, DTensor) else value
     return loss
@@ -119,5 +119,9 @@ def parallel_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 
 def gather_vocabulary(output: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
     """The whole logits from this rank's vocabulary shard (one all-gather over ``tp``), for ``trainer.predict``."""
-    sharded = DTensor.from_local(output, tp_mesh, [Shard(output.dim() - 1)], run_check=False)
-    return sharded.full_tensor()
+    return _vocabulary_shard(output, tp_mesh).full_tensor()
+
+
+def _vocabulary_shard(output: torch.Tensor, tp_mesh: DeviceMesh) -> DTensor:
+    """This rank's logits (its vocabulary shard, the last dimension) as the DTensor of the whole logits."""
+    return DTensor.from_local(output, tp_mesh, [Shard(output.dim() - 1)], run_check=False)
