@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _State  # per-module peaks: no public names
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator  # see LocalOpsOnly
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # no public way to bypass
@@ -182,3 +183,26 @@ class MicroBatchMemTracker(MemTracker):
         except NotImplementedError:
             del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
+
+
+class RootPeakTracker(MemTracker):
+    """torch's ``MemTracker`` keeping the per-module peaks of one module only, ``root`` (and the running peak of the
+    whole): torch's updates the peak of every module seen so far after each op, ops x modules, half a plan's time on
+    a model of many small modules (experts). What it keeps of ``root`` is what ``MemTracker`` keeps, equal."""
+
+    def __init__(self, root: nn.Module) -> None:
+        super().__init__()
+        self._root = root
+
+    def _update_peak_stats(self, peak_state: _State) -> None:  # torch's hook per op, for the root module alone
+        current = self._curr_mem_snap
+        stats = self.memory_tracking.get(self._root)
+        if stats is not None and stats.mod_fqn in self._mod_tracker.parents and peak_state in stats.snapshots:
+            for device, snapshot in current.items():
+                if stats.local_peak.get(device, 0) < snapshot["Total"]:
+                    stats.local_peak[device] = snapshot["Total"]
+                    stats.snapshots[peak_state][-1][device] = deepcopy(snapshot)
+        for device, snapshot in current.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = deepcopy(snapshot)

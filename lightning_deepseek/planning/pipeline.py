@@ -73,6 +73,7 @@ from lightning_deepseek.planning.counting import (
 from lightning_deepseek.planning.depth import check_depth, layer_kinds
 from lightning_deepseek.planning.fake_world import fake_world
 from lightning_deepseek.planning.float8 import convert_float8
+from lightning_deepseek.planning.fsdp_chunks import one_chunk_per_rank
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
 from lightning_deepseek.planning.pipeline_estimate import RankStep, StageStep, pipeline_report
@@ -357,7 +358,7 @@ def _step_settings(layout: PlanLayout) -> tuple:
 def _stepped(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
              pp_rank: int, split: PipelineSplit, drop: tuple[str, ...]) -> RankStep:
     """:func:`_step_rank` on the fake world at pipeline rank ``pp_rank``'s first global rank."""
-    with fake_world(world_size, rank=pp_rank * (world_size // layout.pp)), cached_probes(), \
+    with fake_world(world_size, rank=pp_rank * (world_size // layout.pp)), one_chunk_per_rank(), cached_probes(), \
             warnings.catch_warnings(), _quiet_set_up():
         warnings.simplefilter("ignore")  # the strategy's and torch's set-up warnings are for real runs
         return _step_rank(model, world_size, layout, step, topology, pp_rank, split, drop)

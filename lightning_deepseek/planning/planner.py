@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _ModState  # module peaks: no public name
+from torch.distributed._tools.mem_tracker import _ModState  # module peaks: no public name
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import sdpa_backward_flop, sdpa_flop
@@ -77,12 +77,19 @@ from lightning_deepseek.parallel.styles import apply_tensor_parallel, reduce_ten
 from lightning_deepseek.parallel.topology import Topology
 from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
-from lightning_deepseek.planning.counting import CollectiveCall, CollectiveCounter, FlopCounter, LocalOpsOnly
+from lightning_deepseek.planning.counting import (
+    CollectiveCall,
+    CollectiveCounter,
+    FlopCounter,
+    LocalOpsOnly,
+    RootPeakTracker,
+)
 from lightning_deepseek.planning.ddp_exchange import check_plannable, ddp_exchange
 from lightning_deepseek.planning.depth import check_depth, extrapolate, full_sizes, keep_blocks, layer_kinds
 from lightning_deepseek.planning.estimate import GroupInfo, StepMeasurement, estimate
 from lightning_deepseek.planning.fake_world import fake_world
 from lightning_deepseek.planning.float8 import convert_float8
+from lightning_deepseek.planning.fsdp_chunks import one_chunk_per_rank
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
 from lightning_deepseek.planning.report import PlanReport, RankMemory
@@ -146,7 +153,7 @@ def plan(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: Cluster
         return plan_pipeline(model, world_size, layout, cluster, step, depth, cache)
     started = time.perf_counter()
     topology = cluster_topology(world_size, cluster.gpus_per_node)
-    with fake_world(world_size), cached_probes(), warnings.catch_warnings(), _quiet_set_up():
+    with fake_world(world_size), one_chunk_per_rank(), cached_probes(), warnings.catch_warnings(), _quiet_set_up():
         warnings.simplefilter("ignore")  # the strategy's and torch's set-up warnings are for real runs
         measured = _measure(model, world_size, layout, step, topology, cluster, depth,
                             PlanCache() if cache is None else cache)
@@ -316,7 +323,7 @@ def _step_once(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     zero = setup_optimizer_states([optimizer], 0, world_size, mesh, layout.shard_optimizer_states)
-    tracker, counter = MemTracker(), CollectiveCounter()
+    tracker, counter = RootPeakTracker(module), CollectiveCounter()
     flops = FlopCounter(CPU_SDPA)
     tracker.track_external(module, optimizer)
     autocast = torch.autocast("cpu", torch.bfloat16) if step.dtype != "fp32" else contextlib.nullcontext()
