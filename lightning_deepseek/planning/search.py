@@ -1,5 +1,9 @@
 """``search``: ``layout="auto"`` for a world larger than this machine: every layout the strategy supports, each
-planned (:func:`lightning_deepseek.planning.plan`), those that fit kept and ranked by predicted step time.
+planned (:func:`lightning_deepseek.planning.plan`), those that fit kept and ranked by predicted tokens/s per GPU.
+
+Ranked by throughput, not step time: layouts differ in the tokens a step holds (a rank's ``micro_batch_size``
+sequences without a pipeline; under one, the schedule's micro-batches, each shared by the ``tp`` ranks of a stage), so
+a step's seconds per token per GPU compare them as steps of the same global batch would.
 
 The axes: ``tensor_parallel_size`` (the divisors of the world size up to the GPUs of a node: a ``tp`` group
 crossing nodes gathers activations over the slow link), ``expert_parallel_size`` (the divisors of the world size
@@ -21,10 +25,10 @@ ZeRO-1 (which holds fewer optimizer states and the same parameters, gradients an
 holds the parameters, gradients, optimizer states and DDP's buckets at once (the optimizer step), so a pruned layout
 is one that would not fit: such layouts are listed in :attr:`SearchResult.pruned` with the bound, not planned. With
 ``top``, a layout is also pruned when its compute and exposed tensor- and expert-parallel collectives alone (compute
-and bubble under a pipeline) exceed the step time of the ``top``-th fastest fitting plan so far: those of a planned
-layout that differs from it only in how the data-parallel ranks shard the model states (ZeRO-1, FSDP2's sizes: the same
-blocks run on the same shapes and send the same activations), under the same activation checkpointing or one
-recomputing less (none, selective, full); layouts are planned in that order.
+and bubble under a pipeline), per token, exceed the seconds per token of the ``top``-th fastest fitting plan so far:
+those of a planned layout that differs from it only in how the data-parallel ranks shard the model states (ZeRO-1,
+FSDP2's sizes: the same blocks run on the same shapes and send the same activations), under the same activation
+checkpointing or one recomputing less (none, selective, full); layouts are planned in that order.
 The fitting plans are those of ``cache=False``, the ``top`` fastest where ``top`` is given
 (``tests/planning/test_cache.py``); the speed: benchmarks/planning/REPORT.md.
 """
@@ -66,8 +70,8 @@ Bound = tuple[PlanLayout, int]  # a planned layout and its model states per rank
 
 @dataclass(frozen=True)
 class SearchResult:
-    """Every candidate's outcome: the plans that fit (fastest first), those that do not (smallest peak first),
-    the layouts the strategy refused, with its reason, and those not planned because their model states alone
+    """Every candidate's outcome: the plans that fit (most tokens/s per GPU first), those that do not (smallest peak
+    first), the layouts the strategy refused, with its reason, and those not planned because their model states alone
     exceed the device (with the bound; see the module docstring)."""
 
     fitting: tuple[PlanReport, ...]
@@ -82,8 +86,8 @@ class SearchResult:
                 if largest is not None and largest.exposed_seconds > 0 else "")
         headroom = (report.memory_capacity - report.memory.steady_peak) / GIB
         best = self.fitting[0] if self.fitting else report
-        versus = ("fastest" if report is best
-                  else f"{report.step_seconds / best.step_seconds - 1:+.1%} step time vs the fastest")
+        ratio = report.tokens_per_second_per_gpu / best.tokens_per_second_per_gpu
+        versus = "fastest" if report is best else f"{ratio - 1:+.1%} tokens/s vs the fastest"
         return (f"{versus}; compute {report.compute_seconds:.3f} s, exposed communication "
                 f"{report.comm_seconds:.3f} s{comm}; peak {report.memory.steady_peak / GIB:.1f} GiB, "
                 f"{headroom:.1f} GiB free")
@@ -171,8 +175,8 @@ def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepSh
         cache: share what does not change between layouts and prune those whose model states cannot fit (see the
             module docstring); False: every layout planned afresh, nothing pruned (the reference).
         top: with ``cache``, also prune the layouts that cannot rank among the ``top`` fastest fitting ones: whose
-            compute alone exceeds the ``top``-th fastest step planned so far (see the module docstring); None: plan
-            every layout that can fit.
+            compute alone exceeds, per token, the ``top``-th fastest step planned so far (see the module docstring);
+            None: plan every layout that can fit.
     """
     if top is not None and top < 1:
         raise ValueError(f"top={top!r} must be a positive number of layouts, or None to plan every layout.")
@@ -192,7 +196,7 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
     closest: list[tuple[int, PlanLayout]] = []  # (model-state bound, layout) of those pruned by the bound alone
     states: dict[PlanLayout, Bound] = {}  # by layout without checkpointing: its model states
     computes: dict[tuple, list[PlanReport]] = {}  # by the settings that decide a rank's compute (_compute_key)
-    fastest: list[float] = []  # the fitting plans' step times, ascending
+    fastest: list[float] = []  # the fitting plans' seconds per token per GPU, ascending
     shards = ParameterShards.of(model, world_size, step, tuple({lay.tp for lay in layouts})) if cache else None
     for index in sorted(range(len(layouts)), key=lambda i: _planning_order(layouts[i])):
         layout = layouts[index]
@@ -210,11 +214,11 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
             continue
         slowest = fastest[top - 1] if top is not None and len(fastest) >= top else None
         sibling = _least_compute(layout, computes) if slowest is not None else None
-        if sibling is not None and _least_seconds(sibling) > slowest:
-            least = _least_seconds(sibling)
-            pruned.append((index, layout, f"compute and exposed tp / ep collectives alone at least {least:.3f} s "
-                           f"(those of {sibling.layout.describe(world_size)}) exceed the step time of the {top} "
-                           f"fastest fitting layouts ({slowest:.3f} s at most)"))
+        if sibling is not None and _least_seconds(sibling) / _step_tokens(sibling) > slowest:
+            least = _least_seconds(sibling) / _step_tokens(sibling)
+            pruned.append((index, layout, f"compute and exposed tp / ep collectives alone at least {least * 1e6:.1f} "
+                           f"us per token per GPU (those of {sibling.layout.describe(world_size)}) exceed those of the "
+                           f"{top} fastest fitting layouts ({slowest * 1e6:.1f} us at most)"))
             continue
         try:
             report = plan(model, world_size, layout, cluster, step, depth, shared)
@@ -224,14 +228,14 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
         reports.append(report)
         computes.setdefault(_compute_key(layout), []).append(report)
         if report.fits:
-            bisect.insort(fastest, report.step_seconds)
+            bisect.insort(fastest, 1 / report.tokens_per_second_per_gpu)
         memory = report.memory
         states.setdefault(_without_checkpointing(layout),
                           (layout, memory.params + memory.grads + memory.states + memory.ddp_buckets))
     if not reports and closest:  # every layout pruned by its bound: plan the least bounded, to say by how much
         with contextlib.suppress(ValueError):
             reports.append(plan(model, world_size, min(closest, key=lambda c: c[0])[1], cluster, step, depth, shared))
-    fitting = sorted((r for r in reports if r.fits), key=lambda r: r.step_seconds)
+    fitting = sorted((r for r in reports if r.fits), key=lambda r: -r.tokens_per_second_per_gpu)
     not_fitting = sorted((r for r in reports if not r.fits), key=lambda r: r.memory.steady_peak)
     return SearchResult(tuple(fitting), tuple(not_fitting), tuple((lay, why) for _, lay, why in sorted(rejected)),
                         tuple((lay, why) for _, lay, why in sorted(pruned)))
@@ -326,6 +330,12 @@ def _least_seconds(report: PlanReport) -> float:
         return report.pipeline.makespan - report.pipeline.p2p_exposed_seconds
     return report.compute_seconds + sum(t.exposed_seconds for t in report.traffic
                                         if t.op in PARALLEL_OPS and set(t.dim.split("/")) <= {"tp", "ep"})
+
+
+def _step_tokens(report: PlanReport) -> float:
+    """Tokens per GPU in ``report``'s step: the same for the layouts differing from it only in their sharding (the
+    same ``tp``, ``pp`` and micro-batches)."""
+    return report.tokens_per_second_per_gpu * report.step_seconds
 
 
 def _without_checkpointing(layout: PlanLayout) -> PlanLayout:

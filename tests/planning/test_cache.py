@@ -67,7 +67,7 @@ def test_pruned_layouts_would_not_fit(uncached: SearchResult) -> None:
     by_layout = {r.layout: r for r in uncached.fitting}
     assert all(by_layout[layout].memory.steady_peak > capacity for layout, _ in cached.pruned)
     expected = sorted((r for r in uncached.fitting if r.memory.steady_peak <= capacity and r.layout in LAYOUTS[:5]),
-                      key=lambda r: r.step_seconds)
+                      key=lambda r: -r.tokens_per_second_per_gpu)
     assert [_numbers(dataclasses.replace(r, memory_capacity=capacity)) for r in expected] == [
         _numbers(r) for r in cached.fitting]
 
@@ -100,6 +100,20 @@ def test_layouts_pruned_by_compute_would_not_rank(uncached: SearchResult) -> Non
     assert [r.compute_seconds for r in cached.fitting] == [by_layout[lay].compute_seconds for lay in LAYOUTS[:2]]
     assert by_layout[LAYOUTS[4]].compute_seconds > cached.fitting[0].step_seconds  # so is its step time
     assert "compute and exposed tp / ep collectives alone" in cached.pruned[0][1]
+
+
+def test_layouts_rank_by_tokens_per_second_not_step_time() -> None:
+    """A stage's tp ranks share its micro-batches (the strategy's tp ranks without a pipeline each hold their own):
+    pp=2 x tp=2's step holds half the tokens per GPU of the others', and is the shortest, not the fastest."""
+    layouts = [PlanLayout(tp=2), PlanLayout(tp=2, pp=2), PlanLayout(), PlanLayout(pp=2)]
+    result = search(DENSE, 4, CLUSTER, STEP, layouts)
+    rates = [r.tokens_per_second_per_gpu for r in result.fitting]
+    assert len(rates) == 4 and rates == sorted(rates, reverse=True)
+    by_layout = {r.layout: r for r in result.fitting}
+    tokens = {layout: r.tokens_per_second_per_gpu * r.step_seconds for layout, r in by_layout.items()}
+    assert tokens[layouts[1]] == pytest.approx(STEP.tokens / 2)
+    assert all(tokens[layout] == pytest.approx(STEP.tokens) for layout in (layouts[0], *layouts[2:]))
+    assert min(by_layout.values(), key=lambda r: r.step_seconds).layout == layouts[1] != result.fitting[0].layout
 
 
 def test_cached_probes_find_the_same_blocks() -> None:
