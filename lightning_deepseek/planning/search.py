@@ -10,24 +10,25 @@ crossing nodes gathers activations over the slow link), ``expert_parallel_size``
 that divide every MoE layer's expert count; 1 for dense models), the sharding (none, ZeRO-1, FSDP2 over a node with
 replicas across nodes (HSDP), FSDP2 over the world), activation checkpointing (none, selective, full) and, where
 DDP's buckets exist, ``GradientCompression``'s bits (none, 8, 4); placement is the strategy's ``"auto"``; pipeline
-stages (``pp`` of 2, 4, 8), their schedule (:func:`pipelined_layouts`, at the schedule's least micro-batches) and,
+stages (``pp`` of 2, 4, 8), their schedule and micro-batches (:func:`pipelined_layouts`: the schedule's least, twice
+and four times as many, :data:`MICROBATCH_FACTORS`) and,
 with ``tp > 1`` on a model declaring its attention, sequence parallelism (:func:`sequence_parallel_sizes`). A
 layout the strategy refuses (a ``tp`` dividing no feed-forward width) is listed as rejected with the strategy's
-reason. Micro-batch counts become one more axis of :func:`candidate_layouts` when wanted.
+reason.
 
 Costs: one plan per candidate (see :mod:`.planner`), each of a few representative blocks (:mod:`.depth`). With
 ``cache=True`` (the default) the candidates share what does not change between them (:mod:`.cache`: block kinds,
-tensor-parallel plans, placements, ZeRO-1's whole-model optimizer step across checkpointing modes) and a candidate
-is not planned when its model states alone exceed the device: at least those of every parameter at its most sharded
+tensor-parallel plans, placements, ZeRO-1's whole-model optimizer step across checkpointing modes) and a candidate is
+not planned when its model states alone exceed the device: at least those of every parameter at its most sharded
 (:class:`ParameterShards`, from the model alone, before any plan), or those a planned layout showed: the same layout
-under another activation checkpointing (model states do not depend on it), or, for plain DDP, the same layout with
-ZeRO-1 (which holds fewer optimizer states and the same parameters, gradients and buckets). The later steps' peak
-holds the parameters, gradients, optimizer states and DDP's buckets at once (the optimizer step), so a pruned layout
-is one that would not fit: such layouts are listed in :attr:`SearchResult.pruned` with the bound, not planned. With
-``top``, a layout is also pruned when its compute and exposed tensor- and expert-parallel collectives alone (compute
-and bubble under a pipeline), per token, exceed the seconds per token of the ``top``-th fastest fitting plan so far:
-those of a planned layout that differs from it only in how the data-parallel ranks shard the model states (ZeRO-1,
-FSDP2's sizes: the same blocks run on the same shapes and send the same activations), under the same activation
+under another activation checkpointing or micro-batch count (model states depend on neither), or, for plain DDP, the
+same layout with ZeRO-1 (which holds fewer optimizer states and the same parameters, gradients and buckets). The later
+steps' peak holds the parameters, gradients, optimizer states and DDP's buckets at once (the optimizer step), so a
+pruned layout is one that would not fit: such layouts are listed in :attr:`SearchResult.pruned` with the bound, not
+planned. With ``top``, a layout is also pruned when its compute and exposed tensor- and expert-parallel collectives
+alone (compute and bubble under a pipeline), per token, exceed the seconds per token of the ``top``-th fastest fitting
+plan so far: those of a planned layout that differs from it only in how the data-parallel ranks shard the model states
+(ZeRO-1, FSDP2's sizes: the same blocks run on the same shapes and send the same activations), under the same activation
 checkpointing or one recomputing less (none, selective, full); layouts are planned in that order.
 The fitting plans are those of ``cache=False``, the ``top`` fastest where ``top`` is given
 (``tests/planning/test_cache.py``); the speed: benchmarks/planning/REPORT.md.
@@ -50,6 +51,7 @@ from lightning_deepseek.parallel.activation_checkpointing import MODES as AC_MOD
 from lightning_deepseek.parallel.activation_checkpointing import find_transformer_blocks
 from lightning_deepseek.parallel.detection import cached_probes
 from lightning_deepseek.parallel.dims import ParallelDims
+from lightning_deepseek.parallel.pipeline import min_microbatches
 from lightning_deepseek.parallel.pipeline_split import SCHEDULES
 from lightning_deepseek.parallel.plan import Plan, add_attention_heads, decide_plan
 from lightning_deepseek.planning.cache import PlanCache
@@ -63,6 +65,9 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # FSDP2 under them needs reshard_a
 # Checkpointing modes by what they recompute, each a superset of the previous one's: "selective" recomputes a block's
 # cheap ops and half its matrix multiplies, "full" its whole forward.
 RECOMPUTE_ORDER = ("none", "selective", "full")
+# Micro-batches per step under a pipeline, as multiples of the schedule's least: more shrink the bubble's share of a
+# step and add the receive buffers torch keeps per micro-batch (each of ``StepShape.micro_batch_size`` sequences).
+MICROBATCH_FACTORS = (1, 2, 4)
 PARALLEL_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # the tp and ep collectives of forward and backward
 
 Bound = tuple[PlanLayout, int]  # a planned layout and its model states per rank (bytes)
@@ -127,21 +132,24 @@ def candidate_layouts(world_size: int, gpus_per_node: int, experts: list[int], n
 
 def pipelined_layouts(world_size: int, tps: list[int], num_blocks: int, sequence_parallel: tuple[int, ...] = (),
                       vocab_size: int = 0) -> list[PlanLayout]:
-    """The pipelined candidates: ``pp`` a divisor of the world up to 8 whose stages the model's ``num_blocks``
-    fill, every schedule at its least micro-batches, unsharded or FSDP2 over each stage's ``dp`` ranks, each
-    checkpointing mode, and at the ``tp`` sizes in ``sequence_parallel`` also with sequence parallelism; the
-    combinations the strategy refuses (its ``LayoutSettings``) are left out. With ``tp > 1`` dividing ``vocab_size``,
-    ``loss_parallel`` is on (torchtitan's default, not an axis: it shards the stages' largest tensors, the logits,
-    divides the head's compute by ``tp``, and adds all-reduces of one number per token)."""
+    """The pipelined candidates: ``pp`` a divisor of the world up to 8 whose stages the model's ``num_blocks`` fill,
+    every schedule at each of :data:`MICROBATCH_FACTORS` times its least micro-batches, unsharded or FSDP2 over each
+    stage's ``dp`` ranks, each checkpointing mode, and at the ``tp`` sizes in ``sequence_parallel`` also with sequence
+    parallelism; the combinations the strategy refuses (its ``LayoutSettings``) are left out. With ``tp > 1`` dividing
+    ``vocab_size``, ``loss_parallel`` is on (torchtitan's default, not an axis: it shards the stages' largest tensors,
+    the logits, divides the head's compute by ``tp``, and adds all-reduces of one number per token)."""
     layouts = []
     for pp, schedule, tp, ac in product([d for d in (2, 4, 8) if world_size % d == 0], SCHEDULES, tps, AC_MODES):
         dp = world_size // (pp * tp)
         if world_size % (pp * tp) or pp * (1 if schedule == "1F1B" else 2) > num_blocks:
             continue
-        for shard, sp in product(sorted({1, dp}), (False, True) if tp in sequence_parallel else (False,)):
+        for shard, sp, factor in product(sorted({1, dp}), (False, True) if tp in sequence_parallel else (False,),
+                                         MICROBATCH_FACTORS):
             try:
                 layouts.append(PlanLayout(tp, dp_shard=shard, activation_checkpointing=ac, pp=pp,
                                           pp_schedule=schedule, reshard_after_forward=schedule not in V_SCHEDULES,
+                                          pp_microbatches=None if factor == 1 else factor * min_microbatches(schedule,
+                                                                                                             pp),
                                           sequence_parallel=sp,
                                           loss_parallel=tp > 1 and vocab_size > 0 and vocab_size % tp == 0))
             except ValueError:
@@ -230,7 +238,7 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
         if report.fits:
             bisect.insort(fastest, 1 / report.tokens_per_second_per_gpu)
         memory = report.memory
-        states.setdefault(_without_checkpointing(layout),
+        states.setdefault(_states_key(layout),
                           (layout, memory.params + memory.grads + memory.states + memory.ddp_buckets))
     if not reports and closest:  # every layout pruned by its bound: plan the least bounded, to say by how much
         with contextlib.suppress(ValueError):
@@ -338,14 +346,16 @@ def _step_tokens(report: PlanReport) -> float:
     return report.tokens_per_second_per_gpu * report.step_seconds
 
 
-def _without_checkpointing(layout: PlanLayout) -> PlanLayout:
-    return replace(layout, activation_checkpointing="none")
+def _states_key(layout: PlanLayout) -> PlanLayout:
+    """``layout`` but what its model states do not depend on: activation checkpointing and micro-batches."""
+    return replace(layout, activation_checkpointing="none", pp_microbatches=None)
 
 
 def _states_bound(layout: PlanLayout, states: dict[PlanLayout, Bound]) -> Bound | None:
     """A planned layout's model states that ``layout``'s are at least: the same layout under another activation
-    checkpointing, or, for plain DDP (no ZeRO-1, no FSDP2), the same with ZeRO-1; None where none is planned yet."""
-    same = _without_checkpointing(layout)
+    checkpointing or micro-batches, or, for plain DDP (no ZeRO-1, no FSDP2), the same with ZeRO-1; None where none is
+    planned yet."""
+    same = _states_key(layout)
     if same in states:
         return states[same]
     if not layout.shard_optimizer_states and layout.dp_shard == 1 and layout.pp == 1:  # no ZeRO-1 under a pipeline

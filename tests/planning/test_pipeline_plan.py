@@ -10,6 +10,7 @@ import pytest
 
 from lightning_deepseek.models.config import PRESETS
 from lightning_deepseek.planning import ModelSpec, PlanLayout, StepShape, plan
+from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.schedule import held_forwards, one_f_one_b, replay
 from lightning_deepseek.planning.search import ParameterShards, pipelined_layouts
@@ -107,3 +108,22 @@ def test_loss_parallel_plan_shards_the_vocabulary_and_search_turns_it_on() -> No
     assert least is not None and least <= max(r.params + r.grads + r.states for r in reports[True].pipeline.ranks)
     layouts = pipelined_layouts(8, [1, 2, 4], 4, vocab_size=6)  # 4 does not divide a vocabulary of 6
     assert {(layout.tp, layout.loss_parallel) for layout in layouts} == {(1, False), (2, True), (4, False)}
+
+
+def test_micro_batch_counts_are_an_axis_sharing_the_stepped_stages() -> None:
+    """More micro-batches shrink the bubble's share and add torch's receive buffers; the stages are stepped once for
+    every count (``PlanCache``: a count only composes the schedule anew)."""
+    layouts = [layout for layout in pipelined_layouts(4, [1], 8) if layout.pp_schedule == "1F1B" and layout.pp == 2
+               and layout.dp_shard == 1 and layout.activation_checkpointing == "none"]
+    assert [layout.num_microbatches for layout in layouts] == [2, 4, 8]
+    cache, step = PlanCache(), StepShape(MICRO, SEQ, "bf16")
+    reports = [plan(DEEP, 4, layouts[0], H100, step, cache=cache)]
+    misses = cache.misses
+    reports += [plan(DEEP, 4, layout, H100, step, cache=cache) for layout in layouts[1:]]
+    assert cache.misses - misses == 2  # one action table per count, no stage stepped again
+    shares = [r.pipeline.bubble_seconds / r.pipeline.makespan for r in reports]
+    assert shares == sorted(shares, reverse=True) and shares[0] > 1.5 * shares[2]
+    rates = [r.tokens_per_second_per_gpu for r in reports]
+    assert rates == sorted(rates)
+    buffers = [r.pipeline.ranks[1].buffers for r in reports]  # rank 1 receives every micro-batch's hidden states
+    assert buffers == [buffers[0], 2 * buffers[0], 4 * buffers[0]] and buffers[0] > 0
