@@ -29,7 +29,9 @@ planned. With ``top``, a layout is also pruned when its compute and exposed tens
 alone (compute and bubble under a pipeline), per token, exceed the seconds per token of the ``top``-th fastest fitting
 plan so far: those of a planned layout that differs from it only in how the data-parallel ranks shard the model states
 (ZeRO-1, FSDP2's sizes: the same blocks run on the same shapes and send the same activations), under the same activation
-checkpointing or one recomputing less (none, selective, full); layouts are planned in that order.
+checkpointing or one recomputing less (none, selective, full); without a pipeline also the compute alone of any planned
+layout of the same ``tp`` (a rank's FLOPs do not depend on ``ep`` under uniform routing, nor on the sharding or the
+compression); layouts are planned in that order.
 The fitting plans are those of ``cache=False``, the ``top`` fastest where ``top`` is given
 (``tests/planning/test_cache.py``); the speed: benchmarks/planning/REPORT.md.
 """
@@ -221,12 +223,13 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
                            "device"))
             continue
         slowest = fastest[top - 1] if top is not None and len(fastest) >= top else None
-        sibling = _least_compute(layout, computes) if slowest is not None else None
-        if sibling is not None and _least_seconds(sibling) / _step_tokens(sibling) > slowest:
-            least = _least_seconds(sibling) / _step_tokens(sibling)
-            pruned.append((index, layout, f"compute and exposed tp / ep collectives alone at least {least * 1e6:.1f} "
-                           f"us per token per GPU (those of {sibling.layout.describe(world_size)}) exceed those of the "
-                           f"{top} fastest fitting layouts ({slowest * 1e6:.1f} us at most)"))
+        bound = _least_compute(layout, computes) if slowest is not None else None
+        if bound is not None and bound[1] / _step_tokens(bound[0]) > slowest:
+            sibling, least = bound[0], bound[1] / _step_tokens(bound[0])
+            what = "compute and exposed tp / ep collectives" if bound[2] else "compute"
+            pruned.append((index, layout, f"{what} alone at least {least * 1e6:.1f} us per token per GPU (those of "
+                           f"{sibling.layout.describe(world_size)}) exceed those of the {top} fastest fitting layouts "
+                           f"({slowest * 1e6:.1f} us at most)"))
             continue
         try:
             report = plan(model, world_size, layout, cluster, step, depth, shared)
@@ -235,6 +238,8 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
             continue
         reports.append(report)
         computes.setdefault(_compute_key(layout), []).append(report)
+        if layout.pp == 1:
+            computes.setdefault(("tp", layout.tp), []).append(report)
         if report.fits:
             bisect.insort(fastest, 1 / report.tokens_per_second_per_gpu)
         memory = report.memory
@@ -320,13 +325,22 @@ def _compute_key(layout: PlanLayout) -> tuple:
             layout.bits, layout.sequence_parallel)
 
 
-def _least_compute(layout: PlanLayout, computes: dict[tuple, list[PlanReport]]) -> PlanReport | None:
-    """The planned layout whose compute ``layout``'s is at least, the largest such: the same but for the sharding,
-    under the same checkpointing or one that recomputes less (:data:`RECOMPUTE_ORDER`); None: none planned."""
+def _least_compute(layout: PlanLayout, computes: dict[tuple, list[PlanReport]]
+                   ) -> tuple[PlanReport, float, bool] | None:
+    """The largest lower bound of ``layout``'s step time that planned layouts give, the layout giving it, and
+    whether it counts collectives: a layout the same but for the sharding (:func:`_least_seconds`: compute and
+    exposed tp / ep collectives) or, without a pipeline, any of the same ``tp`` (its compute alone: a rank's FLOPs do
+    not depend on ``ep`` under uniform routing, nor on the sharding or the compression), under the same checkpointing
+    or one that recomputes less (:data:`RECOMPUTE_ORDER`); None: none planned."""
     mode = RECOMPUTE_ORDER.index(layout.activation_checkpointing)
-    same = [r for r in computes.get(_compute_key(layout), [])
-            if RECOMPUTE_ORDER.index(r.layout.activation_checkpointing) <= mode]
-    return max(same, key=_least_seconds, default=None)
+
+    def lighter(report: PlanReport) -> bool:
+        return RECOMPUTE_ORDER.index(report.layout.activation_checkpointing) <= mode
+
+    bounds = [(r, _least_seconds(r), True) for r in computes.get(_compute_key(layout), []) if lighter(r)]
+    if layout.pp == 1:
+        bounds += [(r, r.compute_seconds, False) for r in computes.get(("tp", layout.tp), []) if lighter(r)]
+    return max(bounds, key=lambda bound: bound[1], default=None)
 
 
 def _least_seconds(report: PlanReport) -> float:
