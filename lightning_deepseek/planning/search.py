@@ -29,9 +29,10 @@ planned. With ``top``, a layout is also pruned when its compute and exposed tens
 alone (compute and bubble under a pipeline), per token, exceed the seconds per token of the ``top``-th fastest fitting
 plan so far: those of a planned layout that differs from it only in how the data-parallel ranks shard the model states
 (ZeRO-1, FSDP2's sizes: the same blocks run on the same shapes and send the same activations), under the same activation
-checkpointing or one recomputing less (none, selective, full); without a pipeline also the compute alone of any planned
-layout of the same ``tp`` (a rank's FLOPs do not depend on ``ep`` under uniform routing, nor on the sharding or the
-compression); layouts are planned in that order.
+checkpointing or one recomputing less (none, selective, full); also the compute alone, per token, of any planned layout
+of the same ``tp`` (a rank's FLOPs do not depend on ``ep`` under uniform routing, the sharding or the compression; under
+a pipeline the average rank's: its stages' FLOPs summed do not depend on ``pp``, the schedule or the micro-batches);
+layouts are planned in that order.
 The fitting plans are those of ``cache=False``, the ``top`` fastest where ``top`` is given
 (``tests/planning/test_cache.py``); the speed: benchmarks/planning/REPORT.md.
 """
@@ -238,8 +239,7 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
             continue
         reports.append(report)
         computes.setdefault(_compute_key(layout), []).append(report)
-        if layout.pp == 1:
-            computes.setdefault(("tp", layout.tp), []).append(report)
+        computes.setdefault(_flops_key(layout), []).append(report)
         if report.fits:
             bisect.insort(fastest, 1 / report.tokens_per_second_per_gpu)
         memory = report.memory
@@ -329,18 +329,34 @@ def _least_compute(layout: PlanLayout, computes: dict[tuple, list[PlanReport]]
                    ) -> tuple[PlanReport, float, bool] | None:
     """The largest lower bound of ``layout``'s step time that planned layouts give, the layout giving it, and
     whether it counts collectives: a layout the same but for the sharding (:func:`_least_seconds`: compute and
-    exposed tp / ep collectives) or, without a pipeline, any of the same ``tp`` (its compute alone: a rank's FLOPs do
-    not depend on ``ep`` under uniform routing, nor on the sharding or the compression), under the same checkpointing
-    or one that recomputes less (:data:`RECOMPUTE_ORDER`); None: none planned."""
+    exposed tp / ep collectives) or any of the same :func:`_flops_key` (:func:`_mean_compute`: the compute alone),
+    under the same checkpointing or one that recomputes less (:data:`RECOMPUTE_ORDER`); None: none planned."""
     mode = RECOMPUTE_ORDER.index(layout.activation_checkpointing)
 
     def lighter(report: PlanReport) -> bool:
         return RECOMPUTE_ORDER.index(report.layout.activation_checkpointing) <= mode
 
     bounds = [(r, _least_seconds(r), True) for r in computes.get(_compute_key(layout), []) if lighter(r)]
-    if layout.pp == 1:
-        bounds += [(r, r.compute_seconds, False) for r in computes.get(("tp", layout.tp), []) if lighter(r)]
+    bounds += [(r, _mean_compute(r), False) for r in computes.get(_flops_key(layout), []) if lighter(r)]
     return max(bounds, key=lambda bound: bound[1], default=None)
+
+
+def _flops_key(layout: PlanLayout) -> tuple:
+    """What decides the FLOPs per token of a rank (without a pipeline) or of a stage's micro-batches summed over the
+    stages (under one): not ``ep`` (uniform routing), the sharding, the compression, nor, under a pipeline, ``pp``,
+    the schedule or the micro-batches (the same blocks, split otherwise)."""
+    return (layout.pp > 1, layout.tp, layout.sequence_parallel, layout.loss_parallel)
+
+
+def _mean_compute(report: PlanReport) -> float:
+    """The compute of a step on the average rank: without a pipeline every rank's; under one, every stage's forward
+    and backward per micro-batch, summed, times the micro-batches over ``pp`` (the step is at least its busiest
+    rank's, which is at least the average's). Per token, the same for every layout of the same :func:`_flops_key`."""
+    if report.pipeline is None:
+        return report.compute_seconds
+    pipeline = report.pipeline
+    per_microbatch = sum(s.forward_seconds + s.backward_seconds for s in pipeline.stages)
+    return per_microbatch * pipeline.num_microbatches / pipeline.pp
 
 
 def _least_seconds(report: PlanReport) -> float:

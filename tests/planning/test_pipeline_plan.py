@@ -13,7 +13,7 @@ from lightning_deepseek.planning import ModelSpec, PlanLayout, StepShape, plan
 from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.schedule import held_forwards, one_f_one_b, replay
-from lightning_deepseek.planning.search import ParameterShards, pipelined_layouts
+from lightning_deepseek.planning.search import ParameterShards, _mean_compute, pipelined_layouts
 
 DEEP = ModelSpec("lds-tiny-8", "lds", dict(PRESETS["tiny"], n_layer=8))
 TINY = ModelSpec("lds-tiny", "lds", dict(PRESETS["tiny"]))
@@ -127,3 +127,17 @@ def test_micro_batch_counts_are_an_axis_sharing_the_stepped_stages() -> None:
     assert rates == sorted(rates)
     buffers = [r.pipeline.ranks[1].buffers for r in reports]  # rank 1 receives every micro-batch's hidden states
     assert buffers == [buffers[0], 2 * buffers[0], 4 * buffers[0]] and buffers[0] > 0
+
+
+def test_stage_compute_per_token_depends_on_neither_pp_schedule_micro_batches_nor_sharding() -> None:
+    """What layout=auto's bound by the average rank's compute assumes under a pipeline (``search._mean_compute``)."""
+    step = StepShape(MICRO, SEQ, "bf16")
+    layouts = [PlanLayout(pp=2), PlanLayout(pp=2, pp_microbatches=4, dp_shard=2),
+               PlanLayout(pp=4, pp_schedule="Interleaved1F1B"), PlanLayout(pp=2, pp_schedule="DualPipeV")]
+    cache = PlanCache()
+    per_token = {_mean_compute(r) / (r.tokens_per_second_per_gpu * r.step_seconds)
+                 for r in (plan(DEEP, 4, layout, H100, step, cache=cache) for layout in layouts)}
+    assert max(per_token) == pytest.approx(min(per_token), rel=1e-9)
+    checkpointed = plan(DEEP, 4, PlanLayout(pp=2, activation_checkpointing="full"), H100, step, cache=cache)
+    assert _mean_compute(checkpointed) / (checkpointed.tokens_per_second_per_gpu * checkpointed.step_seconds) > max(
+        per_token)
