@@ -243,7 +243,10 @@ def find_transformer_blocks(model: nn.Module) -> list[str]:
             lists.add(element.rpartition(".")[0])
     declared = {cls for m in modules.values() for cls in (getattr(m, "_no_split_modules", None) or ())}
     for name, module in modules.items():
-        if isinstance(module, nn.ModuleList) and any(type(c).__name__ in declared for c in module.children()):
+        # by the class or one it derives from: a checkpointed block's class is a subclass of its own (the second
+        # call, FSDP2's units after checkpointing, sees those)
+        if isinstance(module, nn.ModuleList) and any(cls.__name__ in declared for c in module.children()
+                                                     for cls in type(c).__mro__):
             lists.add(name)
     names = [f"{prefix}.{child}" if prefix else child
              for prefix in lists for child, _ in modules[prefix].named_children()]
