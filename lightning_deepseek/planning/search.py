@@ -227,8 +227,7 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
         bound = _least_compute(layout, computes) if slowest is not None else None
         if bound is not None and bound[1] / _step_tokens(bound[0]) > slowest:
             sibling, least = bound[0], bound[1] / _step_tokens(bound[0])
-            what = "compute and exposed tp / ep collectives" if bound[2] else "compute"
-            pruned.append((index, layout, f"{what} alone at least {least * 1e6:.1f} us per token per GPU (those of "
+            pruned.append((index, layout, f"{bound[2]} at least {least * 1e6:.1f} us per token per GPU (those of "
                            f"{sibling.layout.describe(world_size)}) exceed those of the {top} fastest fitting layouts "
                            f"({slowest * 1e6:.1f} us at most)"))
             continue
@@ -240,6 +239,7 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
         reports.append(report)
         computes.setdefault(_compute_key(layout), []).append(report)
         computes.setdefault(_flops_key(layout), []).append(report)
+        computes.setdefault(("step", _without_checkpointing(layout)), []).append(report)
         if report.fits:
             bisect.insort(fastest, 1 / report.tokens_per_second_per_gpu)
         memory = report.memory
@@ -326,18 +326,24 @@ def _compute_key(layout: PlanLayout) -> tuple:
 
 
 def _least_compute(layout: PlanLayout, computes: dict[tuple, list[PlanReport]]
-                   ) -> tuple[PlanReport, float, bool] | None:
-    """The largest lower bound of ``layout``'s step time that planned layouts give, the layout giving it, and
-    whether it counts collectives: a layout the same but for the sharding (:func:`_least_seconds`: compute and
-    exposed tp / ep collectives) or any of the same :func:`_flops_key` (:func:`_mean_compute`: the compute alone),
-    under the same checkpointing or one that recomputes less (:data:`RECOMPUTE_ORDER`); None: none planned."""
+                   ) -> tuple[PlanReport, float, str] | None:
+    """The largest lower bound of ``layout``'s step time that planned layouts give, the layout giving it, and what
+    it counts: a layout the same but for the sharding (:func:`_least_seconds`: compute and
+    exposed tp / ep collectives), any of the same :func:`_flops_key` (:func:`_mean_compute`: the compute alone), or
+    the same layout (its step time: recomputation adds compute and repeats the forward's tp / ep collectives, and what
+    compute hides of the data-parallel collectives at most equals what it adds, :mod:`.estimate`; a pipeline's
+    replay is longer with longer backward chunks), each under the same checkpointing or one that recomputes less
+    (:data:`RECOMPUTE_ORDER`); None: none planned."""
     mode = RECOMPUTE_ORDER.index(layout.activation_checkpointing)
 
     def lighter(report: PlanReport) -> bool:
         return RECOMPUTE_ORDER.index(report.layout.activation_checkpointing) <= mode
 
-    bounds = [(r, _least_seconds(r), True) for r in computes.get(_compute_key(layout), []) if lighter(r)]
-    bounds += [(r, _mean_compute(r), False) for r in computes.get(_flops_key(layout), []) if lighter(r)]
+    bounds = [(r, _least_seconds(r), "compute and exposed tp / ep collectives alone")
+              for r in computes.get(_compute_key(layout), []) if lighter(r)]
+    bounds += [(r, _mean_compute(r), "compute alone") for r in computes.get(_flops_key(layout), []) if lighter(r)]
+    bounds += [(r, r.step_seconds, "step time with less recomputation")
+               for r in computes.get(("step", _without_checkpointing(layout)), []) if lighter(r)]
     return max(bounds, key=lambda bound: bound[1], default=None)
 
 
@@ -374,6 +380,10 @@ def _step_tokens(report: PlanReport) -> float:
     """Tokens per GPU in ``report``'s step: the same for the layouts differing from it only in their sharding (the
     same ``tp``, ``pp`` and micro-batches)."""
     return report.tokens_per_second_per_gpu * report.step_seconds
+
+
+def _without_checkpointing(layout: PlanLayout) -> PlanLayout:
+    return replace(layout, activation_checkpointing="none")
 
 
 def _states_key(layout: PlanLayout) -> PlanLayout:

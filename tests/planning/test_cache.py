@@ -104,6 +104,22 @@ def test_compute_depends_on_neither_experts_nor_sharding_nor_compression() -> No
         assert len({r.compute_seconds for r in result.fitting if r.layout.tp == tp}) == 1
 
 
+def test_recomputing_more_never_shortens_a_step() -> None:
+    """What the bound by the same layout's step under less recomputation assumes: its compute and repeated forward
+    collectives grow, and the data-parallel collectives it hides shrink by less."""
+    layouts = [PlanLayout(), PlanLayout(tp=2, shard_optimizer_states=True), PlanLayout(dp_shard=4), PlanLayout(pp=2),
+               PlanLayout(ep=2, bits=8)]
+    result = search(MOE, 4, CLUSTER, STEP, [dataclasses.replace(layout, activation_checkpointing=mode)
+                                            for layout in layouts for mode in ("none", "selective", "full")])
+    steps = {r.layout: r.step_seconds for r in result.fitting}
+    assert len(steps) == 3 * len(layouts)
+    for layout in layouts:
+        none, selective, full = (steps[dataclasses.replace(layout, activation_checkpointing=mode)]
+                                 for mode in ("none", "selective", "full"))
+        assert none <= selective * (1 + 1e-12) and selective <= full * (1 + 1e-12), layout  # equal where FSDP2's
+        # collectives are longer than the compute: they hide what recomputation adds
+
+
 def test_layouts_pruned_by_compute_would_not_rank(uncached: SearchResult) -> None:
     cached = search(DENSE, 4, FAST, STEP, CHECKPOINTED, top=1)
     assert [layout for layout, _ in cached.pruned] == [LAYOUTS[4]]
