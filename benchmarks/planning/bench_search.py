@@ -88,7 +88,7 @@ def main() -> None:
         seconds = time.process_time() - started
         results[cache] = result
         planned = len(result.fitting) + len(result.not_fitting)
-        by_compute = sum("fastest fitting" in why for _, why in result.pruned)
+        by_compute = sum("fastest fitting" in why for _, why in result.pruned)  # the compute bound's reason
         print(f"| {args.case} x {world_size} {'pp>1' if args.pipelined else 'pp=1'} | "
               f"{'cached' if cache else 'uncached'} | {len(layouts)} | {planned} planned, {len(result.pruned)} "
               f"pruned ({by_compute} by compute), {len(result.rejected)} refused, {len(result.fitting)} fit | "
@@ -100,7 +100,8 @@ def main() -> None:
             dataclasses.replace(r, plan_seconds=0.0) for r in results[False].fitting[:top]]
         print(f"fastest plans equal with and without the cache: {same}")
     for report in results[True].fitting[:3]:
-        print(f"  {report.layout.describe(world_size)}: {report.step_seconds:.3f} s")
+        print(f"  {report.layout.describe(world_size)}: {report.step_seconds:.3f} s, "
+              f"{report.tokens_per_second_per_gpu:,.0f} tokens/s/GPU")
 
 
 if __name__ == "__main__":
