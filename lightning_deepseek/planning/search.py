@@ -206,7 +206,9 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
     reports, rejected, pruned = [], [], []
     closest: list[tuple[int, PlanLayout]] = []  # (model-state bound, layout) of those pruned by the bound alone
     states: dict[PlanLayout, Bound] = {}  # by layout without checkpointing: its model states
-    computes: dict[tuple, list[PlanReport]] = {}  # by the settings that decide a rank's compute (_compute_key)
+    # planned reports by what bounds another layout's step (_least_step): _compute_key, _flops_key, the layout
+    # without checkpointing
+    computes: dict[tuple, list[PlanReport]] = {}
     fastest: list[float] = []  # the fitting plans' seconds per token per GPU, ascending
     shards = ParameterShards.of(model, world_size, step, tuple({lay.tp for lay in layouts})) if cache else None
     for index in sorted(range(len(layouts)), key=lambda i: _planning_order(layouts[i])):
@@ -224,7 +226,7 @@ def _search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepS
                            "device"))
             continue
         slowest = fastest[top - 1] if top is not None and len(fastest) >= top else None
-        bound = _least_compute(layout, computes) if slowest is not None else None
+        bound = _least_step(layout, computes) if slowest is not None else None
         if bound is not None and bound[1] / _step_tokens(bound[0]) > slowest:
             sibling, least = bound[0], bound[1] / _step_tokens(bound[0])
             pruned.append((index, layout, f"{bound[2]} at least {least * 1e6:.1f} us per token per GPU (those of "
@@ -325,7 +327,7 @@ def _compute_key(layout: PlanLayout) -> tuple:
             layout.bits, layout.sequence_parallel)
 
 
-def _least_compute(layout: PlanLayout, computes: dict[tuple, list[PlanReport]]
+def _least_step(layout: PlanLayout, computes: dict[tuple, list[PlanReport]]
                    ) -> tuple[PlanReport, float, str] | None:
     """The largest lower bound of ``layout``'s step time that planned layouts give, the layout giving it, and what
     it counts: a layout the same but for the sharding (:func:`_least_seconds`: compute and
