@@ -31,7 +31,8 @@ TESTS = Path(__file__).parent
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The files of :data:`LONGEST_FIRST` first, in its order; the others after, in their own order."""
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.relative_to(TESTS).as_posix(), len(rank)))
+    items.sort(key=lambda item: rank.get(item.path.relative_to(TESTS).as_posix(), len(rank))
+               if item.path.is_relative_to(TESTS) else len(rank))  # a file given from elsewhere: after them
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
