@@ -14,10 +14,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lightning_deepseek.parallel.detection import cached_probes
 from lightning_deepseek.parallel.plan import plan_blocks
 from lightning_deepseek.planning import PlanLayout, plan
+from lightning_deepseek.planning.bounds import ParameterShards, _compute_key, _least_seconds
 from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.report import PlanReport
-from lightning_deepseek.planning.search import ParameterShards, SearchResult, _compute_key, _least_seconds, search
+from lightning_deepseek.planning.search import SearchResult, search
 from tests.planning.test_against_real_runs import CLUSTER, MOE
 from tests.planning.test_depth import DEEP, DENSE, MIXED, STEP
 

@@ -10,10 +10,11 @@ import pytest
 
 from lightning_deepseek.models.config import PRESETS
 from lightning_deepseek.planning import ModelSpec, PlanLayout, StepShape, plan
+from lightning_deepseek.planning.bounds import ParameterShards, _mean_compute
 from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.schedule import held_forwards, one_f_one_b, replay
-from lightning_deepseek.planning.search import ParameterShards, _mean_compute, pipelined_layouts
+from lightning_deepseek.planning.search import pipelined_layouts
 
 DEEP = ModelSpec("lds-tiny-8", "lds", dict(PRESETS["tiny"], n_layer=8))
 TINY = ModelSpec("lds-tiny", "lds", dict(PRESETS["tiny"]))
@@ -130,7 +131,7 @@ def test_micro_batch_counts_are_an_axis_sharing_the_stepped_stages() -> None:
 
 
 def test_stage_compute_per_token_depends_on_neither_pp_schedule_micro_batches_nor_sharding() -> None:
-    """What layout=auto's bound by the average rank's compute assumes under a pipeline (``search._mean_compute``)."""
+    """What layout=auto's bound by the average rank's compute assumes under a pipeline (``bounds._mean_compute``)."""
     step = StepShape(MICRO, SEQ, "bf16")
     layouts = [PlanLayout(pp=2), PlanLayout(pp=2, pp_microbatches=4, dp_shard=2),
                PlanLayout(pp=4, pp_schedule="Interleaved1F1B"), PlanLayout(pp=2, pp_schedule="DualPipeV")]
