@@ -12,7 +12,9 @@ and exit code 2.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +89,7 @@ def run_plan(cfg: DictConfig) -> int:
                           "(lds-train's compression presets; layout=auto plans each).")
     if not isinstance(cfg.world_size, int) or cfg.world_size < 1:
         raise ConfigError(f"world_size={cfg.world_size!r} must be a positive integer.")
+    workers = _workers(cfg.workers)
     model, cluster = resolve_model(str(cfg.model)), resolve_cluster(str(cfg.cluster))
     s = cfg.strategy
     step = StepShape(**OmegaConf.to_container(cfg.step), min_shard_params=s.min_shard_params,
@@ -99,7 +102,8 @@ def run_plan(cfg: DictConfig) -> int:
         report = plan(model, cfg.world_size, layout, cluster, step, cfg.depth)
         print(json.dumps(report.to_dict(), indent=1) if cfg.output == "json" else report.table())
         return 0
-    result = search(model, cfg.world_size, cluster, step, depth=cfg.depth, top=cfg.top)
+    result = search(model, cfg.world_size, cluster, step, depth=cfg.depth, top=cfg.top, workers=workers,
+                    progress=_progress(cfg.world_size))
     if cfg.output == "json":
         print(json.dumps({"fitting": [r.to_dict() for r in result.fitting],
                           "not_fitting": [r.to_dict() for r in result.not_fitting],
@@ -111,6 +115,29 @@ def run_plan(cfg: DictConfig) -> int:
     if not result.fitting:
         raise ConfigError(_fits_nothing(result, model.name, cfg.world_size, cluster))
     return 0
+
+
+def _workers(value: Any) -> int:
+    """``workers=``: ``auto`` (one per CPU core this process may use) or a positive integer."""
+    if value == "auto":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"workers={value!r} must be auto (one process per CPU core) or a positive integer "
+                          "(processes planning layouts side by side; 1: in this process).")
+    return value
+
+
+def _progress(world_size: int) -> Any:
+    """A line on stderr per plan of a search: a long search's progress (stdout holds the result only)."""
+    started, count = time.perf_counter(), [0]
+
+    def report(plan: Any) -> None:
+        count[0] += 1
+        print(f"lds-plan: {count[0]} planned, {time.perf_counter() - started:.0f} s: "
+              f"{plan.layout.describe(world_size)} {'fits' if plan.fits else 'does not fit'}", file=sys.stderr,
+              flush=True)
+
+    return report
 
 
 def _search_table(result: Any, top: int) -> str:

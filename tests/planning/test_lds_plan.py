@@ -62,6 +62,8 @@ def test_bad_input_exits_2(tmp_path: Path) -> None:
         run_plan(config(*SMALL, f"cluster={tmp_path / 'c.yaml'}"))
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the world size 4"):
         run_plan(config(*SMALL, "strategy.tensor_parallel_size=3"))
+    with pytest.raises(ConfigError, match="workers=0 must be auto"):
+        run_plan(config(*SMALL, "layout=auto", "workers=0"))
 
 
 def test_fits_no_layout(tmp_path: Path) -> None:
