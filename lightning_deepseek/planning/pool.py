@@ -43,9 +43,10 @@ def affinity(layout: PlanLayout) -> Hashable:
     """What a plan shares with other layouts' plans through the cache: the layout but its activation checkpointing
     (ZeRO-1's optimizer step is cached across modes), its micro-batches and which V schedule (a pipelined rank's
     stepped copies are shared across them)."""
-    schedule = "V" if layout.pp_schedule in V_SCHEDULES else layout.pp_schedule
-    return dataclasses.replace(layout, activation_checkpointing="none", pp_microbatches=None, pp_schedule=schedule,
-                               reshard_after_forward=True)
+    settings = dataclasses.asdict(layout)
+    del settings["activation_checkpointing"], settings["pp_microbatches"]
+    settings["pp_schedule"] = "V" if layout.pp_schedule in V_SCHEDULES else layout.pp_schedule
+    return tuple(settings.items())
 
 
 class PlanPool:

@@ -43,6 +43,8 @@ def test_a_layout_waits_for_the_worker_holding_its_cached_values_and_a_dead_work
     out-of-memory killer ends) fails the search with the layout it was planning, instead of hanging it."""
     assert affinity(PIPELINED[0]) == affinity(PIPELINED[1]) == affinity(PIPELINED[2])
     assert affinity(PIPELINED[0]) != affinity(dataclasses.replace(PIPELINED[0], tp=2))
+    zbv, dual = (PlanLayout(pp=2, pp_schedule=s, reshard_after_forward=False) for s in ("ZBVZeroBubble", "DualPipeV"))
+    assert affinity(zbv) == affinity(dual) != affinity(dataclasses.replace(zbv, pp_schedule="Interleaved1F1B"))
     zero1, zero1_full = LAYOUTS[0], LAYOUTS[1]
     with PlanPool(2, DENSE, 4, FAST, STEP, "representative") as pool:
         pool.submit(0, 0, zero1)
