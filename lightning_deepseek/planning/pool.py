@@ -8,7 +8,9 @@ stepped stage copies, the costliest part of its plan, are those of the same layo
 those executors hand work to whichever worker is free. Here a layout goes to the worker that planned the first layout
 of its :func:`affinity` key, or, for a new key, to any free worker.
 
-Costs: each worker is a spawned process (importing torch, then building what its first plans need), and values
+Each worker is a new interpreter running this module (``python -m``), not a ``multiprocessing`` child: a fork would
+copy this process's torch threads and locks, and ``spawn`` re-imports the caller's main script, which then needs an
+``if __name__ == "__main__"`` guard. Costs: each worker imports torch, then builds what its first plans need; values
 cached in one worker are computed again in another (the block kinds, the tensor-parallel plans). Plans are equal to
 those of one process (each plan's numbers do not depend on its cache, ``tests/planning/test_cache.py``). A worker
 that exits without an answer (killed, out of memory) fails the search with the layout it was planning, as does an
@@ -19,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing
+import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Hashable
 from multiprocessing.connection import Connection, wait
-from typing import Any
 
 import torch
 
@@ -58,17 +61,15 @@ class PlanPool:
                  depth: str, cache: bool = True) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers!r} must be a positive number of processes.")
-        context = multiprocessing.get_context("spawn")  # not fork: the parent's torch threads and locks stay behind
         self._connections: list[Connection] = []
-        self._processes: list[Any] = []
+        self._processes: list[subprocess.Popen] = []
         for _ in range(workers):
-            parent, child = context.Pipe()
-            process = context.Process(target=_serve, args=(child, model, world_size, cluster, step, depth, cache),
-                                      daemon=True, name="lds-plan-worker")
-            process.start()
+            parent, child = socket.socketpair()
+            self._processes.append(subprocess.Popen([sys.executable, "-m", __name__, str(child.fileno())],
+                                                    pass_fds=(child.fileno(),)))
             child.close()
-            self._connections.append(parent)
-            self._processes.append(process)
+            self._connections.append(Connection(parent.detach()))
+            self._connections[-1].send((model, world_size, cluster, step, depth, cache))
         self._world_size = world_size
         self._owner: dict[Hashable, int] = {}
         self._planning: dict[int, tuple[int, PlanLayout]] = {}  # worker: (index, layout) in flight
@@ -104,22 +105,17 @@ class PlanPool:
         Raises:
             RuntimeError: the worker failed otherwise, or exited without answering.
         """
-        by_handle: dict[Any, int] = {}
-        for worker in self._planning:
-            by_handle[self._connections[worker]] = worker
-            by_handle[self._processes[worker].sentinel] = worker
-        ready = wait(list(by_handle))
-        connection = next((h for h in ready if isinstance(h, Connection)), None)
-        worker = by_handle[connection if connection is not None else ready[0]]
+        by_connection = {self._connections[worker]: worker for worker in self._planning}
+        connection = wait(list(by_connection))[0]
+        worker = by_connection[connection]
         index, layout = self._planning.pop(worker)
         try:
-            if connection is None:
-                raise EOFError
             kind, value = connection.recv()
-        except (EOFError, OSError):  # the worker exited: its end of the pipe closed without an answer
-            self._processes[worker].join(timeout=5)
+        except (EOFError, OSError):  # the worker exited: its end of the socket closed without an answer
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._processes[worker].wait(timeout=5)
             raise RuntimeError(f"the lds-plan worker planning {layout.describe(self._world_size)} exited with code "
-                               f"{self._processes[worker].exitcode} before answering (out of memory? each worker "
+                               f"{self._processes[worker].returncode} before answering (out of memory? each worker "
                                "holds one plan's fake tensors; fewer workers hold fewer)") from None
         if kind == "error":
             raise RuntimeError(f"planning {layout.describe(self._world_size)} failed in an lds-plan worker:\n{value}")
@@ -132,10 +128,13 @@ class PlanPool:
                 if worker not in self._planning:
                     connection.send(None)
         for worker, process in enumerate(self._processes):
-            process.join(timeout=30 if worker not in self._planning else 0)
-            if process.is_alive():
+            if worker in self._planning:
                 process.terminate()
-                process.join()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
             self._connections[worker].close()
         self._planning.clear()
 
@@ -153,3 +152,8 @@ def _serve(connection: Connection, model: ModelSpec, world_size: int, cluster: C
                 connection.send(("refused", str(exc)))
             except Exception:  # noqa: BLE001 - returned to the parent, which fails the search with it
                 connection.send(("error", traceback.format_exc()))
+
+
+if __name__ == "__main__":  # a worker: python -m lightning_deepseek.planning.pool FD (the socket to its pool)
+    _connection = Connection(int(sys.argv[1]))
+    _serve(_connection, *_connection.recv())
