@@ -148,8 +148,9 @@ def _search_table(result: Any, top: int) -> str:
                      f"{report.memory.steady_peak / 2**30:.1f} | "
                      f"{result.why(report)} |")
     counts = (f"{len(result.fitting)} layouts fit, {len(result.not_fitting)} do not, {len(result.rejected)} refused "
-              f"by the strategy, {len(result.pruned)} not planned (their model states alone exceed the device, or "
-              f"their compute and tp / ep collectives alone, per token, the time of the {top} fastest)")
+              f"by the strategy, {len(result.pruned)} not planned (their model states alone exceed the device, the "
+              f"same layout recomputing more did not fit, or their compute and tp / ep collectives alone, per token, "
+              f"exceed the time of the {top} fastest)")
     refused = [f"- {layout.describe(0).split(' ', 1)[1]}: {why}" for layout, why in result.rejected[:5]]
     return "\n".join([*lines, "", counts, *refused])
 

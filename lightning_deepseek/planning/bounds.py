@@ -6,7 +6,9 @@ sharded (:class:`ParameterShards`, from the model alone, before any plan), or th
 layout under another activation checkpointing or micro-batch count (model states depend on neither), or, for plain
 DDP, the same layout with ZeRO-1 (which holds fewer optimizer states and the same parameters, gradients and buckets).
 The later steps' peak holds the parameters, gradients, optimizer states and DDP's buckets at once (the optimizer
-step), so such a layout would not fit.
+step), so such a layout would not fit. Nor does one whose same layout under more recomputation (full, then selective
+checkpointing; the same micro-batches) was planned and peaked above the device: recomputing less keeps more
+activations, so the peak is at least as high (``tests/planning/test_cache.py``).
 
 With ``top``, a layout is also not planned when its compute and exposed tensor- and expert-parallel collectives alone
 (compute and bubble under a pipeline), per token, exceed the seconds per token of the ``top``-th fastest fitting plan
@@ -15,8 +17,11 @@ so far: those of a planned layout that differs from it only in how the data-para
 activation checkpointing or one recomputing less (none, selective, full); also the compute alone, per token, of any
 planned layout of the same ``tp`` (a rank's FLOPs do not depend on ``ep`` under uniform routing, the sharding or the
 compression; under a pipeline the average rank's: its stages' FLOPs summed do not depend on ``pp``, the schedule or
-the micro-batches); and the step time of the same layout under less recomputation. :func:`planning_order` plans first
-the layouts that bound others.
+the micro-batches); and the step time of the same layout under less recomputation.
+
+:func:`planning_order` plans full checkpointing first: where it does not fit, neither do the other modes (for a model
+that fits few layouts, the most the search can skip), and where it does, no checkpointing next, whose step bounds
+selective checkpointing's.
 
 The bounds hold whatever has been planned, in whatever order: a search that plans layouts side by side
 (:mod:`.pool`) prunes fewer layouts, never one that would have fit or ranked
@@ -40,6 +45,7 @@ from lightning_deepseek.planning.report import GIB, PlanReport
 # Checkpointing modes by what they recompute, each a superset of the previous one's: "selective" recomputes a block's
 # cheap ops and half its matrix multiplies, "full" its whole forward.
 RECOMPUTE_ORDER = ("none", "selective", "full")
+PLANNED_FIRST = ("full", "none", "selective")  # planning_order's, see the module docstring
 PARALLEL_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # the tp and ep collectives of forward and backward
 
 Bound = tuple[PlanLayout, int]  # a planned layout and its model states per rank (bytes)
@@ -53,6 +59,7 @@ class LayoutBounds:
         self.world_size, self.capacity, self.shards, self.top = world_size, capacity, shards, top
         self.closest: list[tuple[int, PlanLayout]] = []  # (model-state bound, layout) of those pruned by it alone
         self._states: dict[PlanLayout, Bound] = {}  # by layout without checkpointing and micro-batches
+        self._peaks: dict[PlanLayout, list[PlanReport]] = {}  # not fitting, by layout without checkpointing
         # planned reports by what bounds another layout's step (_least_step): _compute_key, _flops_key, the layout
         # without checkpointing
         self._computes: dict[tuple, list[PlanReport]] = {}
@@ -70,6 +77,13 @@ class LayoutBounds:
         if bound is not None and bound[1] > self.capacity:
             return (f"model states alone {bound[1] / GIB:.1f} GiB (those of {bound[0].describe(self.world_size)}) "
                     f"exceed {device}")
+        mode = RECOMPUTE_ORDER.index(layout.activation_checkpointing)
+        heavier = [r for r in self._peaks.get(_without_checkpointing(layout), [])
+                   if RECOMPUTE_ORDER.index(r.layout.activation_checkpointing) > mode]
+        if heavier:
+            return (f"peak at least {heavier[0].memory.steady_peak / GIB:.1f} GiB (that of "
+                    f"{heavier[0].layout.describe(self.world_size)}, which recomputes more and keeps fewer "
+                    f"activations) exceeds {device}")
         if self.top is None or len(self._fastest) < self.top:
             return None
         slowest = self._fastest[self.top - 1]
@@ -88,6 +102,8 @@ class LayoutBounds:
             self._computes.setdefault(key, []).append(report)
         if report.fits:
             bisect.insort(self._fastest, 1 / report.tokens_per_second_per_gpu)
+        else:
+            self._peaks.setdefault(_without_checkpointing(layout), []).append(report)
         memory = report.memory
         self._states.setdefault(_states_key(layout),
                                 (layout, memory.params + memory.grads + memory.states + memory.ddp_buckets))
@@ -151,10 +167,11 @@ class ParameterShards:
 
 
 def planning_order(layout: PlanLayout) -> tuple[int, bool, int]:
-    """By recomputation (:data:`RECOMPUTE_ORDER`: a mode's compute bounds the later modes', its model states all
-    modes'), ZeRO-1 first (its model states bound plain DDP's), FSDP2 over fewer ranks first (the set-up of FSDP2
-    over thousands of ranks is a plan's costliest part: its siblings, planned first, may prune it by time)."""
-    return (RECOMPUTE_ORDER.index(layout.activation_checkpointing), not layout.shard_optimizer_states,
+    """By checkpointing mode (:data:`PLANNED_FIRST`: full's peak bounds the other modes', none's step selective's,
+    a mode's model states every mode's), ZeRO-1 first (its model states bound plain DDP's), FSDP2 over fewer ranks
+    first (the set-up of FSDP2 over thousands of ranks is a plan's costliest part: its siblings, planned first, may
+    prune it by time)."""
+    return (PLANNED_FIRST.index(layout.activation_checkpointing), not layout.shard_optimizer_states,
             layout.dp_shard)
 
 

@@ -34,7 +34,6 @@ LAYOUTS = [PlanLayout(shard_optimizer_states=True), PlanLayout(shard_optimizer_s
 LINK = {"bandwidth_gbs": 1e6, "latency_us": 0}
 FAST = ClusterSpec.from_mapping(dict(name="fast", gpus_per_node=2, peak_tflops={"fp32": 0.05}, memory_gib=16,
                                      memory_bandwidth_gbs=1e6, links={"intra": LINK, "inter": LINK}), "test")
-CHECKPOINTED = [LAYOUTS[0], LAYOUTS[1], LAYOUTS[4]]  # ZeRO-1, ZeRO-1 ac=full, FSDP2 ac=full
 
 
 def _numbers(report: PlanReport) -> PlanReport:
@@ -62,9 +61,9 @@ def test_pruned_layouts_would_not_fit(uncached: SearchResult) -> None:
     capacity = _states(zero1) - 1  # ZeRO-1's model states alone exceed it: so do ac=full's and plain DDP's
     small = dataclasses.replace(CLUSTER, memory_gib=capacity / 2**30)
     assert small.memory_bytes == capacity
-    cached = search(DENSE, 4, small, STEP, LAYOUTS[:5])
-    assert [layout for layout, _ in cached.pruned] == [LAYOUTS[1], LAYOUTS[2]]
-    assert "exceed" in cached.pruned[0][1]
+    cached = search(DENSE, 4, small, STEP, LAYOUTS[:5])  # ZeRO-1 ac=full planned first (planning_order)
+    assert [layout for layout, _ in cached.pruned] == [LAYOUTS[0], LAYOUTS[2]]
+    assert all("model states alone" in why and "exceed" in why for _, why in cached.pruned)
     by_layout = {r.layout: r for r in uncached.fitting}
     assert all(by_layout[layout].memory.steady_peak > capacity for layout, _ in cached.pruned)
     expected = sorted((r for r in uncached.fitting if r.memory.steady_peak <= capacity and r.layout in LAYOUTS[:5]),
@@ -105,28 +104,47 @@ def test_compute_depends_on_neither_experts_nor_sharding_nor_compression() -> No
         assert len({r.compute_seconds for r in result.fitting if r.layout.tp == tp}) == 1
 
 
-def test_recomputing_more_never_shortens_a_step() -> None:
+def test_recomputing_more_never_shortens_a_step_nor_raises_the_peak() -> None:
     """What the bound by the same layout's step under less recomputation assumes: its compute and repeated forward
-    collectives grow, and the data-parallel collectives it hides shrink by less."""
+    collectives grow, and the data-parallel collectives it hides shrink by less; and the bound by its peak under
+    more recomputation: fewer activations are kept."""
     layouts = [PlanLayout(), PlanLayout(tp=2, shard_optimizer_states=True), PlanLayout(dp_shard=4), PlanLayout(pp=2),
                PlanLayout(ep=2, bits=8)]
     result = search(MOE, 4, CLUSTER, STEP, [dataclasses.replace(layout, activation_checkpointing=mode)
                                             for layout in layouts for mode in ("none", "selective", "full")])
     steps = {r.layout: r.step_seconds for r in result.fitting}
+    peaks = {r.layout: r.memory.steady_peak for r in result.fitting}
     assert len(steps) == 3 * len(layouts)
     for layout in layouts:
         none, selective, full = (steps[dataclasses.replace(layout, activation_checkpointing=mode)]
                                  for mode in ("none", "selective", "full"))
         assert none <= selective * (1 + 1e-12) and selective <= full * (1 + 1e-12), layout  # equal where FSDP2's
         # collectives are longer than the compute: they hide what recomputation adds
+        none, selective, full = (peaks[dataclasses.replace(layout, activation_checkpointing=mode)]
+                                 for mode in ("none", "selective", "full"))
+        assert none >= selective >= full, layout
 
 
-def test_layouts_pruned_by_compute_would_not_rank(uncached: SearchResult) -> None:
-    cached = search(DENSE, 4, FAST, STEP, CHECKPOINTED, top=1)
-    assert [layout for layout, _ in cached.pruned] == [LAYOUTS[4]]
-    by_layout = {r.layout: r for r in uncached.fitting}  # planned afresh, on a cluster of the same compute
-    assert [r.compute_seconds for r in cached.fitting] == [by_layout[lay].compute_seconds for lay in LAYOUTS[:2]]
-    assert by_layout[LAYOUTS[4]].compute_seconds > cached.fitting[0].step_seconds  # so is its step time
+def test_layouts_pruned_by_a_heavier_mode_would_not_fit(uncached: SearchResult) -> None:
+    """Full checkpointing is planned first: where it does not fit, recomputing less keeps more activations."""
+    full = next(r for r in uncached.fitting if r.layout == LAYOUTS[1])  # ZeRO-1, ac=full
+    capacity = full.memory.steady_peak - 1
+    assert _states(full) < capacity  # the model states alone would fit: the activations do not
+    small = dataclasses.replace(CLUSTER, memory_gib=capacity / 2**30)
+    cached = search(DENSE, 4, small, STEP, LAYOUTS[:2])
+    assert cached.pruned == ((LAYOUTS[0], cached.pruned[0][1]),) and not cached.fitting
+    assert "peak at least" in cached.pruned[0][1] and "which recomputes more" in cached.pruned[0][1]
+    assert next(r for r in uncached.fitting if r.layout == LAYOUTS[0]).memory.steady_peak > capacity
+
+
+def test_layouts_pruned_by_compute_would_not_rank() -> None:
+    selective = [dataclasses.replace(layout, activation_checkpointing="selective") for layout in LAYOUTS[0:5:4]]
+    layouts = [LAYOUTS[0], *selective]  # ZeRO-1; ZeRO-1 and FSDP2 under selective checkpointing
+    uncached = {r.layout: r for r in search(DENSE, 4, FAST, STEP, layouts, cache=False).fitting}
+    cached = search(DENSE, 4, FAST, STEP, layouts, top=1)
+    assert [layout for layout, _ in cached.pruned] == [selective[1]]
+    assert [r.compute_seconds for r in cached.fitting] == [uncached[lay].compute_seconds for lay in layouts[:2]]
+    assert uncached[selective[1]].compute_seconds > cached.fitting[0].step_seconds  # so is its step time
     assert "compute and exposed tp / ep collectives alone at least" in cached.pruned[0][1]
 
 
