@@ -10,9 +10,10 @@ crossing nodes gathers activations over the slow link), ``expert_parallel_size``
 that divide every MoE layer's expert count; 1 for dense models), the sharding (none, ZeRO-1, FSDP2 over a node with
 replicas across nodes (HSDP), FSDP2 over the world), activation checkpointing (none, selective, full) and, where
 DDP's buckets exist, ``GradientCompression``'s bits (none, 8, 4); placement is the strategy's ``"auto"``; pipeline
-stages (``pp`` of 2, 4, 8), their schedule and micro-batches (:func:`pipelined_layouts`: the schedule's least, twice
-and four times as many, :data:`MICROBATCH_FACTORS`) and,
-with ``tp > 1`` on a model declaring its attention, sequence parallelism (:func:`sequence_parallel_sizes`). A
+stages (``pp`` of 2, 4, 8, 16) with ``tp`` or ``ep`` inside them, unsharded, ZeRO-1 or FSDP2, their schedule and
+micro-batches (:func:`pipelined_layouts`: the schedule's least, twice and four times as many,
+:data:`MICROBATCH_FACTORS`) and, with ``tp > 1`` on a model declaring its attention, sequence parallelism
+(:func:`sequence_parallel_sizes`). A
 layout the strategy refuses (a ``tp`` dividing no feed-forward width) is listed as rejected with the strategy's
 reason.
 
@@ -44,6 +45,7 @@ from lightning_deepseek.moe.protocol import find_expert_layers
 from lightning_deepseek.parallel.activation_checkpointing import MODES as AC_MODES
 from lightning_deepseek.parallel.activation_checkpointing import find_transformer_blocks
 from lightning_deepseek.parallel.detection import cached_probes
+from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.pipeline import min_microbatches
 from lightning_deepseek.parallel.pipeline_split import SCHEDULES
 from lightning_deepseek.parallel.plan import Plan, add_attention_heads
@@ -60,6 +62,7 @@ from lightning_deepseek.planning.report import GIB, PlanReport
 # Micro-batches per step under a pipeline, as multiples of the schedule's least: more shrink the bubble's share of a
 # step and add the receive buffers torch keeps per micro-batch (each of ``StepShape.micro_batch_size`` sequences).
 MICROBATCH_FACTORS = (1, 2, 4)
+MAX_PP = 16  # pipeline stages up to 16 (DeepSeek-V3's 2,048 H800s ran 16; torchtitan's Llama 3.1 405B rows 8)
 
 
 @dataclass(frozen=True)
@@ -116,26 +119,31 @@ def candidate_layouts(world_size: int, gpus_per_node: int, experts: list[int], n
     return [PlanLayout(tp, ep, zero, dp_shard=shard, activation_checkpointing=ac, bits=bits)
             for tp, ep, (zero, shard), ac in product(tps, eps, sharding, AC_MODES)
             for bits in ((None, 8, 4) if shard == 1 and world_size // tp > 1 else (None,))] + pipelined_layouts(
-        world_size, tps, num_blocks, sequence_parallel, vocab_size)
+        world_size, tps, num_blocks, sequence_parallel, vocab_size, tuple(eps))
 
 
 def pipelined_layouts(world_size: int, tps: list[int], num_blocks: int, sequence_parallel: tuple[int, ...] = (),
-                      vocab_size: int = 0) -> list[PlanLayout]:
-    """The pipelined candidates: ``pp`` a divisor of the world up to 8 whose stages the model's ``num_blocks`` fill,
-    every schedule at each of :data:`MICROBATCH_FACTORS` times its least micro-batches, unsharded or FSDP2 over each
-    stage's ``dp`` ranks, each checkpointing mode, and at the ``tp`` sizes in ``sequence_parallel`` also with sequence
-    parallelism; the combinations the strategy refuses (its ``LayoutSettings``) are left out. With ``tp > 1`` dividing
+                      vocab_size: int = 0, eps: tuple[int, ...] = (1,)) -> list[PlanLayout]:
+    """The pipelined candidates: ``pp`` a divisor of the world up to :data:`MAX_PP` whose stages the model's
+    ``num_blocks`` fill, every schedule at each of :data:`MICROBATCH_FACTORS` times its least micro-batches, inside the
+    stages ``tp`` or one of the expert-parallel sizes ``eps``, unsharded, ZeRO-1 or FSDP2 over each stage's ``dp``
+    ranks, each checkpointing mode, and at the ``tp`` sizes in ``sequence_parallel`` also with sequence parallelism;
+    the combinations the strategy refuses (its ``LayoutSettings``, e.g. ``tp`` with ``ep`` in a stage) are left out.
+    Compression is not (the planner does not model a pipeline's compressed exchange). With ``tp > 1`` dividing
     ``vocab_size``, ``loss_parallel`` is on (torchtitan's default, not an axis: it shards the stages' largest tensors,
     the logits, divides the head's compute by ``tp``, and adds all-reduces of one number per token)."""
     layouts = []
-    for pp, schedule, tp, ac in product([d for d in (2, 4, 8) if world_size % d == 0], SCHEDULES, tps, AC_MODES):
+    sizes = [d for d in range(2, MAX_PP + 1) if world_size % d == 0 and d & (d - 1) == 0]
+    for pp, schedule, tp, ep, ac in product(sizes, SCHEDULES, tps, eps, AC_MODES):
         dp = world_size // (pp * tp)
         if world_size % (pp * tp) or pp * (1 if schedule == "1F1B" else 2) > num_blocks:
             continue
-        for shard, sp, factor in product(sorted({1, dp}), (False, True) if tp in sequence_parallel else (False,),
-                                         MICROBATCH_FACTORS):
+        sharding = [(False, 1), (True, 1)] + ([(False, dp)] if dp > 1 else [])  # unsharded, ZeRO-1, FSDP2
+        for (zero, shard), sp, factor in product(sharding, (False, True) if tp in sequence_parallel else (False,),
+                                                 MICROBATCH_FACTORS):
             try:
-                layouts.append(PlanLayout(tp, dp_shard=shard, activation_checkpointing=ac, pp=pp,
+                ParallelDims(world_size, tp=tp, ep=ep, dp_shard=shard, pp=pp)
+                layouts.append(PlanLayout(tp, ep, zero, dp_shard=shard, activation_checkpointing=ac, pp=pp,
                                           pp_schedule=schedule, reshard_after_forward=schedule not in V_SCHEDULES,
                                           pp_microbatches=None if factor == 1 else factor * min_microbatches(schedule,
                                                                                                              pp),

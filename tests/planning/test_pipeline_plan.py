@@ -15,6 +15,7 @@ from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.schedule import held_forwards, one_f_one_b, replay
 from lightning_deepseek.planning.search import pipelined_layouts
+from tests.planning.test_against_real_runs import MOE
 
 DEEP = ModelSpec("lds-tiny-8", "lds", dict(PRESETS["tiny"], n_layer=8))
 TINY = ModelSpec("lds-tiny", "lds", dict(PRESETS["tiny"]))
@@ -115,7 +116,8 @@ def test_micro_batch_counts_are_an_axis_sharing_the_stepped_stages() -> None:
     """More micro-batches shrink the bubble's share and add torch's receive buffers; the stages are stepped once for
     every count (``PlanCache``: a count only composes the schedule anew)."""
     layouts = [layout for layout in pipelined_layouts(4, [1], 8) if layout.pp_schedule == "1F1B" and layout.pp == 2
-               and layout.dp_shard == 1 and layout.activation_checkpointing == "none"]
+               and layout.dp_shard == 1 and not layout.shard_optimizer_states
+               and layout.activation_checkpointing == "none"]
     assert [layout.num_microbatches for layout in layouts] == [2, 4, 8]
     cache, step = PlanCache(), StepShape(MICRO, SEQ, "bf16")
     reports = [plan(DEEP, 4, layouts[0], H100, step, cache=cache)]
@@ -142,3 +144,22 @@ def test_stage_compute_per_token_depends_on_neither_pp_schedule_micro_batches_no
     checkpointed = plan(DEEP, 4, PlanLayout(pp=2, activation_checkpointing="full"), H100, step, cache=cache)
     assert _mean_compute(checkpointed) / (checkpointed.tokens_per_second_per_gpu * checkpointed.step_seconds) > max(
         per_token)
+
+
+def test_pipelined_candidates_hold_experts_and_zero1_and_their_bound_holds() -> None:
+    """``layout=auto``'s pipelined axes: ``tp`` or ``ep`` inside the stages (not both: the strategy refuses it),
+    unsharded, ZeRO-1 or FSDP2, ``pp`` up to 16, no compression (not planned under a pipeline); the bound of model
+    states before planning stays below the planned ones of expert-parallel stages."""
+    layouts = pipelined_layouts(32, [1, 2], 32, eps=(1, 2))
+    assert {layout.pp for layout in layouts} == {2, 4, 8, 16}
+    assert {(layout.tp, layout.ep) for layout in layouts} == {(1, 1), (2, 1), (1, 2)}
+    assert {(layout.shard_optimizer_states, layout.dp_shard > 1) for layout in layouts} == {
+        (False, False), (True, False), (False, True)}
+    assert all(layout.bits is None for layout in layouts)
+    step = StepShape(MICRO, SEQ, "bf16")
+    shards = ParameterShards.of(MOE, 4, step, (1,))
+    for layout in (PlanLayout(pp=2, ep=2), PlanLayout(pp=2, ep=2, shard_optimizer_states=True),
+                   PlanLayout(pp=2, ep=2, dp_shard=2)):
+        ranks = plan(MOE, 4, layout, H100, step).pipeline.ranks
+        least = shards.least_states(layout)
+        assert least is not None and least <= max(row.params + row.grads + row.states for row in ranks), layout
