@@ -71,4 +71,4 @@ def test_fits_no_layout(tmp_path: Path) -> None:
                                                                                          "memory_gib: 0.0002")
     (tmp_path / "tiny.yaml").write_text(tiny)
     with pytest.raises(ConfigError, match=r"fits no supported layout on 4 x cpu: the closest, .* GiB more than"):
-        run_plan(config(*SMALL, "layout=auto", f"cluster={tmp_path / 'tiny.yaml'}"))
+        run_plan(config(*SMALL, "layout=auto", "workers=1", f"cluster={tmp_path / 'tiny.yaml'}"))
