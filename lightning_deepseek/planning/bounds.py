@@ -24,7 +24,7 @@ that fits few layouts, the most the search can skip), and where it does, no chec
 selective checkpointing's.
 
 The bounds hold whatever has been planned, in whatever order: a search that plans layouts side by side
-(:mod:`.pool`) prunes fewer layouts, never one that would have fit or ranked
+(:mod:`.pool`) prunes other layouts, never one that would have fit or ranked
 (``tests/planning/test_cache.py``).
 """
 

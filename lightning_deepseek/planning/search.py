@@ -23,8 +23,8 @@ tensor-parallel plans, placements, ZeRO-1's whole-model optimizer step across ch
 stepped copies across micro-batch counts) and a candidate is not planned when the plans so far show that it cannot
 fit, or, with ``top``, cannot rank among the ``top`` fastest (:mod:`.bounds`): such layouts are listed in
 :attr:`SearchResult.pruned` with the bound. With ``workers > 1`` the layouts are planned side by side in that many
-processes (:mod:`.pool`): the same fitting plans, fewer pruned (a layout may be planned before the plan that would
-have pruned it is done), and which ones depends on the order the plans finish in.
+processes (:mod:`.pool`): the same ``top`` fastest plans (every fitting one without ``top``); which layouts are pruned
+depends on the order the plans finish in (a layout may be planned before the plan that would have pruned it).
 The fitting plans are those of ``cache=False``, the ``top`` fastest where ``top`` is given
 (``tests/planning/test_cache.py``); the speed: benchmarks/planning/REPORT.md.
 """
@@ -199,14 +199,14 @@ def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepSh
             model, world_size, step, tuple({lay.tp for lay in layouts})), top) if cache else None
         order = sorted(range(len(layouts)), key=lambda i: planning_order(layouts[i]))
         outcomes: list[tuple[int, PlanLayout, Outcome | str]] = []  # a plan, a refusal, or why not planned
-        if workers == 1:
+        if workers == 1 or len(order) < 2:  # nothing to plan side by side
             shared = PlanCache() if cache else None
             for index in order:
                 why = bounds.why_not(layouts[index]) if bounds is not None else None
                 outcome = why or _plan_or_refusal(model, world_size, layouts[index], cluster, step, depth, shared)
                 _record(outcomes, index, layouts[index], outcome, bounds, progress)
         else:
-            with PlanPool(min(workers, len(order)) or 1, model, world_size, cluster, step, depth, cache) as pool:
+            with PlanPool(min(workers, len(order)), model, world_size, cluster, step, depth, cache) as pool:
                 _plan_side_by_side(pool, layouts, order, bounds, outcomes, progress)
         if bounds is not None and bounds.closest and not any(isinstance(o, PlanReport) for *_, o in outcomes):
             # every layout pruned by its bound: plan the least bounded, to say by how much

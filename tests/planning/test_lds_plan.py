@@ -43,9 +43,10 @@ def test_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_layout_auto_ranks_what_fits(capsys: pytest.CaptureFixture[str]) -> None:
-    candidates = candidate_layouts(4, resolve_cluster("cpu").gpus_per_node, [], 2)  # lds-tiny: 2 blocks
+    candidates = candidate_layouts(2, resolve_cluster("cpu").gpus_per_node, [], 2)  # lds-tiny: 2 blocks
     assert len([c for c in candidates if c.pp == 2]) >= 6  # 1F1B (4 stages for the others: more than 2 blocks)
-    assert run_plan(config(*SMALL, "layout=auto", "workers=1")) == 0  # side by side: tests/planning/test_pool.py
+    two_ranks = [override for override in SMALL if not override.startswith("world_size=")] + ["world_size=2"]
+    assert run_plan(config(*two_ranks, "layout=auto", "workers=1")) == 0  # side by side: tests/planning/test_pool.py
     out = capsys.readouterr().out
     assert "| 1 | " in out and "fastest" in out
     counts = re.search(r"\n(\d+) layouts fit, 0 do not, 0 refused by the strategy, (\d+) not planned", out)
