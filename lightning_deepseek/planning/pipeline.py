@@ -330,7 +330,7 @@ def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster
         def measure(keep: tuple[str, ...], pp_rank: int = pp_rank, blocks: RankBlocks = blocks) -> RankStep:
             """The copy keeping the blocks ``keep``, stepped once per shape (plan and search)."""
             drop = tuple(name for name in blocks.names if name not in keep)
-            return cache.get(("pipeline_rank", key, _step_settings(layout), blocks.copy_shape(keep)),
+            return cache.get(("pipeline_rank", key, step_settings(layout), blocks.copy_shape(keep)),
                              lambda: _stepped(model, world_size, layout, step, topology, pp_rank, split, drop))
 
         if depth == "full" or layout.shard_optimizer_states or not blocks.worth_it:  # ZeRO-1: see the docstring
@@ -346,7 +346,7 @@ def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster
                            time.perf_counter() - started)
 
 
-def _step_settings(layout: PlanLayout) -> tuple:
+def step_settings(layout: PlanLayout) -> tuple:
     """What a stepped copy depends on: the layout but its micro-batches and which V schedule (the stages step alike;
     the split and the table are the schedule's)."""
     settings = dataclasses.asdict(layout)

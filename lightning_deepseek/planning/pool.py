@@ -20,7 +20,6 @@ error other than the strategy's refusal (a ``ValueError``, returned as the layou
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import socket
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
-from lightning_deepseek.planning.pipeline import V_SCHEDULES
+from lightning_deepseek.planning.pipeline import step_settings
 from lightning_deepseek.planning.planner import plan
 from lightning_deepseek.planning.report import PlanReport
 
@@ -46,10 +45,7 @@ def affinity(layout: PlanLayout) -> Hashable:
     """What a plan shares with other layouts' plans through the cache: the layout but its activation checkpointing
     (ZeRO-1's optimizer step is cached across modes), its micro-batches and which V schedule (a pipelined rank's
     stepped copies are shared across them)."""
-    settings = dataclasses.asdict(layout)
-    del settings["activation_checkpointing"], settings["pp_microbatches"]
-    settings["pp_schedule"] = "V" if layout.pp_schedule in V_SCHEDULES else layout.pp_schedule
-    return tuple(settings.items())
+    return tuple(item for item in step_settings(layout) if item[0] != "activation_checkpointing")
 
 
 class PlanPool:
