@@ -28,10 +28,12 @@ whose stages hold other blocks; V schedules hold two stages per rank), the plann
 Reported per plan: the most loaded rank's memory (and every pipeline rank's and stage's rows), the bytes of that
 rank by mesh dimension. Costs: two micro-batches of each distinct rank's stages; with ``depth="representative"``
 of a base copy holding three blocks of each kind per stage, and one copy per kind and layout with one block more
-(:mod:`.stage_depth`; a rank whose stages hold no more, and ZeRO-1, whose owned states depend on the whole rank's
-partition, are stepped whole). With a :class:`.cache.PlanCache` the block kinds, the split, the action table and
-each copy's measurement are shared by the plans of a search (a copy's key: the layout but its micro-batches and
-which V schedule, and its stages' kept block kinds). Not modelled: FSDP2's collectives under a pipeline are
+(:mod:`.stage_depth`; a rank whose stages hold no more is stepped whole). ZeRO-1 changes only the optimizer step,
+whose owners are dealt over the whole rank's parameters: its copies are the layout's without ZeRO-1, and the whole
+rank is set up once more for the optimizer step alone (zero gradients, no forward), whatever its checkpointing. With
+a :class:`.cache.PlanCache` the block kinds, the split, the action table and each copy's measurement are shared by
+the plans of a search (a copy's key: the layout but its micro-batches and which V schedule, and its stages' kept
+block kinds). Not modelled: FSDP2's collectives under a pipeline are
 counted per action from
 the two stepped micro-batches (the first forward's gathers repeat wherever a forward follows a forward); the point
 to point transfers are not overlapped with compute (torch waits for them before the action that needs them).
@@ -219,9 +221,11 @@ def _step_stage(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], i
 
 
 def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
-               pp_rank: int, split: PipelineSplit, drop: tuple[str, ...] = ()) -> RankStep:
+               pp_rank: int, split: PipelineSplit, drop: tuple[str, ...] = (),
+               optimizer_only: bool = False) -> RankStep:
     """Set up pipeline rank ``pp_rank`` with the strategy's split on the fake world (which must be ``split``),
-    remove the blocks ``drop`` from its stages, and step them."""
+    remove the blocks ``drop`` from its stages, and step them; ``optimizer_only``: zero gradients in place of the
+    stages' steps (no stage rows; the exchange and optimizer step after the schedule as on a stepped rank)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     module = _built(model, step)
     hidden_size = _hidden_size(module)
@@ -258,9 +262,12 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     peaks = _Peaks(tracker)
     with mode, uniform_routing(layers), tracker, counter, loop.loss_context():
         with flops, LocalOpsOnly(mode):
-            stages = tuple(_step_stage(loop.loss_fn, index, stage, index == loop.split.num_stages - 1, ids,
-                                       None if index == 0 else hidden, peaks, flops, counter, autocast)
-                           for index, stage in zip(indices, loop.stage_modules))
+            stages = () if optimizer_only else tuple(
+                _step_stage(loop.loss_fn, index, stage, index == loop.split.num_stages - 1, ids,
+                            None if index == 0 else hidden, peaks, flops, counter, autocast)
+                for index, stage in zip(indices, loop.stage_modules))
+            for param in params if optimizer_only else []:
+                param.grad = torch.zeros_like(param)  # what a backward leaves
         counter.phase = "gradients"
         exchange_start = len(counter.calls)
         peaks.reset()
@@ -327,20 +334,26 @@ def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster
     for pp_rank in range(layout.pp):
         blocks = rank_blocks(split, pp_rank, kinds)
 
-        def measure(keep: tuple[str, ...], pp_rank: int = pp_rank, blocks: RankBlocks = blocks) -> RankStep:
+        def measure(keep: tuple[str, ...], of: PlanLayout = layout, optimizer_only: bool = False,
+                    pp_rank: int = pp_rank, blocks: RankBlocks = blocks) -> RankStep:
             """The copy keeping the blocks ``keep``, stepped once per shape (plan and search)."""
             drop = tuple(name for name in blocks.names if name not in keep)
-            return cache.get(("pipeline_rank", key, step_settings(layout), blocks.copy_shape(keep)),
-                             lambda: _stepped(model, world_size, layout, step, topology, pp_rank, split, drop))
+            settings = optimizer_settings(of) if optimizer_only else step_settings(of)
+            return cache.get(("pipeline_rank", key, settings, optimizer_only, blocks.copy_shape(keep)),
+                             lambda: _stepped(model, world_size, of, step, topology, pp_rank, split, drop,
+                                              optimizer_only))
 
-        if depth == "full" or layout.shard_optimizer_states or not blocks.worth_it:  # ZeRO-1: see the docstring
+        if depth == "full" or not blocks.worth_it:
             rank = measure(blocks.names)
-        else:
-            base = measure(blocks.base)
+        else:  # ZeRO-1 changes the optimizer step only: the copies are the layout's without it (shared with its plan)
+            copies = dataclasses.replace(layout, shard_optimizer_states=False)
+            base = measure(blocks.base, copies)
             for kind in blocks.extended:
                 if kind not in deltas:
-                    deltas[kind] = block_delta(base, measure(blocks.with_one_more(kind)), blocks, kind)
+                    deltas[kind] = block_delta(base, measure(blocks.with_one_more(kind), copies), blocks, kind)
             rank = extrapolate_rank(base, blocks, {kind: deltas[kind] for kind in blocks.extended})
+            if layout.shard_optimizer_states:  # its owners are dealt over the whole rank: its step alone on it
+                rank = _with_optimizer_of(rank, measure(blocks.names, optimizer_only=True))
         ranks[pp_rank] = dataclasses.replace(rank, pp_rank=pp_rank)
     return pipeline_report(model, world_size, layout, cluster, step, topology, ranks, split, *table,
                            time.perf_counter() - started)
@@ -355,13 +368,28 @@ def step_settings(layout: PlanLayout) -> tuple:
     return tuple(settings.items())
 
 
+def optimizer_settings(layout: PlanLayout) -> tuple:
+    """What ZeRO-1's optimizer step alone depends on: :func:`step_settings` but the activation checkpointing (it
+    runs no forward)."""
+    return tuple(item for item in step_settings(layout) if item[0] != "activation_checkpointing")
+
+
+def _with_optimizer_of(rank: RankStep, whole: RankStep) -> RankStep:
+    """``rank`` with the optimizer states, the owned elements, the optimizer step's collectives and the peak after the
+    schedule of ``whole`` (the whole rank's ZeRO-1 step on the gradients a backward leaves)."""
+    calls = [c for c in rank.exchange_calls if c.phase != "optimizer"] + [
+        c for c in whole.exchange_calls if c.phase == "optimizer"]
+    return dataclasses.replace(rank, states=whole.states, owned_state_elements=whole.owned_state_elements,
+                               exchange_calls=tuple(calls), exchange_peak=whole.exchange_peak)
+
+
 def _stepped(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
-             pp_rank: int, split: PipelineSplit, drop: tuple[str, ...]) -> RankStep:
+             pp_rank: int, split: PipelineSplit, drop: tuple[str, ...], optimizer_only: bool = False) -> RankStep:
     """:func:`_step_rank` on the fake world at pipeline rank ``pp_rank``'s first global rank."""
     with fake_world(world_size, rank=pp_rank * (world_size // layout.pp)), one_chunk_per_rank(), cached_probes(), \
             warnings.catch_warnings(), _quiet_set_up():
         warnings.simplefilter("ignore")  # the strategy's and torch's set-up warnings are for real runs
-        return _step_rank(model, world_size, layout, step, topology, pp_rank, split, drop)
+        return _step_rank(model, world_size, layout, step, topology, pp_rank, split, drop, optimizer_only)
 
 
 def _built(model: ModelSpec, step: StepShape) -> nn.Module:

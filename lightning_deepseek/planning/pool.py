@@ -34,7 +34,7 @@ from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
-from lightning_deepseek.planning.pipeline import step_settings
+from lightning_deepseek.planning.pipeline import optimizer_settings
 from lightning_deepseek.planning.planner import plan
 from lightning_deepseek.planning.report import PlanReport
 
@@ -43,9 +43,9 @@ Outcome = PlanReport | ValueError  # a plan, or the strategy's reason for refusi
 
 def affinity(layout: PlanLayout) -> Hashable:
     """What a plan shares with other layouts' plans through the cache: the layout but its activation checkpointing
-    (ZeRO-1's optimizer step is cached across modes), its micro-batches and which V schedule (a pipelined rank's
-    stepped copies are shared across them)."""
-    return tuple(item for item in step_settings(layout) if item[0] != "activation_checkpointing")
+    (ZeRO-1's optimizer step is cached across modes), ZeRO-1 (a pipelined rank's stepped copies are shared with and
+    without it), its micro-batches and which V schedule (the copies are shared across them too)."""
+    return tuple(item for item in optimizer_settings(layout) if item[0] != "shard_optimizer_states")
 
 
 class PlanPool:
