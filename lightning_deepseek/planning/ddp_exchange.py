@@ -15,10 +15,14 @@ four message buffers, held from the first compressed step on. Compute: quantise 
 ``CODEC_PASSES`` fp32 passes over the padded bucket (the hook's count of its passes reaching DRAM) at the memory
 bandwidth, all exposed (an upper bound: on CPU the hook's phase 1 overlaps the rest of backward).
 
+A pipeline's exchange over each stage's ``dp`` ranks (:func:`stage_exchange`, after the schedule;
+:mod:`lightning_deepseek.parallel.pipeline_exchange`) is the same hook's exchange on one bucket holding the stage's
+matrices in model order, and one fp32 all-reduce of the rest; uncompressed, the pipeline planner counts the
+strategy's own all-reduce.
+
 Not planned: the warm-up steps (``warmup_steps``, fp32 as without compression: the plan is of a later step); the
 hook's tile-sized work buffers (CPU) and per-chunk temporaries (accelerators); ``GradientCompression`` on FSDP2's
-reduce-scatters (``data_parallel_shard_size > 1``) or a pipeline's ``dp`` exchange (``pipeline_parallel_size >
-1``): refused by :func:`check_plannable`.
+reduce-scatters (``data_parallel_shard_size > 1``): refused by :func:`check_plannable`.
 """
 
 from __future__ import annotations
@@ -54,10 +58,6 @@ def check_plannable(layout: PlanLayout) -> None:
     """Raise where ``layout`` compresses an exchange the planner does not model (see the module docstring)."""
     if layout.bits is None:
         return
-    if layout.pp > 1:
-        raise ValueError(f"compression bits={layout.bits} with pipeline_parallel_size={layout.pp} is not planned: "
-                         "the pipeline's compressed dp exchange (parallel/pipeline_exchange.py) is not modelled. Plan "
-                         "it uncompressed (compression=none), or without a pipeline.")
     if layout.dp_shard > 1:
         raise ValueError(f"compression bits={layout.bits} with data_parallel_shard_size={layout.dp_shard} is not "
                          "planned: GradientCompression then compresses FSDP2's reduce-scatters "
@@ -85,25 +85,45 @@ def ddp_exchange(sizes: list[int], ndims: list[int], world_size: int, bucket_cap
     """The exchange of DDP's buckets over ``group`` (``world_size`` ranks; none with one) of the parameters of
     ``sizes`` bytes and ``ndims`` dimensions: fp32 all-reduces, or ``compression``'s hook's collectives."""
     buckets = ddp_buckets(sizes, bucket_cap_bytes) if world_size > 1 else []
-    calls: list[CollectiveCall] = []
-    held = codec = 0
-    for bucket in buckets:
-        num_bytes = sum(sizes[i] for i in bucket)
-        values = [sizes[i] // FP32_BYTES for i in bucket]
-        if (compression is None or sum(values) < compression.min_bucket_numel
-                or all(ndims[i] <= 1 for i in bucket)):
-            calls.append(CollectiveCall("all_reduce", group, num_bytes, "ddp"))
-            continue
-        plan = make_plan([str(i) for i in bucket], values, world_size, compression, META, {})
-        if plan.single:
-            calls.append(CollectiveCall("all_gather", group, _largest(plan.recv, plan.send), "ddp"))
-        else:
-            calls += [CollectiveCall("all_to_all", group, _largest(plan.send, plan.recv), "ddp"),
-                      CollectiveCall("all_gather", group, _largest(plan.gathered, plan.send2), "ddp")]
-        held += sum(_largest(t) for t in (plan.residual, plan.send, plan.recv, plan.send2, plan.gathered)
-                    if t is not None)
-        codec += CODEC_PASSES * world_size * plan.layout.chunk * FP32_BYTES
-    return DDPExchange(tuple(calls), sum(sum(sizes[i] for i in b) for b in buckets), held, codec)
+    exchanges = [_bucket([sizes[i] for i in bucket], world_size, group,
+                         None if all(ndims[i] <= 1 for i in bucket) else compression, "ddp")  # the hook's rule
+                 for bucket in buckets]
+    calls = tuple(c for e in exchanges for c in e.calls)
+    return DDPExchange(calls, sum(sum(sizes[i] for i in b) for b in buckets),
+                       sum(e.compression_bytes for e in exchanges), sum(e.codec_bytes for e in exchanges))
+
+
+def stage_exchange(sizes: list[int], ndims: list[int], world_size: int, group: str,
+                   compression: CompressionConfig) -> DDPExchange:
+    """A pipeline stage's compressed exchange over ``group`` (its ``world_size`` ``dp`` ranks) of the parameters of
+    ``sizes`` bytes and ``ndims`` dimensions in model order: the matrices as one bucket through the hook's exchange
+    (fp32 where fewer than ``min_bucket_numel`` values), then one fp32 all-reduce of the rest (phase
+    ``"gradients"``); ``bucket_bytes`` is 0 (no DDP)."""
+    matrices = [size for size, ndim in zip(sizes, ndims) if ndim > 1]
+    if sum(matrices) // FP32_BYTES < compression.min_bucket_numel:
+        matrices = []
+    rest = sum(sizes) - sum(matrices)
+    exchanges = [_bucket(matrices, world_size, group, compression, "gradients")] if matrices else []
+    exchanges += [_bucket([rest], world_size, group, None, "gradients")] if rest else []
+    return DDPExchange(tuple(c for e in exchanges for c in e.calls), 0, sum(e.compression_bytes for e in exchanges),
+                       sum(e.codec_bytes for e in exchanges))
+
+
+def _bucket(sizes: list[int], world_size: int, group: str, compression: CompressionConfig | None,
+            phase: str) -> DDPExchange:
+    """One bucket of parameters of ``sizes`` bytes: an fp32 all-reduce (no ``compression``, or fewer than its
+    ``min_bucket_numel`` values), or the hook's collectives, the buffers its plan holds and its codec's bytes."""
+    values = [size // FP32_BYTES for size in sizes]
+    if compression is None or sum(values) < compression.min_bucket_numel:
+        return DDPExchange((CollectiveCall("all_reduce", group, sum(sizes), phase),), 0)
+    plan = make_plan([str(i) for i in range(len(sizes))], values, world_size, compression, META, {})
+    if plan.single:
+        calls = (CollectiveCall("all_gather", group, _largest(plan.recv, plan.send), phase),)
+    else:
+        calls = (CollectiveCall("all_to_all", group, _largest(plan.send, plan.recv), phase),
+                 CollectiveCall("all_gather", group, _largest(plan.gathered, plan.send2), phase))
+    held = sum(_largest(t) for t in (plan.residual, plan.send, plan.recv, plan.send2, plan.gathered) if t is not None)
+    return DDPExchange(calls, 0, held, CODEC_PASSES * world_size * plan.layout.chunk * FP32_BYTES)
 
 
 def _largest(*tensors: torch.Tensor) -> int:

@@ -72,6 +72,7 @@ from lightning_deepseek.planning.counting import (
     LocalOpsOnly,
     MicroBatchMemTracker,
 )
+from lightning_deepseek.planning.ddp_exchange import stage_exchange
 from lightning_deepseek.planning.depth import check_depth, layer_kinds
 from lightning_deepseek.planning.fake_world import fake_world
 from lightning_deepseek.planning.float8 import convert_float8
@@ -285,7 +286,8 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
                     grads, local_bytes(states),
                     tuple(counter.calls[exchange_start:]), exchange_peak, owned,
                     mesh_groups(mesh, dims, topology), loop.pp_group.group_name,
-                    sum(1 for m in holder.model.modules() if _tensor_parallel(getattr(m, "weight", None))))
+                    sum(1 for m in holder.model.modules() if _tensor_parallel(getattr(m, "weight", None))),
+                    tuple((local_bytes([p]), p.dim()) for p in params))
     return rank
 
 
@@ -343,17 +345,21 @@ def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster
                              lambda: _stepped(model, world_size, of, step, topology, pp_rank, split, drop,
                                               optimizer_only))
 
+        uncompressed = dataclasses.replace(layout, bits=None)  # compression: applied to the exchange below
         if depth == "full" or not blocks.worth_it:
-            rank = measure(blocks.names)
-        else:  # ZeRO-1 changes the optimizer step only: the copies are the layout's without it (shared with its plan)
-            copies = dataclasses.replace(layout, shard_optimizer_states=False)
+            rank = whole = measure(blocks.names, uncompressed)
+        else:  # ZeRO-1 and compression change the step after the schedule only: copies without them, shared
+            copies = dataclasses.replace(uncompressed, shard_optimizer_states=False)
             base = measure(blocks.base, copies)
             for kind in blocks.extended:
                 if kind not in deltas:
                     deltas[kind] = block_delta(base, measure(blocks.with_one_more(kind), copies), blocks, kind)
             rank = extrapolate_rank(base, blocks, {kind: deltas[kind] for kind in blocks.extended})
-            if layout.shard_optimizer_states:  # its owners are dealt over the whole rank: its step alone on it
-                rank = _with_optimizer_of(rank, measure(blocks.names, optimizer_only=True))
+            if layout.shard_optimizer_states or layout.bits is not None:  # over the whole rank's parameters
+                whole = measure(blocks.names, uncompressed, optimizer_only=True)
+                rank = _with_optimizer_of(rank, whole)
+        if layout.bits is not None:
+            rank = _compressed(rank, whole.param_sizes, layout)
         ranks[pp_rank] = dataclasses.replace(rank, pp_rank=pp_rank)
     return pipeline_report(model, world_size, layout, cluster, step, topology, ranks, split, *table,
                            time.perf_counter() - started)
@@ -381,6 +387,22 @@ def _with_optimizer_of(rank: RankStep, whole: RankStep) -> RankStep:
         c for c in whole.exchange_calls if c.phase == "optimizer"]
     return dataclasses.replace(rank, states=whole.states, owned_state_elements=whole.owned_state_elements,
                                exchange_calls=tuple(calls), exchange_peak=whole.exchange_peak)
+
+
+def _compressed(rank: RankStep, sizes: tuple[tuple[int, int], ...], layout: PlanLayout) -> RankStep:
+    """``rank`` with ``GradientCompression``'s exchange of the parameters of ``sizes`` (the whole rank's) over the
+    stage's ``dp`` group in place of the strategy's fp32 all-reduce there (:func:`.ddp_exchange.stage_exchange`;
+    compression composes with replicated stages only, whose exchange is that one all-reduce; none with one ``dp``
+    rank, where the callback compresses nothing)."""
+    reduce = next((c for c in rank.exchange_calls if c.phase == "gradients" and c.op == "all_reduce"), None)
+    config = layout.compression()
+    if reduce is None or config is None:
+        return rank
+    exchange = stage_exchange([size for size, _ in sizes], [ndim for _, ndim in sizes],
+                              rank.groups[reduce.group].size, reduce.group, config)
+    calls = tuple(c for c in rank.exchange_calls if c is not reduce) + exchange.calls
+    return dataclasses.replace(rank, exchange_calls=calls, compression_bytes=exchange.compression_bytes,
+                               codec_bytes=exchange.codec_bytes)
 
 
 def _stepped(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,

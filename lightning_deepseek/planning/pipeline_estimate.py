@@ -16,6 +16,7 @@ from lightning_deepseek.planning.counting import CollectiveCall
 from lightning_deepseek.planning.estimate import (
     ADAMW_BYTES_PER_ELEMENT,
     ASSUMPTIONS,
+    CODEC_ASSUMPTION,
     GroupInfo,
     collective_seconds,
     compute_dtype,
@@ -73,7 +74,9 @@ class StageStep:
 @dataclass(frozen=True)
 class RankStep:
     """One pipeline rank's stepped stages, model states, the exchange and optimizer step after the schedule (its
-    calls and absolute peak), and the groups of the stepped rank."""
+    calls and absolute peak), and the groups of the stepped rank; ``param_sizes``: the bytes and dimensions of each
+    trainable parameter of the stepped copy in model order; with ``GradientCompression``, the bytes its exchange
+    holds (residuals and message buffers) and its codec's bytes (:func:`.ddp_exchange.stage_exchange`)."""
 
     pp_rank: int
     stages: tuple[StageStep, ...]
@@ -86,6 +89,9 @@ class RankStep:
     groups: dict[str, GroupInfo]
     pp_group: str
     tp_layers: int = 0  # layers of its stages the tensor-parallel plan shards
+    param_sizes: tuple[tuple[int, int], ...] = ()
+    compression_bytes: int = 0
+    codec_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -145,8 +151,9 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
             held, acts = held - stage.activations, acts - stage.activations
         previous[index] = kind
     calls.append(CollectiveCall("broadcast", pp, LOSS_BYTES, "pipeline"))
-    first_peak = max(rank.params + buffers + most, rank.exchange_peak + buffers)
-    peak = max(rank.params + rank.states + buffers + most, rank.exchange_peak + buffers)
+    exchange = rank.exchange_peak + buffers + rank.compression_bytes  # compression's, held from its first step on
+    first_peak = max(rank.params + buffers + most, exchange)
+    peak = max(rank.params + rank.states + buffers + most + rank.compression_bytes, exchange)
     return _Composed(first_peak, peak, most_acts, buffers, tuple(calls) + rank.exchange_calls,
                      held_forwards(actions))
 
@@ -208,7 +215,8 @@ def pipeline_report(model: ModelSpec, world_size: int, layout: PlanLayout, clust
     traffic, exchange = _traffic(mine.calls, rank.groups, cluster, world_size,
                                  with_p2p.makespan - compute_only.makespan)
     optimizer = rank.owned_state_elements * ADAMW_BYTES_PER_ELEMENT / (cluster.memory_bandwidth_gbs * 1e9)
-    step_seconds = with_p2p.makespan + exchange + optimizer
+    codec = rank.codec_bytes / (cluster.memory_bandwidth_gbs * 1e9)  # compression's, exposed
+    step_seconds = with_p2p.makespan + exchange + optimizer + codec
     flops = sum(num_microbatches * (s.forward_flops + s.backward_flops) for s in rank.stages)
     tokens = step.tokens * num_microbatches * (world_size // (layout.pp * layout.tp))
     stage_rows = tuple(StageRow(index, stage_rank[index], composed[stage_rank[index]].in_flight.get(index, 0),
@@ -218,7 +226,8 @@ def pipeline_report(model: ModelSpec, world_size: int, layout: PlanLayout, clust
                                       composed[r].activations, composed[r].buffers, composed[r].peak)
                       for r in sorted(ranks))
     memory = RankMemory(params=rank.params, grads=rank.grads, states=rank.states, states_max=rank.states,
-                        activations=mine.activations, ddp_buckets=0, peak=mine.first_peak, steady_peak=mine.peak)
+                        activations=mine.activations, ddp_buckets=0, compression=rank.compression_bytes,
+                        peak=mine.first_peak, steady_peak=mine.peak)
     pipeline = PipelinePlan(layout.pp_schedule, layout.pp, num_microbatches, rank_rows, stage_rows,
                             with_p2p.makespan, compute_only.bubble, with_p2p.makespan - compute_only.makespan)
     peak_flops = cluster.peak_flops(compute_dtype(step))
@@ -229,9 +238,10 @@ def pipeline_report(model: ModelSpec, world_size: int, layout: PlanLayout, clust
                       compute_seconds=max(compute_only.busy.values()), optimizer_seconds=optimizer,
                       comm_seconds=sum(t.exposed_seconds for t in traffic), step_seconds=step_seconds,
                       tokens_per_second_per_gpu=tokens / step_seconds / world_size,
-                      mfu=flops / step_seconds / peak_flops, plan_seconds=plan_seconds,
+                      mfu=flops / step_seconds / peak_flops, plan_seconds=plan_seconds, codec_seconds=codec,
                       assumptions=(*ASSUMPTIONS, *PIPELINE_ASSUMPTIONS,
-                                   f"compute_efficiency={step.compute_efficiency}"), pipeline=pipeline)
+                                   f"compute_efficiency={step.compute_efficiency}",
+                                   *([CODEC_ASSUMPTION] if codec else [])), pipeline=pipeline)
 
 
 def _traffic(calls: tuple[CollectiveCall, ...], groups: dict[str, GroupInfo], cluster: ClusterSpec, world_size: int,

@@ -9,8 +9,9 @@ The axes: ``tensor_parallel_size`` (the divisors of the world size up to the GPU
 crossing nodes gathers activations over the slow link), ``expert_parallel_size`` (the divisors of the world size
 that divide every MoE layer's expert count; 1 for dense models), the sharding (none, ZeRO-1, FSDP2 over a node with
 replicas across nodes (HSDP), FSDP2 over the world), activation checkpointing (none, selective, full) and, where
-DDP's buckets exist, ``GradientCompression``'s bits (none, 8, 4); placement is the strategy's ``"auto"``; pipeline
-stages (``pp`` of 2, 4, 8, 16) with ``tp`` or ``ep`` inside them, unsharded, ZeRO-1 or FSDP2, their schedule and
+DDP's buckets or replicated pipeline stages exist, ``GradientCompression``'s bits (none, 8, 4); placement is the
+strategy's ``"auto"``; pipeline stages (``pp`` of 2, 4, 8, 16) with ``tp`` or ``ep`` inside them, unsharded, ZeRO-1
+or FSDP2, their schedule and
 micro-batches (:func:`pipelined_layouts`: the schedule's least, twice and four times as many,
 :data:`MICROBATCH_FACTORS`) and, with ``tp > 1`` on a model declaring its attention, sequence parallelism
 (:func:`sequence_parallel_sizes`). A
@@ -20,11 +21,12 @@ reason.
 Costs: one plan per candidate (see :mod:`.planner`), each of a few representative blocks (:mod:`.depth`). With
 ``cache=True`` (the default) the candidates share what does not change between them (:mod:`.cache`: block kinds,
 tensor-parallel plans, placements, ZeRO-1's whole-model optimizer step across checkpointing modes, a pipelined rank's
-stepped copies across micro-batch counts) and a candidate is not planned when the plans so far show that it cannot
-fit, or, with ``top``, cannot rank among the ``top`` fastest (:mod:`.bounds`): such layouts are listed in
-:attr:`SearchResult.pruned` with the bound. With ``workers > 1`` the layouts are planned side by side in that many
-processes (:mod:`.pool`): the same ``top`` fastest plans (every fitting one without ``top``); which layouts are pruned
-depends on the order the plans finish in (a layout may be planned before the plan that would have pruned it).
+stepped copies across micro-batch counts, ZeRO-1 and compression) and a candidate is not planned when the plans so
+far show that it cannot fit, or, with ``top``, cannot rank among the ``top`` fastest (:mod:`.bounds`): such layouts
+are listed in :attr:`SearchResult.pruned` with the bound. With ``workers > 1`` the layouts are planned side by side
+in that many processes (:mod:`.pool`): the same ``top`` fastest plans (every fitting one without ``top``); which
+layouts are pruned depends on the order the plans finish in (a layout may be planned before the plan that would have
+pruned it).
 The fitting plans are those of ``cache=False``, the ``top`` fastest where ``top`` is given
 (``tests/planning/test_cache.py``); the speed: benchmarks/planning/REPORT.md.
 """
@@ -129,7 +131,8 @@ def pipelined_layouts(world_size: int, tps: list[int], num_blocks: int, sequence
     stages ``tp`` or one of the expert-parallel sizes ``eps``, unsharded, ZeRO-1 or FSDP2 over each stage's ``dp``
     ranks, each checkpointing mode, and at the ``tp`` sizes in ``sequence_parallel`` also with sequence parallelism;
     the combinations the strategy refuses (its ``LayoutSettings``, e.g. ``tp`` with ``ep`` in a stage) are left out.
-    Compression is not (the planner does not model a pipeline's compressed exchange). With ``tp > 1`` dividing
+    Stages replicated over 2 or more ``dp`` ranks (no ``tp``, ``ep`` or FSDP2) are also planned with their exchange
+    compressed at 8 and 4 bits (``GradientCompression``). With ``tp > 1`` dividing
     ``vocab_size``, ``loss_parallel`` is on (torchtitan's default, not an axis: it shards the stages' largest tensors,
     the logits, divides the head's compute by ``tp``, and adds all-reduces of one number per token)."""
     layouts = []
@@ -141,14 +144,15 @@ def pipelined_layouts(world_size: int, tps: list[int], num_blocks: int, sequence
         sharding = [(False, 1), (True, 1)] + ([(False, dp)] if dp > 1 else [])  # unsharded, ZeRO-1, FSDP2
         for (zero, shard), sp, factor in product(sharding, (False, True) if tp in sequence_parallel else (False,),
                                                  MICROBATCH_FACTORS):
+            replicated = shard == 1 and tp == 1 and ep == 1 and dp > 1  # the stages GradientCompression composes with
             try:
                 ParallelDims(world_size, tp=tp, ep=ep, dp_shard=shard, pp=pp)
-                layouts.append(PlanLayout(tp, ep, zero, dp_shard=shard, activation_checkpointing=ac, pp=pp,
-                                          pp_schedule=schedule, reshard_after_forward=schedule not in V_SCHEDULES,
-                                          pp_microbatches=None if factor == 1 else factor * min_microbatches(schedule,
-                                                                                                             pp),
-                                          sequence_parallel=sp,
-                                          loss_parallel=tp > 1 and vocab_size > 0 and vocab_size % tp == 0))
+                layouts += [PlanLayout(tp, ep, zero, dp_shard=shard, activation_checkpointing=ac, pp=pp,
+                                       pp_schedule=schedule, reshard_after_forward=schedule not in V_SCHEDULES,
+                                       pp_microbatches=None if factor == 1 else factor * min_microbatches(schedule, pp),
+                                       sequence_parallel=sp,
+                                       loss_parallel=tp > 1 and vocab_size > 0 and vocab_size % tp == 0, bits=bits)
+                            for bits in ((None, 8, 4) if replicated else (None,))]
             except ValueError:
                 continue
     return layouts

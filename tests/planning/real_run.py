@@ -6,6 +6,7 @@ Each rank returns plain numbers for the parent to compare."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.utils._python_dispatch import _disable_current_modes
 
-from lightning_deepseek import HybridParallelStrategy
+from lightning_deepseek import GradientCompression, HybridParallelStrategy
 from lightning_deepseek.parallel import Cluster
 from lightning_deepseek.planning import ModelSpec, PlanLayout
 from lightning_deepseek.planning.counting import CollectiveCounter, LocalOpsOnly, MicroBatchMemTracker
@@ -87,7 +88,7 @@ class StepCounter(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if idx != self.counted:
             return
-        self.tracker.track_external(pl_module, *trainer.strategy.optimizers)
+        self.tracker.track_external(pl_module, *trainer.strategy.optimizers, *_compression_buffers(trainer.strategy))
         self.tracker.__enter__()
         self.counter.__enter__()
         self.local_ops.__enter__()
@@ -121,6 +122,17 @@ class StepCounter(pl.Callback):
                            traffic=traffic, peak=snapshot_bytes(peak, "Total"),
                            sharded=any(isinstance(p, DTensor) for p in pl_module.parameters()),
                            buffers=_receive_buffers(strategy))
+
+
+def _compression_buffers(strategy: HybridParallelStrategy) -> list[torch.Tensor]:
+    """What ``GradientCompression``'s exchange under a pipeline holds from its first step on (residuals, message
+    buffers): made before the counted step, so given to the tracker as a model's parameters are."""
+    pipeline = getattr(strategy, "_pipeline", None)
+    state = pipeline.compression if pipeline is not None else None
+    if state is None:
+        return []
+    return [t for plan in state.plans.values()
+            for t in (plan.residual, plan.send, plan.recv, plan.send2, plan.gathered) if t is not None]
 
 
 def _receive_buffers(strategy: HybridParallelStrategy) -> int:
@@ -160,9 +172,11 @@ def real_step(spec: ModelSpec, layout: PlanLayout, world_size: int, micro_batch_
     steps = 2 if layout.pp > 1 else 1  # a pipeline's first step also infers the stages' shapes: count the second
     counter = StepCounter(gpus_per_node, counted=steps - 1,
                           split_backward=layout.pp_schedule in ("ZBVZeroBubble", "DualPipeV"))
+    compression = [GradientCompression(config=dataclasses.replace(layout.compression(), warmup_steps=0))
+                   ] if layout.bits is not None else []  # a plan is of a step past the warm-up
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, callbacks=[counter])
+                         num_sanity_val_steps=0, callbacks=[*compression, counter])
     batch = micro_batch_size * layout.num_microbatches
     tokens = torch.randint(0, spec.vocab_size, (world_size * batch * steps, seq_len))
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=batch)

@@ -101,8 +101,6 @@ def test_buckets_the_hook_leaves_fp32() -> None:
 def test_compression_of_unmodelled_exchanges_is_refused() -> None:
     with pytest.raises(ValueError, match="data_parallel_shard_size=2 is not planned"):
         plan(DENSE, 4, PlanLayout(dp_shard=2, bits=8), CLUSTER)
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not planned"):
-        plan(DENSE, 4, PlanLayout(pp=2, bits=4), CLUSTER)
 
 
 def test_bits_axis_of_layout_auto() -> None:

@@ -57,7 +57,7 @@ LLAMA = ModelSpec("llama-tiny-16", "hf", dict(model_type="llama", vocab_size=128
 @pytest.mark.parametrize(("spec", "layout"), [
     (DEEP, PlanLayout(pp=2, dp_shard=2)),
     (LLAMA, PlanLayout(tp=2, pp=2, activation_checkpointing="full", sequence_parallel=True)),  # hooks on stage ends
-    (DEEP, PlanLayout(pp=2, shard_optimizer_states=True)),  # ZeRO-1: copies without it, its step on the whole rank
+    (DEEP, PlanLayout(pp=2, shard_optimizer_states=True, bits=8)),  # copies without ZeRO-1 and compression
 ])
 def test_representative_stages_equal_full(spec: ModelSpec, layout: PlanLayout) -> None:
     """Pipelined plans (:mod:`lightning_deepseek.planning.stage_depth`): every pipeline rank's states and every

@@ -116,7 +116,7 @@ def test_micro_batch_counts_are_an_axis_sharing_the_stepped_stages() -> None:
     """More micro-batches shrink the bubble's share and add torch's receive buffers; the stages are stepped once for
     every count (``PlanCache``: a count only composes the schedule anew)."""
     layouts = [layout for layout in pipelined_layouts(4, [1], 8) if layout.pp_schedule == "1F1B" and layout.pp == 2
-               and layout.dp_shard == 1 and not layout.shard_optimizer_states
+               and layout.dp_shard == 1 and not layout.shard_optimizer_states and layout.bits is None
                and layout.activation_checkpointing == "none"]
     assert [layout.num_microbatches for layout in layouts] == [2, 4, 8]
     cache, step = PlanCache(), StepShape(MICRO, SEQ, "bf16")
@@ -148,14 +148,17 @@ def test_stage_compute_per_token_depends_on_neither_pp_schedule_micro_batches_no
 
 def test_pipelined_candidates_hold_experts_and_zero1_and_their_bound_holds() -> None:
     """``layout=auto``'s pipelined axes: ``tp`` or ``ep`` inside the stages (not both: the strategy refuses it),
-    unsharded, ZeRO-1 or FSDP2, ``pp`` up to 16, no compression (not planned under a pipeline); the bound of model
-    states before planning stays below the planned ones of expert-parallel stages."""
+    unsharded, ZeRO-1 or FSDP2, ``pp`` up to 16, compression where the stages are replicated (no tp, ep or FSDP2,
+    ``dp > 1``: what the strategy composes it with); the bound of model states before planning stays below the
+    planned ones of expert-parallel stages."""
     layouts = pipelined_layouts(32, [1, 2], 32, eps=(1, 2))
     assert {layout.pp for layout in layouts} == {2, 4, 8, 16}
     assert {(layout.tp, layout.ep) for layout in layouts} == {(1, 1), (2, 1), (1, 2)}
     assert {(layout.shard_optimizer_states, layout.dp_shard > 1) for layout in layouts} == {
         (False, False), (True, False), (False, True)}
-    assert all(layout.bits is None for layout in layouts)
+    replicated = [lay for lay in layouts if (lay.tp, lay.ep, lay.dp_shard) == (1, 1, 1) and lay.pp < 32]
+    assert sorted(lay.bits or 0 for lay in replicated) == sorted([0, 4, 8] * (len(replicated) // 3))
+    assert all(lay.bits is None for lay in layouts if lay not in replicated)
     step = StepShape(MICRO, SEQ, "bf16")
     shards = ParameterShards.of(MOE, 4, step, (1,))
     for layout in (PlanLayout(pp=2, ep=2), PlanLayout(pp=2, ep=2, shard_optimizer_states=True),
