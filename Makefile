@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # One stamp per torch version: `make test TORCH=2.11.0` on an existing .venv reinstalls torch.
 STAMP := $(VENV)/.installed-torch-$(TORCH)
 OLDEST := .venv-oldest
-# uv installs into each venv: pip's resolving and unpacking took 98 s of CI's 15 minutes, uv 46 s from a cold cache.
+# uv installs the test venv: pip's resolving and unpacking took 98 s of CI's 15 minutes, uv 46 s from a cold cache.
 # Bytecode is compiled at install, as pip does (the test processes start with -B: without .pyc files every one of
 # them compiled torch's sources). uv reads pip's find-links from the environment only (this machine's CPU torch).
 UV = $(1)/bin/uv pip install --quiet --compile-bytecode --python $(1)/bin/python $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
@@ -45,10 +45,12 @@ $(STAMP): pyproject.toml
 	$(call UV,$(VENV)) --no-deps $(TORCHTITAN) && $(call UV,$(VENV)) tyro
 	touch $(STAMP)
 
+# pip, not uv: in CI this job's 2.6 GB download runs while `make test` starts its longest files; installed by uv, its
+# tests started at once beside them and the whole CI run was slower (README.md, the support matrix).
 $(OLDEST)/.installed: pyproject.toml .ci/oldest.txt
 	test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
-	$(OLDEST)/bin/pip install --quiet uv
-	$(call UV,$(OLDEST)) -c .ci/oldest.txt -e ".[dev]" torch lightning optuna hydra-core transformers torchao
+	$(OLDEST)/bin/pip install --quiet -c .ci/oldest.txt torch
+	$(OLDEST)/bin/pip install --quiet -c .ci/oldest.txt -e ".[dev]" lightning optuna hydra-core transformers torchao
 	touch $@
 
 demo: $(STAMP)
