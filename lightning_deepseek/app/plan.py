@@ -4,9 +4,9 @@ Resolves ``model=`` (a preset of ``conf/plan/presets/model``, ``lds-<preset>`` f
 a local transformers ``config.json``) and ``cluster=`` (a preset of ``conf/plan/presets/cluster`` or a user's YAML
 file), plans the layout the ``strategy.*`` settings give (``layout=manual``) or searches every supported one
 (``layout=auto``), with ``compression=`` (``none``, ``int8``, ``int4``: ``GradientCompression`` as lds-train's
-presets set it) on DDP's buckets, and prints a table or JSON (``output=json``). An unknown preset, a cluster file
-lacking a field, a layout the world size cannot hold, or a model that fits no layout end in one paragraph on stderr
-and exit code 2.
+presets set it) on DDP's buckets or a pipeline's replicated stages, and prints a table or JSON (``output=json``). An
+unknown preset, a cluster file lacking a field, a layout the world size cannot hold, or a model that fits no layout
+end in one paragraph on stderr and exit code 2.
 """
 
 from __future__ import annotations

@@ -185,6 +185,17 @@ class MicroBatchMemTracker(MemTracker):
             super()._pre_fw_hook(module, inputs)
 
 
+class RunningPeakTracker(MicroBatchMemTracker):
+    """``MicroBatchMemTracker`` keeping only the running peak of the whole (what the pipeline planner reads of a
+    stepped rank): torch's tracker also updates the peak of every module seen so far after each op (ops x modules:
+    most of a deep stage's planning time)."""
+
+    def _update_peak_stats(self, peak_state: _State) -> None:  # torch's hook per op; no public way to skip modules
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+
+
 class RootPeakTracker(MemTracker):
     """torch's ``MemTracker`` keeping the per-module peaks of one module only, ``root`` (and the running peak of the
     whole): torch's updates the peak of every module seen so far after each op, ops x modules, half a plan's time on

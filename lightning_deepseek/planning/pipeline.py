@@ -70,16 +70,21 @@ from lightning_deepseek.planning.counting import (
     CollectiveCounter,
     FlopCounter,
     LocalOpsOnly,
-    MicroBatchMemTracker,
+    RunningPeakTracker,
 )
-from lightning_deepseek.planning.ddp_exchange import stage_exchange
 from lightning_deepseek.planning.depth import check_depth, layer_kinds
 from lightning_deepseek.planning.fake_world import fake_world
 from lightning_deepseek.planning.float8 import convert_float8
 from lightning_deepseek.planning.fsdp_chunks import one_chunk_per_rank
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
-from lightning_deepseek.planning.pipeline_estimate import RankStep, StageStep, pipeline_report
+from lightning_deepseek.planning.pipeline_estimate import (
+    RankStep,
+    StageStep,
+    pipeline_report,
+    with_compressed_exchange,
+    with_optimizer_of,
+)
 from lightning_deepseek.planning.planner import (
     CPU,
     CPU_SDPA,
@@ -154,17 +159,6 @@ class _Peaks:
 
     def peak(self) -> int:
         return max(self.tracker._peak_mem.get(CPU, 0), self.current())
-
-
-class _StageTracker(MicroBatchMemTracker):
-    """``MicroBatchMemTracker`` keeping only the running peak of the rank, which is all ``_Peaks`` reads: torch's
-    tracker also updates the peak of every module seen so far after each op (ops x modules: most of a deep stage's
-    planning time)."""
-
-    def _update_peak_stats(self, peak_state: Any) -> None:  # torch's hook per op; no public way to skip modules
-        for device, snapshot in self._curr_mem_snap.items():
-            if self._peak_mem.get(device, 0) < snapshot["Total"]:
-                self._peak_mem[device] = snapshot["Total"]
 
 
 def _no_sync(stage: nn.Module) -> None:
@@ -251,7 +245,7 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     params = [p for p in holder.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     setup_optimizer_states([optimizer], pp_rank * dims.dp * dims.tp, world_size, mesh, layout.shard_optimizer_states)
-    tracker, counter, flops = _StageTracker(), CollectiveCounter(), FlopCounter(CPU_SDPA)
+    tracker, counter, flops = RunningPeakTracker(), CollectiveCounter(), FlopCounter(CPU_SDPA)
     tracker.track_external(holder.model, optimizer)
     autocast = torch.autocast("cpu", torch.bfloat16) if step.dtype != "fp32" else contextlib.nullcontext()
     indices = loop.split.stage_indices(pp_rank)
@@ -357,9 +351,9 @@ def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster
             rank = extrapolate_rank(base, blocks, {kind: deltas[kind] for kind in blocks.extended})
             if layout.shard_optimizer_states or layout.bits is not None:  # over the whole rank's parameters
                 whole = measure(blocks.names, uncompressed, optimizer_only=True)
-                rank = _with_optimizer_of(rank, whole)
+                rank = with_optimizer_of(rank, whole)
         if layout.bits is not None:
-            rank = _compressed(rank, whole.param_sizes, layout)
+            rank = with_compressed_exchange(rank, whole.param_sizes, layout.compression())
         ranks[pp_rank] = dataclasses.replace(rank, pp_rank=pp_rank)
     return pipeline_report(model, world_size, layout, cluster, step, topology, ranks, split, *table,
                            time.perf_counter() - started)
@@ -378,31 +372,6 @@ def optimizer_settings(layout: PlanLayout) -> tuple:
     """What ZeRO-1's optimizer step alone depends on: :func:`step_settings` but the activation checkpointing (it
     runs no forward)."""
     return tuple(item for item in step_settings(layout) if item[0] != "activation_checkpointing")
-
-
-def _with_optimizer_of(rank: RankStep, whole: RankStep) -> RankStep:
-    """``rank`` with the optimizer states, the owned elements, the optimizer step's collectives and the peak after the
-    schedule of ``whole`` (the whole rank's ZeRO-1 step on the gradients a backward leaves)."""
-    calls = [c for c in rank.exchange_calls if c.phase != "optimizer"] + [
-        c for c in whole.exchange_calls if c.phase == "optimizer"]
-    return dataclasses.replace(rank, states=whole.states, owned_state_elements=whole.owned_state_elements,
-                               exchange_calls=tuple(calls), exchange_peak=whole.exchange_peak)
-
-
-def _compressed(rank: RankStep, sizes: tuple[tuple[int, int], ...], layout: PlanLayout) -> RankStep:
-    """``rank`` with ``GradientCompression``'s exchange of the parameters of ``sizes`` (the whole rank's) over the
-    stage's ``dp`` group in place of the strategy's fp32 all-reduce there (:func:`.ddp_exchange.stage_exchange`;
-    compression composes with replicated stages only, whose exchange is that one all-reduce; none with one ``dp``
-    rank, where the callback compresses nothing)."""
-    reduce = next((c for c in rank.exchange_calls if c.phase == "gradients" and c.op == "all_reduce"), None)
-    config = layout.compression()
-    if reduce is None or config is None:
-        return rank
-    exchange = stage_exchange([size for size, _ in sizes], [ndim for _, ndim in sizes],
-                              rank.groups[reduce.group].size, reduce.group, config)
-    calls = tuple(c for c in rank.exchange_calls if c is not reduce) + exchange.calls
-    return dataclasses.replace(rank, exchange_calls=calls, compression_bytes=exchange.compression_bytes,
-                               codec_bytes=exchange.codec_bytes)
 
 
 def _stepped(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,

@@ -9,10 +9,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_deepseek.compression.config import CompressionConfig
 from lightning_deepseek.parallel.placement import LinkCost
 from lightning_deepseek.parallel.topology import Topology
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.counting import CollectiveCall
+from lightning_deepseek.planning.ddp_exchange import stage_exchange
 from lightning_deepseek.planning.estimate import (
     ADAMW_BYTES_PER_ELEMENT,
     ASSUMPTIONS,
@@ -92,6 +94,31 @@ class RankStep:
     param_sizes: tuple[tuple[int, int], ...] = ()
     compression_bytes: int = 0
     codec_bytes: int = 0
+
+
+def with_optimizer_of(rank: RankStep, whole: RankStep) -> RankStep:
+    """``rank`` with the optimizer states, the owned elements, the optimizer step's collectives and the peak after the
+    schedule of ``whole`` (the whole rank's ZeRO-1 step on the gradients a backward leaves)."""
+    calls = [c for c in rank.exchange_calls if c.phase != "optimizer"] + [
+        c for c in whole.exchange_calls if c.phase == "optimizer"]
+    return dataclasses.replace(rank, states=whole.states, owned_state_elements=whole.owned_state_elements,
+                               exchange_calls=tuple(calls), exchange_peak=whole.exchange_peak)
+
+
+def with_compressed_exchange(rank: RankStep, sizes: tuple[tuple[int, int], ...],
+                             config: CompressionConfig | None) -> RankStep:
+    """``rank`` with ``GradientCompression``'s exchange (``config``; None: ``rank`` as it is) of the parameters of
+    ``sizes`` (the whole rank's) over the stage's ``dp`` group in place of the strategy's fp32 all-reduce there
+    (:func:`.ddp_exchange.stage_exchange`; compression composes with replicated stages only, whose exchange is that
+    one all-reduce; none with one ``dp`` rank, where the callback compresses nothing)."""
+    reduce = next((c for c in rank.exchange_calls if c.phase == "gradients" and c.op == "all_reduce"), None)
+    if reduce is None or config is None:
+        return rank
+    exchange = stage_exchange([size for size, _ in sizes], [ndim for _, ndim in sizes],
+                              rank.groups[reduce.group].size, reduce.group, config)
+    calls = tuple(c for c in rank.exchange_calls if c is not reduce) + exchange.calls
+    return dataclasses.replace(rank, exchange_calls=calls, compression_bytes=exchange.compression_bytes,
+                               codec_bytes=exchange.codec_bytes)
 
 
 @dataclass(frozen=True)
