@@ -11,12 +11,10 @@ that divide every MoE layer's expert count; 1 for dense models), the sharding (n
 replicas across nodes (HSDP), FSDP2 over the world), activation checkpointing (none, selective, full) and, where
 DDP's buckets or replicated pipeline stages exist, ``GradientCompression``'s bits (none, 8, 4); placement is the
 strategy's ``"auto"``; pipeline stages (``pp`` of 2, 4, 8, 16) with ``tp`` or ``ep`` inside them, unsharded, ZeRO-1
-or FSDP2, their schedule and
-micro-batches (:func:`pipelined_layouts`: the schedule's least, twice and four times as many,
-:data:`MICROBATCH_FACTORS`) and, with ``tp > 1`` on a model declaring its attention, sequence parallelism
-(:func:`sequence_parallel_sizes`). A
-layout the strategy refuses (a ``tp`` dividing no feed-forward width) is listed as rejected with the strategy's
-reason.
+or FSDP2, their schedule and micro-batches (:func:`pipelined_layouts`: the schedule's least, twice and four times as
+many, :data:`MICROBATCH_FACTORS`) and, with ``tp > 1`` on a model declaring its attention, sequence parallelism
+(:func:`sequence_parallel_sizes`). A layout the strategy refuses (a ``tp`` dividing no feed-forward width) is listed
+as rejected with the strategy's reason.
 
 Costs: one plan per candidate (see :mod:`.planner`), each of a few representative blocks (:mod:`.depth`). With
 ``cache=True`` (the default) the candidates share what does not change between them (:mod:`.cache`: block kinds,
