@@ -28,9 +28,10 @@ whose stages hold other blocks; V schedules hold two stages per rank), the plann
 Reported per plan: the most loaded rank's memory (and every pipeline rank's and stage's rows), the bytes of that
 rank by mesh dimension. Costs: two micro-batches of each distinct rank's stages; with ``depth="representative"``
 of a base copy holding three blocks of each kind per stage, and one copy per kind and layout with one block more
-(:mod:`.stage_depth`; a rank whose stages hold no more is stepped whole). ZeRO-1 changes only the optimizer step,
-whose owners are dealt over the whole rank's parameters: its copies are the layout's without ZeRO-1, and the whole
-rank is set up once more for the optimizer step alone (zero gradients, no forward), whatever its checkpointing. With
+(:mod:`.stage_depth`; a rank whose stages hold no more is stepped whole). ZeRO-1 and ``GradientCompression`` change
+only the step after the schedule (ZeRO-1's owners are dealt over the whole rank's parameters; compression's bucket
+holds all its matrices): their copies are the layout's without them, and the whole rank is set up once more for the
+exchange and optimizer step alone (zero gradients, no forward), whatever its checkpointing. With
 a :class:`.cache.PlanCache` the block kinds, the split, the action table and each copy's measurement are shared by
 the plans of a search (a copy's key: the layout but its micro-batches and which V schedule, and its stages' kept
 block kinds). Not modelled: FSDP2's collectives under a pipeline are
@@ -369,8 +370,8 @@ def step_settings(layout: PlanLayout) -> tuple:
 
 
 def optimizer_settings(layout: PlanLayout) -> tuple:
-    """What ZeRO-1's optimizer step alone depends on: :func:`step_settings` but the activation checkpointing (it
-    runs no forward)."""
+    """What the whole rank's exchange and optimizer step alone (ZeRO-1's owners, compression's parameter sizes)
+    depend on: :func:`step_settings` but the activation checkpointing (it runs no forward)."""
     return tuple(item for item in step_settings(layout) if item[0] != "activation_checkpointing")
 
 
