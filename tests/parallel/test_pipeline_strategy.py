@@ -1,5 +1,5 @@
 """``HybridParallelStrategy(pipeline_parallel_size=2)`` in Lightning's loop, on real gloo processes, against one
-process on the same global batch (``reference_run``: FP32, SGD with momentum, 20 optimizer steps, 1e-5).
+process on the same global batch (``reference_run``: FP32, SGD with momentum, 8 optimizer steps, 1e-5).
 
 One spawn per world size runs every scenario: on 2 ranks (``pp=2``) the schedules 1F1B and ZBVZeroBubble (with
 gradient accumulation over two batches, clipping at 0.5 and full activation checkpointing), the MoE preset (its
@@ -43,10 +43,10 @@ from tests.parallel.common import (
 )
 from tests.parallel.test_pipeline import make_model as make_hf_model
 
-STEPS, MICRO, LAYERS, TOL = 20, 4, 4, 1e-5
+STEPS, MICRO, LAYERS, TOL = 8, 4, 4, 1e-5
 MOE = dict(bias=False, n_routed_experts=4, moe_top_k=2, n_shared_experts=1, moe_hidden=16, n_dense_layers=1,
            moe_aux_loss_coef=1e-2)
-# One spawn per world size fits several pipelines of 20 steps: minutes on a loaded 2-core machine.
+# One spawn per world size fits several pipelines of 8 steps: a minute on a loaded 2-core machine.
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -237,7 +237,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
 
 
 # HF Llama at pp=4 (8 stages of its 8 layers on the two-stage schedules), one sample a micro-batch: each schedule's
-# (steps, batch). 1F1B for 20 steps (the pp=2 run's reference), the others for 4; DualPipeV needs 8 micro-batches.
+# (steps, batch). 1F1B for 8 steps (the pp=2 run's reference), the others for 4; DualPipeV needs 8 micro-batches.
 LLAMA_PP4 = {"1F1B": (STEPS, MICRO), "Interleaved1F1B": (4, MICRO), "ZBVZeroBubble": (4, MICRO), "DualPipeV": (4, 8)}
 
 
