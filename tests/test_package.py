@@ -19,6 +19,18 @@ def test_every_public_name_resolves() -> None:
         assert getattr(lightning_deepseek, name) is not None, name
 
 
+def test_importing_the_strategy_registers_hybrid_with_lightning() -> None:
+    """What the README's snippets rely on: ``Trainer(strategy="hybrid")`` after the strategy's import."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_deepseek import HybridParallelStrategy
+
+    assert StrategyRegistry["hybrid"]["strategy"] is HybridParallelStrategy
+    trainer = pl.Trainer(strategy="hybrid", accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    assert isinstance(trainer.strategy, HybridParallelStrategy)
+
+
 def test_training_components_import_without_optuna_or_hydra() -> None:
     # The GPU machines have torch and Lightning but not the search stack: benchmarks there import these names.
     code = ("import sys\nfor m in ('optuna', 'hydra', 'omegaconf'): sys.modules[m] = None\n"
