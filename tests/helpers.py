@@ -1,7 +1,8 @@
 """Run a function on N real gloo processes and collect what each rank returns.
 
 Used by every multi-process test: real ``torch.distributed`` collectives, no mocks. A hung collective
-cannot stall the suite: all children are killed after ``timeout`` seconds and the test fails.
+cannot stall the suite: all children are killed after ``timeout`` seconds and the test fails. A rank that dies
+without reporting (a signal, a crash in native code) fails the run within a second or two, with every rank's output.
 
 Ranks are forked from one forkserver per test session that has already imported torch, Lightning and this
 package: with the "spawn" start method every rank paid ~10 s of imports (on 2 cores) before its first collective.
@@ -19,14 +20,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing import forkserver
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 import torch
@@ -38,6 +42,9 @@ import torch.multiprocessing as mp
 COMPONENTS = ("compression", "data", "elastic", "hpo", "models", "parallel", "precision")
 PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "tests.helpers",
            *(f"lightning_deepseek.{name}" for name in COMPONENTS)]
+
+
+POLL_S = 1.0  # how often a run checks for ranks that died without reporting
 
 
 def context() -> Any:
@@ -103,6 +110,18 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
+def _dead_ranks(procs: list[Any], results: dict[int, Any]) -> list[str]:
+    """Ranks that exited without reporting (killed, or crashed in native code: a segfault, glibc's abort on a
+    corrupted heap): named at once, instead of after the run's whole timeout."""
+    dead = []
+    for rank, proc in enumerate(procs):
+        code = proc.exitcode
+        if code is not None and code != 0 and rank not in results:
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            dead.append(f"rank {rank} ended by {how} without reporting (its output is below)")
+    return dead
+
+
 def _late_errors(queue: Any, expected: int, wait: float = 3.0) -> list[str]:
     late = []
     for _ in range(max(expected, 0)):
@@ -133,19 +152,25 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         proc.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
+        while len(results) < world_size and not errors:
+            try:
+                rank, status, payload = queue.get(timeout=POLL_S)
+            except Empty:
+                if time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout}s waiting for ranks (got {sorted(results)})")
+                else:
+                    errors += _dead_ranks(procs, results)
+                continue
             if status == "ok":
                 results[rank] = payload
             else:
                 errors.append(f"rank {rank}:\n{payload}")
-                break
-    except Exception as exc:  # queue.Empty: something hung
-        errors.append(f"timed out after {timeout}s waiting for ranks (got {sorted(results)}): {exc!r}")
     finally:
         if errors:  # the first failure often only echoes another rank's: give the others a moment to report theirs
             errors += _late_errors(queue, world_size - len(results) - 1)
+            errors += [dead for dead in _dead_ranks(procs, results) if dead not in errors]
         for proc in procs:
             proc.join(timeout=5 if not errors else 0.5)
             if proc.is_alive():

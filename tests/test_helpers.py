@@ -1,9 +1,11 @@
-"""``run_distributed`` itself: ranks forked from the preloaded forkserver start as clean as spawned ones."""
+"""``run_distributed`` itself: ranks forked from the preloaded forkserver start as clean as spawned ones; a failing
+rank fails the run with its traceback and output, and one that dies without a word fails it at once."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -50,6 +52,21 @@ def test_a_failing_rank_fails_the_test_with_its_traceback_and_output() -> None:
     with pytest.raises(AssertionError, match="rank 1:(.|\n)*ValueError: rank one fails") as failure:
         run_distributed(_fail_on_rank_one, 2, timeout=60)
     assert "--- rank 1 output" in str(failure.value) and "rank 1 was here" in str(failure.value)
+
+
+def _abort_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        print("rank 1 aborts", flush=True)
+        os.abort()  # as glibc does on a corrupted heap: no traceback, no report
+    return rank  # rank 0 reports: the run waits on rank 1 alone
+
+
+def test_a_rank_that_dies_without_reporting_fails_the_run_at_once() -> None:
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 1 ended by signal SIGABRT without reporting") as failure:
+        run_distributed(_abort_on_rank_one, 2, timeout=120)
+    assert time.monotonic() - started < 60  # not the run's whole timeout
+    assert "rank 1 aborts" in str(failure.value)
 
 
 def _talk(rank: int, world_size: int) -> int:
