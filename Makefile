@@ -63,8 +63,10 @@ test: $(STAMP)
 	# each other, so one worker keeps the 2 cores about half busy. The slowest listed: under 15 minutes in CI.
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
+# Two workers as `make test`: in CI this job ends after `make test`, and one worker alone would leave a core idle.
 test-oldest: $(OLDEST)/.installed
-	$(OLDEST)/bin/python -m pytest -q $(OLDEST_TESTS) $(addprefix --deselect ,$(OLDEST_SKIP))
+	$(OLDEST)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(OLDEST_TESTS) \
+		$(addprefix --deselect ,$(OLDEST_SKIP))
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
