@@ -18,6 +18,7 @@ the failure message.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import signal
@@ -76,7 +77,7 @@ def _redirect_output(path: str) -> None:
     os.close(fd)
 
 
-def _output_tails(log_dir: str, world_size: int, chars: int = 3000) -> str:
+def _output_tails(log_dir: str, world_size: int, chars: int = 6000) -> str:
     tails = []
     for rank in range(world_size):
         try:
@@ -91,6 +92,7 @@ def _output_tails(log_dir: str, world_size: int, chars: int = 3000) -> str:
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any,
             environ: dict[str, str], log_dir: str) -> None:
     _redirect_output(os.path.join(log_dir, f"rank{rank}.log"))
+    faulthandler.enable()  # a native crash (a segfault, glibc's abort) prints every thread's Python stack to that file
     os.environ.clear()  # the caller's environment now, not the one the forkserver started with
     os.environ.update(environ)
     os.environ.update(

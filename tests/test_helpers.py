@@ -66,7 +66,8 @@ def test_a_rank_that_dies_without_reporting_fails_the_run_at_once() -> None:
     with pytest.raises(AssertionError, match="rank 1 ended by signal SIGABRT without reporting") as failure:
         run_distributed(_abort_on_rank_one, 2, timeout=120)
     assert time.monotonic() - started < 60  # not the run's whole timeout
-    assert "rank 1 aborts" in str(failure.value)
+    assert "rank 1 aborts" in str(failure.value) and "Fatal Python error: Aborted" in str(failure.value)
+    assert "_abort_on_rank_one" in str(failure.value)  # faulthandler: where the rank was when it died
 
 
 def _talk(rank: int, world_size: int) -> int:
