@@ -49,8 +49,8 @@ def test_representative_equals_full(spec: ModelSpec, layout: PlanLayout) -> None
 
 
 DEEP = ModelSpec("lds-tiny-16", "lds", {**PRESETS["tiny"], "n_layer": 16})  # 8 blocks a stage at pp=2: 3 + 4 stepped
-LLAMA = ModelSpec("llama-tiny-16", "hf", dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
-                                              num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2,
+LLAMA = ModelSpec("llama-tiny-10", "hf", dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                              num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=2,
                                               tie_word_embeddings=False))
 
 
