@@ -65,7 +65,7 @@ test: $(STAMP)
 	# each other, so one worker keeps the 2 cores about half busy. The slowest listed: under 15 minutes in CI.
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
-# Two workers as `make test`: in CI this job ends after `make test`, and one worker alone would leave a core idle.
+# Two workers as `make test`: a job on one worker that outlasts `make test` in CI would leave a core idle.
 test-oldest: $(OLDEST)/.installed
 	$(OLDEST)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(OLDEST_TESTS) \
 		$(addprefix --deselect ,$(OLDEST_SKIP))
