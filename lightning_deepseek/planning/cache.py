@@ -15,8 +15,9 @@ What is kept, by key:
   the whole model (the most costly step of a representative plan) per layout *without* its activation
   checkpointing, which that step does not run (no forward);
 - pipelined plans (:mod:`.pipeline`): the block kinds by name, the split per (``pp``, schedule), the action table
-  per (``pp``, schedule, micro-batches), and each stepped copy of a pipeline rank per (layout but its micro-batches
-  and which V schedule, the kinds its stages keep).
+  per (``pp``, schedule, micro-batches), each stepped copy of a pipeline rank per (layout but its micro-batches
+  and which V schedule, the kinds its stages keep; without FSDP2 and ZeRO-1 not its ``pp`` either), and each pipeline
+  rank's groups.
 
 Costs: the values above (small: names, sizes, counted bytes), no tensors; hits and misses are counted
 (:attr:`PlanCache.hits`, :attr:`PlanCache.misses`) for the benchmark. Not shared across models, world sizes or

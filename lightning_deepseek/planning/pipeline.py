@@ -34,10 +34,11 @@ holds all its matrices): their copies are the layout's without them, and the who
 exchange and optimizer step alone (zero gradients, no forward), whatever its checkpointing. With
 a :class:`.cache.PlanCache` the block kinds, the split, the action table and each copy's measurement are shared by
 the plans of a search (a copy's key: the layout but its micro-batches and which V schedule, and its stages' kept
-block kinds). Not modelled: FSDP2's collectives under a pipeline are
-counted per action from
-the two stepped micro-batches (the first forward's gathers repeat wherever a forward follows a forward); the point
-to point transfers are not overlapped with compute (torch waits for them before the action that needs them).
+block kinds and ends; without FSDP2 and ZeRO-1 not its ``pp`` either, :func:`across_pp`: a copy of pp=2's first rank
+serves pp=4's, 8's and 16's, its calls moved onto their groups). Not modelled: FSDP2's collectives under a pipeline
+are counted per action from the two stepped micro-batches (the first forward's gathers repeat wherever a forward
+follows a forward); the point to point transfers are not overlapped with compute (torch waits for them before the
+action that needs them).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ from lightning_deepseek.planning.counting import (
     RunningPeakTracker,
 )
 from lightning_deepseek.planning.depth import check_depth, layer_kinds
+from lightning_deepseek.planning.estimate import GroupInfo
 from lightning_deepseek.planning.fake_world import fake_world
 from lightning_deepseek.planning.float8 import convert_float8
 from lightning_deepseek.planning.fsdp_chunks import one_chunk_per_rank
@@ -107,6 +109,7 @@ from lightning_deepseek.planning.stage_depth import (
     block_delta,
     extrapolate_rank,
     rank_blocks,
+    renamed_groups,
 )
 from lightning_deepseek.precision.fsdp_policy import fsdp_units, set_mixed_precision, stage_policy
 
@@ -333,12 +336,19 @@ def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster
 
         def measure(keep: tuple[str, ...], of: PlanLayout = layout, optimizer_only: bool = False,
                     pp_rank: int = pp_rank, blocks: RankBlocks = blocks) -> RankStep:
-            """The copy keeping the blocks ``keep``, stepped once per shape (plan and search)."""
+            """The copy keeping the blocks ``keep``, stepped once per shape (plan and search); one whose numbers
+            do not depend on ``pp`` (:func:`across_pp`) is shared with the other ``pp`` sizes, on this rank's groups."""
             drop = tuple(name for name in blocks.names if name not in keep)
             settings = optimizer_settings(of) if optimizer_only else step_settings(of)
-            return cache.get(("pipeline_rank", key, settings, optimizer_only, blocks.copy_shape(keep)),
-                             lambda: _stepped(model, world_size, of, step, topology, pp_rank, split, drop,
-                                              optimizer_only))
+            shared = not optimizer_only and across_pp(of)
+            if shared:
+                groups, pp_group = cache.get(("pipeline_groups", key, of.tp, of.ep, of.pp, pp_rank),
+                                             lambda: _groups_of(world_size, of, topology, pp_rank))
+                settings = (*(item for item in settings if item[0] != "pp"), ("groups", group_structure(groups)))
+            stepped = cache.get(("pipeline_rank", key, settings, optimizer_only, blocks.copy_shape(keep)),
+                                lambda: _stepped(model, world_size, of, step, topology, pp_rank, split, drop,
+                                                 optimizer_only))
+            return _on_groups(stepped, groups, pp_group) if shared else stepped
 
         uncompressed = dataclasses.replace(layout, bits=None)  # compression: applied to the exchange below
         if depth == "full" or not blocks.worth_it:
@@ -358,6 +368,39 @@ def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster
         ranks[pp_rank] = dataclasses.replace(rank, pp_rank=pp_rank)
     return pipeline_report(model, world_size, layout, cluster, step, topology, ranks, split, *table,
                            time.perf_counter() - started)
+
+
+def across_pp(layout: PlanLayout) -> bool:
+    """Whether a stepped copy of ``layout`` measures what a copy of the same stages (their blocks' kinds, whether
+    they hold the embedding or the head) measures at another ``pp``: without FSDP2 (whose shards divide by the
+    stage's ``dp``, ``world / (pp x tp)``) and ZeRO-1 (its owners too), a stage's forward and backward, its
+    ``tp`` and ``ep`` collectives, its gradients' exchange over ``dp`` (the same bytes, another group) and AdamW's
+    step do not depend on ``pp``; the groups must have the same structure (:func:`group_structure`: a dimension of
+    one rank runs no collective). ``tests/planning/test_cache.py`` checks such plans equal fresh ones."""
+    return layout.dp_shard == 1 and not layout.shard_optimizer_states
+
+
+def group_structure(groups: dict[str, GroupInfo]) -> tuple[tuple[str, bool], ...]:
+    """The mesh dimensions of a rank's groups and which of them hold more than one rank."""
+    return tuple(sorted((info.dim, info.size > 1) for info in groups.values()))
+
+
+def _groups_of(world_size: int, layout: PlanLayout, topology: Topology, pp_rank: int) -> tuple[dict[str, GroupInfo],
+                                                                                               str]:
+    """The groups of pipeline rank ``pp_rank``'s first global rank under ``layout`` and its ``pp`` group's name:
+    the strategy's mesh on the fake world, no model."""
+    dims = ParallelDims(world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard, pp=layout.pp)
+    with fake_world(world_size, rank=pp_rank * (world_size // layout.pp)):
+        mesh = dims.build_mesh("cpu")
+        return mesh_groups(mesh, dims, topology), mesh["pp"].get_group().group_name
+
+
+def _on_groups(rank: RankStep, groups: dict[str, GroupInfo], pp_group: str) -> RankStep:
+    """``rank`` (stepped at another ``pp``, or at another pipeline rank) on ``groups``: its calls on the groups of
+    the same dimensions (its stages' indices are set by :func:`.pipeline_estimate.pipeline_report`)."""
+    by_dim = {info.dim: name for name, info in groups.items()}
+    moved = renamed_groups(rank, {name: by_dim[info.dim] for name, info in rank.groups.items()})
+    return dataclasses.replace(moved, groups=groups, pp_group=pp_group)
 
 
 def step_settings(layout: PlanLayout) -> tuple:

@@ -44,8 +44,10 @@ Outcome = PlanReport | ValueError  # a plan, or the strategy's reason for refusi
 def affinity(layout: PlanLayout) -> Hashable:
     """What a plan shares with other layouts' plans through the cache: the layout but its activation checkpointing
     (ZeRO-1's optimizer step is cached across modes), ZeRO-1 and compression (a pipelined rank's stepped copies are
-    shared with and without them), its micro-batches and which V schedule (the copies are shared across them too)."""
-    return tuple(item for item in optimizer_settings(layout) if item[0] not in ("shard_optimizer_states", "bits"))
+    shared with and without them), its micro-batches and which V schedule (the copies are shared across them too)
+    and, without FSDP2, its ``pp`` (:func:`.pipeline.across_pp`)."""
+    left_out = ("shard_optimizer_states", "bits") + (("pp",) if layout.pp > 1 and layout.dp_shard == 1 else ())
+    return tuple(item for item in optimizer_settings(layout) if item[0] not in left_out)
 
 
 class PlanPool:

@@ -132,16 +132,19 @@ def _on_groups_of(rank: Any, delta: BlockDelta) -> BlockDelta:
     names = {name: by_dim.get(info.dim, name) for name, info in delta.base.groups.items()}
     if all(old == new for old, new in names.items()):
         return delta
+    return dataclasses.replace(delta, base=renamed_groups(delta.base, names),
+                               extra=renamed_groups(delta.extra, names))
 
-    def renamed(step: Any) -> Any:
-        changes = {f.name: tuple(dataclasses.replace(c, group=names.get(c.group, c.group))
-                                 for c in getattr(step, f.name))
-                   for f in dataclasses.fields(step) if f.name.endswith("calls")}
-        if hasattr(step, "stages"):
-            changes["stages"] = tuple(renamed(stage) for stage in step.stages)
-        return dataclasses.replace(step, **changes)
 
-    return dataclasses.replace(delta, base=renamed(delta.base), extra=renamed(delta.extra))
+def renamed_groups(step: T, names: dict[str, str]) -> T:
+    """``step`` (a ``RankStep`` or ``StageStep``) with the group of every collective call renamed by ``names``
+    (old name to new; a name not in it is kept), its stages' calls too."""
+    changes: dict[str, Any] = {
+        f.name: tuple(dataclasses.replace(c, group=names.get(c.group, c.group)) for c in getattr(step, f.name))
+        for f in dataclasses.fields(step) if f.name.endswith("calls")}  # type: ignore[arg-type]
+    if hasattr(step, "stages"):
+        changes["stages"] = tuple(renamed_groups(stage, names) for stage in step.stages)
+    return dataclasses.replace(step, **changes)  # type: ignore[type-var]
 
 
 def _scaled(base: T, terms: list[tuple[float, Any, Any]]) -> T:

@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_deepseek.parallel.detection import cached_probes
 from lightning_deepseek.parallel.plan import plan_blocks
-from lightning_deepseek.planning import PlanLayout, plan
+from lightning_deepseek.planning import PlanLayout, pipeline, plan
 from lightning_deepseek.planning.bounds import ParameterShards, _compute_key, _least_seconds
 from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
@@ -182,3 +182,26 @@ def test_pipelined_plans_share_copies_and_equal_fresh_plans() -> None:
     dual = plan(DEEP, 4, layouts[1], FAST, STEP, cache=shared)
     assert shared.misses - before == 2  # DualPipeV's split and action table: every stepped copy shared
     assert [_numbers(zbv), _numbers(dual)] == [_numbers(fresh[layout]) for layout in layouts[:2]]
+
+
+def test_copies_without_fsdp2_are_shared_across_pipeline_sizes_and_equal_fresh_plans(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without FSDP2 or ZeRO-1 a stage's stepped copy measures the same at any ``pp``
+    (:func:`lightning_deepseek.planning.pipeline.across_pp`): at 8 ranks, pp=4 (dp=2) after pp=2 (dp=4) steps only
+    its middle ranks' copy (pp=2 has no middle rank), and its plan equals a fresh one, calls on its own groups."""
+    layouts = [PlanLayout(pp=2), PlanLayout(pp=4)]
+    fresh = plan(DEEP, 8, layouts[1], FAST, STEP)
+    shared = PlanCache()
+    plan(DEEP, 8, layouts[0], FAST, STEP, cache=shared)
+    stepped: list[int] = []
+    original = pipeline._stepped
+
+    def counted(*args: object, **kwargs: object) -> object:
+        stepped.append(args[5])  # the pipeline rank
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_stepped", counted)
+    assert _numbers(plan(DEEP, 8, layouts[1], FAST, STEP, cache=shared)) == _numbers(fresh)
+    assert stepped == [1]
+    assert not pipeline.across_pp(PlanLayout(pp=4, dp_shard=2)) and not pipeline.across_pp(
+        PlanLayout(pp=4, shard_optimizer_states=True))
