@@ -2,9 +2,12 @@
 :func:`.search.search` skips a layout that cannot fit or cannot rank among the ``top`` fastest.
 
 A layout is not planned when its model states alone exceed the device: at least those of every parameter at its most
-sharded (:class:`ParameterShards`, from the model alone, before any plan), or those a planned layout showed: the same
-layout under another activation checkpointing or micro-batch count (model states depend on neither), or, for plain
-DDP, the same layout with ZeRO-1 (which holds fewer optimizer states and the same parameters, gradients and buckets).
+sharded (:class:`ParameterShards`, from the model alone, before any plan); a pipelined one also when the least peak
+of its largest pipeline rank does (:mod:`.pipeline_bound`: parameters, states, receive buffers and the block inputs
+its schedule holds, from the split and the action table, before any step); or when its model states exceed those a
+planned layout showed: the same layout under another activation checkpointing or micro-batch count (model states
+depend on neither), or, for plain DDP, the same layout with ZeRO-1 (which holds fewer optimizer states and the same
+parameters, gradients and buckets).
 The later steps' peak holds the parameters, gradients, optimizer states and DDP's buckets at once (the optimizer
 step), so such a layout would not fit. Nor does one whose same layout under more recomputation (full, then selective
 checkpointing; the same micro-batches) was planned and peaked above the device: recomputing less keeps more
@@ -40,6 +43,7 @@ from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.plan import decide_plan
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
+from lightning_deepseek.planning.pipeline_bound import PipelinePeaks
 from lightning_deepseek.planning.report import GIB, PlanReport
 
 # Checkpointing modes by what they recompute, each a superset of the previous one's: "selective" recomputes a block's
@@ -55,8 +59,9 @@ class LayoutBounds:
     """The bounds the plans added so far give (see the module docstring), for a device of ``capacity`` bytes;
     ``shards``: the model's parameters; ``top`` as :func:`.search.search`'s."""
 
-    def __init__(self, world_size: int, capacity: int, shards: ParameterShards, top: int | None) -> None:
-        self.world_size, self.capacity, self.shards, self.top = world_size, capacity, shards, top
+    def __init__(self, world_size: int, capacity: int, shards: ParameterShards, top: int | None,
+                 peaks: PipelinePeaks | None = None) -> None:
+        self.world_size, self.capacity, self.shards, self.top, self.peaks = world_size, capacity, shards, top, peaks
         self.closest: list[tuple[int, PlanLayout]] = []  # (model-state bound, layout) of those pruned by it alone
         self._states: dict[PlanLayout, Bound] = {}  # by layout without checkpointing and micro-batches
         self._peaks: dict[PlanLayout, list[PlanReport]] = {}  # not fitting, by layout without checkpointing
@@ -73,6 +78,11 @@ class LayoutBounds:
             self.closest.append((least, layout))
             return (f"model states alone at least {least / GIB:.1f} GiB (every parameter at its most sharded) exceed "
                     f"{device}")
+        least = self.peaks.least_peak(layout) if self.peaks is not None and layout.pp > 1 else None
+        if least is not None and least > self.capacity:
+            self.closest.append((least, layout))
+            return (f"peak at least {least / GIB:.1f} GiB on a pipeline rank (its parameters, states, receive buffers "
+                    f"and the block inputs its schedule holds, before any step) exceeds {device}")
         bound = _states_bound(layout, self._states)
         if bound is not None and bound[1] > self.capacity:
             return (f"model states alone {bound[1] / GIB:.1f} GiB (those of {bound[0].describe(self.world_size)}) "

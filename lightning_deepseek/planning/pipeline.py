@@ -132,7 +132,7 @@ class _Holder(pl.LightningModule):
         return None
 
 
-def _hidden_size(module: nn.Module) -> int:
+def hidden_size_of(module: nn.Module) -> int:
     config = getattr(module, "config", None)
     return int(config.hidden_size) if hasattr(config, "hidden_size") else int(module.tok_emb.embedding_dim)
 
@@ -226,8 +226,8 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     remove the blocks ``drop`` from its stages, and step them; ``optimizer_only``: zero gradients in place of the
     stages' steps (no stage rows; the exchange and optimizer step after the schedule as on a stepped rank)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    module = _built(model, step)
-    hidden_size = _hidden_size(module)
+    module = built_model(model, step)
+    hidden_size = hidden_size_of(module)
     layers = find_expert_layers(module)
     holder = _Holder(module, model)
     dims = ParallelDims(world_size, tp=layout.tp, ep=layout.ep, dp_shard=layout.dp_shard, pp=layout.pp)
@@ -289,7 +289,7 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     return rank
 
 
-def _table(world_size: int, layout: PlanLayout, split: PipelineSplit) -> Table:
+def action_table(world_size: int, layout: PlanLayout, split: PipelineSplit) -> Table:
     """Every rank's actions and the overlapped pairs: torch's schedule object, over stand-ins of rank 0's stages
     (its table depends on the stages and micro-batches only)."""
     with fake_world(world_size):
@@ -328,7 +328,7 @@ def plan_pipeline(model: ModelSpec, world_size: int, layout: PlanLayout, cluster
     kinds = cache.get(("pipeline_kinds", key), lambda: _kinds_by_name(model, step))
     split = cache.get(("pipeline_split", key, layout.pp, layout.pp_schedule), lambda: _split(model, step, layout))
     table = cache.get(("pipeline_table", key, layout.pp, layout.pp_schedule, layout.num_microbatches),
-                      lambda: _table(world_size, layout, split))
+                      lambda: action_table(world_size, layout, split))
     ranks: dict[int, RankStep] = {}
     deltas: dict[int, BlockDelta] = {}
     for pp_rank in range(layout.pp):
@@ -427,7 +427,7 @@ def _stepped(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepSh
         return _step_rank(model, world_size, layout, step, topology, pp_rank, split, drop, optimizer_only)
 
 
-def _built(model: ModelSpec, step: StepShape) -> nn.Module:
+def built_model(model: ModelSpec, step: StepShape) -> nn.Module:
     """The model on the meta device, as in a real run (the stage copies hold no storage)."""
     with torch.device("meta"):
         module = model.build()
@@ -447,4 +447,4 @@ def _kinds_by_name(model: ModelSpec, step: StepShape) -> dict[str, int]:
 def _split(model: ModelSpec, step: StepShape, layout: PlanLayout) -> PipelineSplit:
     """The strategy's split of the model (:func:`~lightning_deepseek.parallel.pipeline_split.plan_pipeline_split`,
     on the meta device; :func:`_step_rank` checks that the strategy's own equals it)."""
-    return plan_pipeline_split(_built(model, step), layout.pp, layout.pp_schedule)
+    return plan_pipeline_split(built_model(model, step), layout.pp, layout.pp_schedule)

@@ -55,6 +55,7 @@ from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
 from lightning_deepseek.planning.pipeline import V_SCHEDULES  # FSDP2 under them needs reshard_after_forward=False
+from lightning_deepseek.planning.pipeline_bound import PipelinePeaks
 from lightning_deepseek.planning.planner import plan
 from lightning_deepseek.planning.pool import Outcome, PlanPool
 from lightning_deepseek.planning.report import GIB, PlanReport
@@ -197,8 +198,9 @@ def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepSh
             tps = [d for d in range(1, cluster.gpus_per_node + 1) if world_size % d == 0]
             layouts = candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model), block_count(model),
                                         sequence_parallel_sizes(model, tps, step.min_shard_params), model.vocab_size)
+        peaks = PipelinePeaks(model, world_size, step) if any(lay.pp > 1 for lay in layouts) else None
         bounds = LayoutBounds(world_size, cluster.memory_bytes, ParameterShards.of(
-            model, world_size, step, tuple({lay.tp for lay in layouts})), top) if cache else None
+            model, world_size, step, tuple({lay.tp for lay in layouts})), top, peaks) if cache else None
         order = sorted(range(len(layouts)), key=lambda i: planning_order(layouts[i]))
         outcomes: list[tuple[int, PlanLayout, Outcome | str]] = []  # a plan, a refusal, or why not planned
         if workers == 1 or len(order) < 2:  # nothing to plan side by side
