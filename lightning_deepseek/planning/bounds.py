@@ -78,7 +78,7 @@ class LayoutBounds:
             self.closest.append((least, layout))
             return (f"model states alone at least {least / GIB:.1f} GiB (every parameter at its most sharded) exceed "
                     f"{device}")
-        least = self.peaks.least_peak(layout) if self.peaks is not None and layout.pp > 1 else None
+        least = self._least_peak(layout)
         if least is not None and least > self.capacity:
             self.closest.append((least, layout))
             return (f"peak at least {least / GIB:.1f} GiB on a pipeline rank (its parameters, states, receive buffers "
@@ -104,6 +104,16 @@ class LayoutBounds:
         return (f"{what} at least {least_time * 1e6:.1f} us per token per GPU (those of "
                 f"{sibling.layout.describe(self.world_size)}) exceed those of the {self.top} fastest fitting layouts "
                 f"({slowest * 1e6:.1f} us at most)")
+
+    def _least_peak(self, layout: PlanLayout) -> int | None:
+        """A pipelined layout's least peak (:mod:`.pipeline_bound`); None without a pipeline, or where the split or
+        the schedule refuses it (the plan reports the strategy's reason)."""
+        if self.peaks is None or layout.pp == 1:
+            return None
+        try:
+            return self.peaks.least_peak(layout)
+        except ValueError:
+            return None
 
     def add(self, report: PlanReport) -> None:
         """A planned layout's report: a bound of the layouts like it."""
