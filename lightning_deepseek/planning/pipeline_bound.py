@@ -18,9 +18,9 @@ lower bounds of each term:
   dtype) and output buffers at 2 bytes.
 
 A layout is skipped when the largest rank's bound exceeds the device: its plan's peak, the largest rank's, is at
-least that (``tests/planning/test_pipeline_plan.py`` checks the bound below the plans of every pipelined layout it
-tries). Costs: the model built once on the meta device, one split per (``pp``, schedule) and one action table per
-(``pp``, schedule, micro-batches); no step.
+least that (``tests/planning/test_pipeline_bound.py`` checks the bound below the plan under every schedule). Costs:
+the model built once on the meta device, one split per (``pp``, schedule) and one action table per (``pp``,
+schedule, micro-batches); no step.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class PipelinePeaks:
     docstring)."""
 
     def __init__(self, model: ModelSpec, world_size: int, step: StepShape) -> None:
-        self.model, self.world_size, self.step = model, world_size, step
+        self.world_size, self.step = world_size, step
         module = built_model(model, step)
         self._hidden = hidden_size_of(module)
         self._blocks = set(find_transformer_blocks(module))
@@ -116,6 +116,3 @@ class PipelinePeaks:
         states = 0 if layout.shard_optimizer_states else 2 * sum(params.values())
         return sum(params.values()) + states + buffers + most
 
-
-def _inside(name: str, modules: tuple[str, ...]) -> bool:
-    return any(name.startswith(f"{module}.") for module in modules)

@@ -198,7 +198,7 @@ def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepSh
             tps = [d for d in range(1, cluster.gpus_per_node + 1) if world_size % d == 0]
             layouts = candidate_layouts(world_size, cluster.gpus_per_node, expert_counts(model), block_count(model),
                                         sequence_parallel_sizes(model, tps, step.min_shard_params), model.vocab_size)
-        peaks = PipelinePeaks(model, world_size, step) if any(lay.pp > 1 for lay in layouts) else None
+        peaks = PipelinePeaks(model, world_size, step) if cache and any(lay.pp > 1 for lay in layouts) else None
         bounds = LayoutBounds(world_size, cluster.memory_bytes, ParameterShards.of(
             model, world_size, step, tuple({lay.tp for lay in layouts})), top, peaks) if cache else None
         order = sorted(range(len(layouts)), key=lambda i: planning_order(layouts[i]))
