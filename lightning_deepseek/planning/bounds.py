@@ -62,7 +62,7 @@ class LayoutBounds:
     def __init__(self, world_size: int, capacity: int, shards: ParameterShards, top: int | None,
                  peaks: PipelinePeaks | None = None) -> None:
         self.world_size, self.capacity, self.shards, self.top, self.peaks = world_size, capacity, shards, top, peaks
-        self.closest: list[tuple[int, PlanLayout]] = []  # (model-state bound, layout) of those pruned by it alone
+        self.closest: list[tuple[int, PlanLayout]] = []  # (bound, layout) of those pruned before any plan
         self._states: dict[PlanLayout, Bound] = {}  # by layout without checkpointing and micro-batches
         self._peaks: dict[PlanLayout, list[PlanReport]] = {}  # not fitting, by layout without checkpointing
         # planned reports by what bounds another layout's step (_least_step): _compute_key, _flops_key, the layout

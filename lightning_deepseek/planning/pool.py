@@ -20,6 +20,7 @@ error other than the strategy's refusal (a ``ValueError``, returned as the layou
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
-from lightning_deepseek.planning.pipeline import optimizer_settings
+from lightning_deepseek.planning.pipeline import across_pp, optimizer_settings
 from lightning_deepseek.planning.planner import plan
 from lightning_deepseek.planning.report import PlanReport
 
@@ -46,7 +47,8 @@ def affinity(layout: PlanLayout) -> Hashable:
     (ZeRO-1's optimizer step is cached across modes), ZeRO-1 and compression (a pipelined rank's stepped copies are
     shared with and without them), its micro-batches and which V schedule (the copies are shared across them too)
     and, without FSDP2, its ``pp`` (:func:`.pipeline.across_pp`)."""
-    left_out = ("shard_optimizer_states", "bits") + (("pp",) if layout.pp > 1 and layout.dp_shard == 1 else ())
+    shared = layout.pp > 1 and across_pp(dataclasses.replace(layout, shard_optimizer_states=False))
+    left_out = ("shard_optimizer_states", "bits") + (("pp",) if shared else ())
     return tuple(item for item in optimizer_settings(layout) if item[0] not in left_out)
 
 
