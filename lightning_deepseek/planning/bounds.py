@@ -14,13 +14,14 @@ checkpointing; the same micro-batches) was planned and peaked above the device: 
 activations, so the peak is at least as high (``tests/planning/test_cache.py``).
 
 With ``top``, a layout is also not planned when its compute and exposed tensor- and expert-parallel collectives alone
-(compute and bubble under a pipeline), per token, exceed the seconds per token of the ``top``-th fastest fitting plan
-so far: those of a planned layout that differs from it only in how the data-parallel ranks shard the model states
-(ZeRO-1, FSDP2's sizes: the same blocks run on the same shapes and send the same activations), under the same
-activation checkpointing or one recomputing less (none, selective, full); also the compute alone, per token, of any
-planned layout of the same ``tp`` (a rank's FLOPs do not depend on ``ep`` under uniform routing, the sharding or the
-compression; under a pipeline the average rank's: its stages' FLOPs summed do not depend on ``pp``, the schedule or
-the micro-batches); and the step time of the same layout under less recomputation.
+(under a pipeline: the schedule's compute and bubble, and the least of its pipeline ranks' tp and ep collectives), per
+token, exceed the seconds per token of the ``top``-th fastest fitting plan so far: those of a planned layout that
+differs from it only in how the data-parallel ranks shard the model states (ZeRO-1, FSDP2's sizes: the same blocks run
+on the same shapes and send the same activations), under the same activation checkpointing or one recomputing less
+(none, selective, full); also the compute alone, per token, of any planned layout of the same ``tp`` (a rank's FLOPs
+do not depend on ``ep`` under uniform routing, the sharding or the compression; under a pipeline the average rank's:
+its stages' FLOPs summed do not depend on ``pp``, the schedule or the micro-batches); and the step time of the same
+layout under less recomputation.
 
 :func:`planning_order` plans full checkpointing first: where it does not fit, neither do the other modes (for a model
 that fits few layouts, the most the search can skip), and where it does, no checkpointing next, whose step bounds
@@ -215,7 +216,7 @@ def _least_step(layout: PlanLayout, computes: dict[tuple, list[PlanReport]]
     def lighter(report: PlanReport) -> bool:
         return RECOMPUTE_ORDER.index(report.layout.activation_checkpointing) <= mode
 
-    bounds = [(r, _least_seconds(r), "compute and exposed tp / ep collectives alone")
+    bounds = [(r, _least_seconds(r, layout), "compute and exposed tp / ep collectives alone")
               for r in computes.get(_compute_key(layout), []) if lighter(r)]
     bounds += [(r, _mean_compute(r), "compute alone") for r in computes.get(_flops_key(layout), []) if lighter(r)]
     bounds += [(r, r.step_seconds, "step time with less recomputation")
@@ -241,15 +242,20 @@ def _mean_compute(report: PlanReport) -> float:
     return per_microbatch * pipeline.num_microbatches / pipeline.pp
 
 
-def _least_seconds(report: PlanReport) -> float:
-    """The step time of a layout that differs from ``report``'s only in its sharding is at least its compute and,
-    without a pipeline, its exposed tensor- and expert-parallel collectives of forward and backward (the same
-    groups and bytes; they add to the compute, see :mod:`.estimate`); under a pipeline the schedule replayed with
-    its stages' compute alone (the same chunks in the same order: compute and bubble)."""
+def _least_seconds(report: PlanReport, layout: PlanLayout | None = None) -> float:
+    """The step time of ``layout``, which differs from ``report``'s only in its sharding, is at least its compute
+    and its tensor- and expert-parallel collectives of forward and backward (the same groups and bytes): without a
+    pipeline, those exposed (they add to the compute, see :mod:`.estimate`); under one, the schedule replayed with
+    its stages' compute alone (the same chunks in the same order: compute and bubble) and the least pipeline rank's
+    collectives (exposed whole, :mod:`.pipeline_estimate`; the step's exchange is its most loaded rank's). Where
+    FSDP2 computes in BF16 (``StepShape.fsdp_bf16``) in one of the two layouts only, their activations, and so the
+    collectives' bytes, differ: the compute alone."""
+    same_bytes = layout is None or not report.step.fsdp_bf16 or (layout.dp_shard > 1) == (report.layout.dp_shard > 1)
     if report.pipeline is not None:  # the replayed schedule without its transfers: the stages' compute and bubble
-        return report.pipeline.makespan - report.pipeline.p2p_exposed_seconds
-    return report.compute_seconds + sum(t.exposed_seconds for t in report.traffic
-                                        if t.op in PARALLEL_OPS and set(t.dim.split("/")) <= {"tp", "ep"})
+        parallel = report.pipeline.least_parallel_seconds if same_bytes else 0.0
+        return report.pipeline.makespan - report.pipeline.p2p_exposed_seconds + parallel
+    return report.compute_seconds + sum(t.exposed_seconds for t in report.traffic if same_bytes and
+                                        t.op in PARALLEL_OPS and set(t.dim.split("/")) <= {"tp", "ep"})
 
 
 def _step_tokens(report: PlanReport) -> float:

@@ -255,8 +255,10 @@ def pipeline_report(model: ModelSpec, world_size: int, layout: PlanLayout, clust
     memory = RankMemory(params=rank.params, grads=rank.grads, states=rank.states, states_max=rank.states,
                         activations=mine.activations, ddp_buckets=0, compression=rank.compression_bytes,
                         peak=mine.first_peak, steady_peak=mine.peak)
+    parallel = min(_parallel_seconds(composed[r].calls, ranks[r].groups, cluster, world_size) for r in ranks)
     pipeline = PipelinePlan(layout.pp_schedule, layout.pp, num_microbatches, rank_rows, stage_rows,
-                            with_p2p.makespan, compute_only.bubble, with_p2p.makespan - compute_only.makespan)
+                            with_p2p.makespan, compute_only.bubble, with_p2p.makespan - compute_only.makespan,
+                            parallel)
     peak_flops = cluster.peak_flops(compute_dtype(step))
     return PlanReport(model=model.name, world_size=world_size, layout=layout, cluster=cluster.name, step=step,
                       placement="pp outermost (launch order)",
@@ -269,6 +271,19 @@ def pipeline_report(model: ModelSpec, world_size: int, layout: PlanLayout, clust
                       assumptions=(*ASSUMPTIONS, *PIPELINE_ASSUMPTIONS,
                                    f"compute_efficiency={step.compute_efficiency}",
                                    *([CODEC_ASSUMPTION] if codec else [])), pipeline=pipeline)
+
+
+def _parallel_seconds(calls: tuple[CollectiveCall, ...], groups: dict[str, GroupInfo], cluster: ClusterSpec,
+                      world_size: int) -> float:
+    """Seconds of a rank's tensor- and expert-parallel collectives in its forwards and backwards: :func:`_traffic`
+    exposes them whole."""
+    seconds = 0.0
+    for call in calls:
+        info = groups.get(call.group, GroupInfo("?", world_size, "inter"))
+        if call.phase == "forward_backward" and call.op not in ("send", "recv") and set(info.dim.split("/")) <= {
+                "tp", "ep"}:
+            seconds += collective_seconds(call.op, call.num_bytes, info.size, cluster.links[info.link])
+    return seconds
 
 
 def _traffic(calls: tuple[CollectiveCall, ...], groups: dict[str, GroupInfo], cluster: ClusterSpec, world_size: int,

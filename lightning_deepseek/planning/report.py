@@ -89,7 +89,9 @@ class PipelineRankRow:
 @dataclass(frozen=True)
 class PipelinePlan:
     """A pipelined plan's schedule: each rank and stage, the replayed step (``makespan``: the schedule's compute and
-    bubble, point-to-point transfers included) and how much of it is bubble and exposed transfer."""
+    bubble, point-to-point transfers included), how much of it is bubble and exposed transfer, and the least, over
+    the pipeline ranks, of a rank's tensor- and expert-parallel collectives in its forwards and backwards (exposed
+    whole in the step)."""
 
     schedule: str
     pp: int
@@ -99,6 +101,7 @@ class PipelinePlan:
     makespan: float
     bubble_seconds: float
     p2p_exposed_seconds: float
+    least_parallel_seconds: float = 0.0
 
     def table(self, unit: str = "GiB", scale: int = GIB) -> str:
         share = self.bubble_seconds / self.makespan if self.makespan else 0.0

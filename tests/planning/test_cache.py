@@ -19,7 +19,7 @@ from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.report import PlanReport
 from lightning_deepseek.planning.search import SearchResult, search
-from tests.planning.test_against_real_runs import CLUSTER, MOE
+from tests.planning.test_against_real_runs import CLUSTER, LLAMA, MOE
 from tests.planning.test_depth import DEEP, DENSE, MIXED, STEP
 
 LAYOUTS = [PlanLayout(shard_optimizer_states=True), PlanLayout(shard_optimizer_states=True,
@@ -91,6 +91,23 @@ def test_compute_depends_on_no_sharding(uncached: SearchResult) -> None:
     assert all(len(seconds) == 1 for modes in by_key.values() for seconds in modes.values())
     tp1 = by_key[_compute_key(PlanLayout())]
     assert len(tp1["full"]) == 1 and min(tp1["full"]) > max(tp1["none"])
+
+
+@pytest.mark.parametrize("model, world_size, layout", [
+    (MOE, 4, PlanLayout(pp=2, ep=2)),
+    (LLAMA, 8, PlanLayout(pp=2, tp=2, sequence_parallel=True, loss_parallel=True))], ids=["ep", "tp-sp"])
+def test_pipelined_layouts_differing_in_sharding_share_compute_and_parallel_collectives(
+        model: object, world_size: int, layout: PlanLayout) -> None:
+    """What pruning a pipelined layout by a sibling assumes: unsharded, ZeRO-1 and FSDP2 over the stages' ``dp``
+    replay the same compute and bubble and send the same tp and ep collectives on their least loaded rank, and each
+    step is at least that bound (which holds more than the compute and bubble: the collectives cost)."""
+    layouts = [layout, dataclasses.replace(layout, shard_optimizer_states=True),
+               dataclasses.replace(layout, dp_shard=2)]
+    reports = [plan(model, world_size, lay, CLUSTER, STEP) for lay in layouts]
+    bounds = {_least_seconds(report, layouts[0]) for report in reports}
+    assert len(bounds) == 1
+    assert all(r.pipeline.least_parallel_seconds > 0 for r in reports)
+    assert all(r.pipeline.makespan - r.pipeline.p2p_exposed_seconds < min(bounds) <= r.step_seconds for r in reports)
 
 
 def test_compute_depends_on_neither_experts_nor_sharding_nor_compression() -> None:
