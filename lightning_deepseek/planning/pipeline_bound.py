@@ -10,7 +10,9 @@ lower bounds of each term:
 
 - parameters: every parameter of the rank's stages split over ``tp x dp_shard`` (the routed experts also over
   ``ep``), as many bytes as the model's; AdamW's two moments as much again each, none with ZeRO-1 (rank 0 may own
-  few); gradients as much as the parameters, from a stage's first backward on;
+  few); gradients as much as the parameters, from a stage's first backward on; with FSDP2, unsharded over
+  ``dp_shard`` (torch's stages turn FSDP2's gradient reduction off until the step's last backward, so each
+  backward accumulates whole gradients), at 2 bytes under FSDP2's BF16 policy;
 - activations: a micro-batch's block inputs, ``blocks - 1`` hidden states of ``micro_batch_size x seq_len`` (``/ tp``
   with sequence parallelism) x hidden size at 2 bytes (each block keeps its input for backward, under any
   checkpointing; the residual stream is at least BF16);
@@ -91,9 +93,13 @@ class PipelinePeaks:
         tokens = self.step.micro_batch_size * (self.step.seq_len // layout.tp if layout.sequence_parallel
                                                else self.step.seq_len)
         hidden = tokens * self._hidden
-        params = {index: self._element * (stages[index].dense // (layout.tp * layout.dp_shard)
-                                          + stages[index].experts // (layout.ep * layout.tp * layout.dp_shard))
-                  for _, index, _ in actions}
+        def split(index: int, shards: int, element: int) -> int:
+            return element * (stages[index].dense // (layout.tp * shards)
+                              + stages[index].experts // (layout.ep * layout.tp * shards))
+
+        params = {index: split(index, layout.dp_shard, self._element) for _, index, _ in actions}
+        grads = {index: split(index, 1, 2 if self.step.fsdp_bf16 else self._element) if layout.dp_shard > 1
+                 else params[index] for index in params}
         activations = {index: max(stages[index].blocks - 1, 0) * hidden * LEAST_HIDDEN_BYTES for index in params}
         residual = 2 if self.step.fsdp_bf16 and layout.dp_shard > 1 else 4  # the planner's input buffers' dtype
         last = len(stages) - 1
@@ -110,7 +116,7 @@ class PipelinePeaks:
                 held += activations[index]
             if kind in ("B", "I") and index not in backwarded:
                 backwarded.add(index)
-                held += params[index]  # the stage's gradients
+                held += grads[index]
             if kind in ("B", "W") or (kind == "I" and index not in split_backward):
                 held -= activations[index]
         states = 0 if layout.shard_optimizer_states else 2 * sum(params.values())
