@@ -148,9 +148,12 @@ class _Peaks:
         return snapshot_bytes(self.tracker.get_tracker_snapshot("current")[CPU], "Total")
 
     def activations(self) -> int:
-        """What forwards hold for backward and their temporaries (not FSDP2's gathered or freed parameters)."""
+        """What forwards hold for backward and their temporaries (not FSDP2's gathered or freed parameters), and the
+        gradients: a forward writes none, but ``MemTracker`` files the unsharded gradients an FSDP2 unit of experts
+        accumulates in a backward without gradient sync as temporaries, and as gradients from the next forward on;
+        counted alike on both sides of a forward, they do not shrink its activations."""
         snapshot = self.tracker.get_tracker_snapshot("current")[CPU]
-        return snapshot_bytes(snapshot, "Activation") + snapshot_bytes(snapshot, "Temp")
+        return sum(snapshot_bytes(snapshot, kind) for kind in ("Activation", "Temp", "Gradient"))
 
     def parameters(self) -> int:
         """Parameter bytes (FSDP2's gathered parameters included)."""
@@ -216,7 +219,8 @@ def _step_stage(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], i
                      max(backward_peak - after_forward, 0), first_after - first_before,
                      max(first_backward - first_forward, 0),
                      0 if hidden is None else hidden.numel() * hidden.element_size(), output_bytes,
-                     first_forward_calls, forward_calls, backward_calls, max(released, 0), *low_precision)
+                     first_forward_calls, forward_calls, backward_calls, max(released, 0), *low_precision,
+                     max(first_forward - first_before - activations, 0))
 
 
 def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,

@@ -51,7 +51,9 @@ class StageStep:
     above the start of a forward and of a backward, what the first backward leaves, the bytes received and sent
     per micro-batch, the collectives of one forward (the first, and a later one) and one backward, and what a forward
     after a backward frees (FSDP2 resharding the blocks the backward gathered and kept; 0 without FSDP2); with
-    ``dtype="fp8"`` the FLOPs of its FP8 GEMMs and the bytes of its FP8 casts, forward and backward."""
+    ``dtype="fp8"`` the FLOPs of its FP8 GEMMs and the bytes of its FP8 casts, forward and backward; what the first
+    forward leaves beyond a micro-batch's activations (FSDP2's gathered parameters it does not reshard: V schedules,
+    and units of experts; ``first_backward_keeps`` includes it)."""
 
     index: int
     forward_flops: float
@@ -71,6 +73,7 @@ class StageStep:
     backward_fp8_flops: float = 0.0
     forward_cast_bytes: int = 0
     backward_cast_bytes: int = 0
+    first_forward_keeps: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,7 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
     split_backward = {stage for kind, stage, _ in actions if kind == "W"}
     held, most, acts, most_acts = 0, 0, 0, 0
     kept: set[int] = set()
+    forwarded: set[int] = set()
     gathered: set[int] = set()  # stages whose blocks a backward gathered (FSDP2 keeps them until a forward)
     previous: dict[int, str] = {}
     calls: list[CollectiveCall] = []
@@ -153,7 +157,9 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
         if kind == "F":
             most = max(most, held + stage.forward_extra)
             resharded = stage.released if index in gathered else 0
-            held, acts = held + stage.activations - resharded, acts + stage.activations
+            leaves = stage.first_forward_keeps if index not in forwarded else 0
+            forwarded.add(index)
+            held, acts = held + stage.activations - resharded + leaves, acts + stage.activations
             gathered.discard(index)
             most_acts = max(most_acts, acts)
             calls += stage.first_forward_calls if previous.get(index, "F") == "F" else stage.forward_calls
@@ -165,7 +171,7 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
             first = index not in kept
             again = stage.released if index in gathered else 0  # gathered already: no second gather
             most = max(most, held + (stage.first_backward_extra if first else stage.backward_extra - again))
-            held += stage.first_backward_keeps if first else stage.released - again
+            held += stage.first_backward_keeps - stage.first_forward_keeps if first else stage.released - again
             kept.add(index)
             gathered.add(index)
             calls += stage.backward_calls if previous.get(index) == "F" else _recurring(stage.backward_calls,
