@@ -285,11 +285,21 @@ def _parallel_seconds(calls: tuple[CollectiveCall, ...], groups: dict[str, Group
     exposes them whole."""
     seconds = 0.0
     for call in calls:
-        info = groups.get(call.group, GroupInfo("?", world_size, "inter"))
+        info, call_seconds = _call_seconds(call, groups, cluster, world_size)
         if call.phase == "forward_backward" and call.op not in ("send", "recv") and set(info.dim.split("/")) <= {
                 "tp", "ep"}:
-            seconds += collective_seconds(call.op, call.num_bytes, info.size, cluster.links[info.link])
+            seconds += call_seconds
     return seconds
+
+
+def _call_seconds(call: CollectiveCall, groups: dict[str, GroupInfo], cluster: ClusterSpec, world_size: int
+                  ) -> tuple[GroupInfo, float]:
+    """The group of ``call`` and its seconds on that group's link (a point-to-point transfer: bytes over bandwidth)."""
+    info = groups.get(call.group, GroupInfo("?", world_size, "inter"))
+    link = cluster.links[info.link]
+    seconds = (call.num_bytes / link.bandwidth + link.latency if call.op in ("send", "recv")
+               else collective_seconds(call.op, call.num_bytes, info.size, link))
+    return info, seconds
 
 
 def _traffic(calls: tuple[CollectiveCall, ...], groups: dict[str, GroupInfo], cluster: ClusterSpec, world_size: int,
@@ -299,10 +309,7 @@ def _traffic(calls: tuple[CollectiveCall, ...], groups: dict[str, GroupInfo], cl
     the schedule exposed."""
     rows: dict[tuple[str, str, str], list[float]] = {}
     for call in calls:
-        info = groups.get(call.group, GroupInfo("?", world_size, "inter"))
-        link = cluster.links[info.link]
-        seconds = (call.num_bytes / link.bandwidth + link.latency if call.op in ("send", "recv")
-                   else collective_seconds(call.op, call.num_bytes, info.size, link))
+        info, seconds = _call_seconds(call, groups, cluster, world_size)
         row = rows.setdefault((info.dim, call.op, call.phase), [0, 0, 0.0, info.size, info.link])
         row[0], row[1], row[2] = row[0] + 1, row[1] + call.num_bytes, row[2] + seconds
     p2p_bytes = sum(row[1] for (_, op, _), row in rows.items() if op == "send") or 1
