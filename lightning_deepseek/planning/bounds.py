@@ -252,10 +252,13 @@ def _least_seconds(report: PlanReport, layout: PlanLayout | None = None) -> floa
     collectives' bytes, differ: the compute alone."""
     same_bytes = layout is None or not report.step.fsdp_bf16 or (layout.dp_shard > 1) == (report.layout.dp_shard > 1)
     if report.pipeline is not None:  # the replayed schedule without its transfers: the stages' compute and bubble
-        parallel = report.pipeline.least_parallel_seconds if same_bytes else 0.0
-        return report.pipeline.makespan - report.pipeline.p2p_exposed_seconds + parallel
-    return report.compute_seconds + sum(t.exposed_seconds for t in report.traffic if same_bytes and
-                                        t.op in PARALLEL_OPS and set(t.dim.split("/")) <= {"tp", "ep"})
+        compute = report.pipeline.makespan - report.pipeline.p2p_exposed_seconds
+        parallel = report.pipeline.least_parallel_seconds
+    else:
+        compute = report.compute_seconds
+        parallel = sum(t.exposed_seconds for t in report.traffic
+                       if t.op in PARALLEL_OPS and set(t.dim.split("/")) <= {"tp", "ep"})
+    return compute + (parallel if same_bytes else 0.0)
 
 
 def _step_tokens(report: PlanReport) -> float:
