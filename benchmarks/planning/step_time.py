@@ -96,7 +96,7 @@ def _median_seconds(work: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def calibrate(world_size: int, links: dict[str, Any]) -> dict[str, float]:
+def calibrate(links: dict[str, Any]) -> dict[str, float]:
     """This rank's matmul FLOP/s and copy bandwidth while every rank runs the same, and the all-reduce seconds per
     size on each of ``links`` (name: this rank's group, None for the world; collective: call on every rank)."""
     tokens, width, hidden = CALIBRATION_GEMM
@@ -130,7 +130,7 @@ def timed_steps(rank: int, world_size: int, nodes: int = 1) -> list[list[dict[st
 
 def _timed_case(spec: ModelSpec, layout: PlanLayout, world_size: int, nodes: int,
                 links: dict[str, Any]) -> dict[str, Any]:
-    calibration = calibrate(world_size, links)
+    calibration = calibrate(links)
     pl.seed_everything(0, verbose=False)
     timer = StepTimer()
     strategy = HybridParallelStrategy(tensor_parallel_size=layout.tp, expert_parallel_size=layout.ep,
