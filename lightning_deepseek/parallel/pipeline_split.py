@@ -356,10 +356,15 @@ def build_rank_module(model: nn.Module, split: PipelineSplit, pp_rank: int) -> t
 
 def _view(root: nn.Module, drop: Sequence[str], keep: Sequence[str]) -> nn.Module:
     """A shallow copy of ``root`` without the modules ``drop`` (the containers on their paths are copied, every
-    other submodule is shared); a chain runs the modules ``keep``."""
+    other submodule is shared); a chain runs the modules ``keep``. A copied container has its own hooks: FSDP2's
+    ``fully_shard`` of one stage registers its forward and backward hooks on that stage's root alone (shared
+    hooks would run every stage's FSDP2 state in each stage's forward: gathers of another stage's parameters)."""
     def shallow(module: nn.Module) -> nn.Module:
         clone = copy.copy(module)
         clone.__dict__["_modules"] = dict(module._modules)
+        for name, value in module.__dict__.items():  # parameters and buffers stay shared, hooks are copied
+            if "hooks" in name and isinstance(value, dict):
+                clone.__dict__[name] = copy.copy(value)
         return clone
 
     view, copied = shallow(root), {}

@@ -35,10 +35,10 @@ exchange and optimizer step alone (zero gradients, no forward), whatever its che
 a :class:`.cache.PlanCache` the block kinds, the split, the action table and each copy's measurement are shared by
 the plans of a search (a copy's key: the layout but its micro-batches and which V schedule, and its stages' kept
 block kinds and ends; without FSDP2 and ZeRO-1 not its ``pp`` either, :func:`across_pp`: a copy of pp=2's first rank
-serves pp=4's, 8's and 16's, its calls moved onto their groups). Not modelled: FSDP2's collectives under a pipeline
-are counted per action from the two stepped micro-batches (the first forward's gathers repeat wherever a forward
-follows a forward); the point to point transfers are not overlapped with compute (torch waits for them before the
-action that needs them).
+serves pp=4's, 8's and 16's, its calls moved onto their groups). FSDP2's collectives under a pipeline are
+counted per action from the two stepped micro-batches (the first forward's gathers repeat where a forward follows a
+forward and FSDP2 reshards after forward). Not modelled: the point to point transfers are not overlapped with
+compute (torch waits for them before the action that needs them).
 """
 
 from __future__ import annotations
@@ -147,18 +147,6 @@ class _Peaks:
     def current(self) -> int:
         return snapshot_bytes(self.tracker.get_tracker_snapshot("current")[CPU], "Total")
 
-    def activations(self) -> int:
-        """What forwards hold for backward and their temporaries (not FSDP2's gathered or freed parameters), and the
-        gradients: a forward writes none, but ``MemTracker`` files the unsharded gradients an FSDP2 unit of experts
-        accumulates in a backward without gradient sync as temporaries, and as gradients from the next forward on;
-        counted alike on both sides of a forward, they do not shrink its activations."""
-        snapshot = self.tracker.get_tracker_snapshot("current")[CPU]
-        return sum(snapshot_bytes(snapshot, kind) for kind in ("Activation", "Temp", "Gradient"))
-
-    def parameters(self) -> int:
-        """Parameter bytes (FSDP2's gathered parameters included)."""
-        return snapshot_bytes(self.tracker.get_tracker_snapshot("current")[CPU], "Parameter")
-
     def reset(self) -> int:
         current = self.current()
         self.tracker._peak_mem[CPU] = current  # no public reset of MemTracker's running peak
@@ -166,6 +154,18 @@ class _Peaks:
 
     def peak(self) -> int:
         return max(self.tracker._peak_mem.get(CPU, 0), self.current())
+
+
+def _gathered_bytes(stage: nn.Module) -> int:
+    """Bytes FSDP2 holds gathered for the stage's units now: their all-gather outputs, whose storage FSDP2 frees when
+    it reshards (read as torch's pipeline stages read FSDP2's state: no public API gives it). Not ``MemTracker``'s
+    categories: it files what a unit first gathers in a forward (units of experts) as activations."""
+    total = 0
+    for module in stage.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for param in group.fsdp_params if group is not None else ():
+            total += sum(t.untyped_storage().nbytes() for t in param.all_gather_outputs)
+    return total
 
 
 def _no_sync(stage: nn.Module) -> None:
@@ -186,13 +186,13 @@ def _step_stage(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], i
         inputs = ids if hidden is None else hidden.detach().requires_grad_(True)
         before, flops_before, calls_before = peaks.reset(), flops.total, len(counter.calls)
         fp8_before, casts_before = flops.fp8, flops.cast_bytes
-        activations_before, parameters_before = peaks.activations(), peaks.parameters()
+        gathered_before = _gathered_bytes(stage)
         with autocast:
             output = stage(inputs)
             loss = loss_fn(output, ids) if is_last else None  # the strategy's: vocabulary-parallel or not
         after_forward, forward_peak = peaks.current(), peaks.peak()
-        activations = peaks.activations() - activations_before
-        released = parameters_before - peaks.parameters()  # FSDP2 resharding after a forward that followed a backward
+        released = gathered_before - _gathered_bytes(stage)  # FSDP2 resharding what a backward gathered and kept
+        activations = after_forward - before + released  # what the forward holds until its backward
         flops_forward, calls_forward, fp8_forward, casts_forward = (flops.total, len(counter.calls), flops.fp8,
                                                                     flops.cast_bytes)
         _no_sync(stage)

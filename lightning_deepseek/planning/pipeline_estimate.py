@@ -52,8 +52,8 @@ class StageStep:
     per micro-batch, the collectives of one forward (the first, and a later one) and one backward, and what a forward
     after a backward frees (FSDP2 resharding the blocks the backward gathered and kept; 0 without FSDP2); with
     ``dtype="fp8"`` the FLOPs of its FP8 GEMMs and the bytes of its FP8 casts, forward and backward; what the first
-    forward leaves beyond a micro-batch's activations (FSDP2's gathered parameters it does not reshard: V schedules,
-    and units of experts; ``first_backward_keeps`` includes it)."""
+    forward leaves beyond a micro-batch's activations (FSDP2's gathered parameters it does not reshard: V schedules;
+    ``first_backward_keeps`` includes it)."""
 
     index: int
     forward_flops: float
@@ -137,8 +137,11 @@ class _Composed:
     in_flight: dict[int, int]
 
 
-def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], num_microbatches: int) -> _Composed:
-    """Memory walk, collectives and point-to-point bytes of one rank's actions (see the module docstring). A later
+def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], num_microbatches: int,
+             reshard_after_forward: bool = True) -> _Composed:
+    """Memory walk, collectives and point-to-point bytes of one rank's actions (see the module docstring): a forward
+    right after a forward of its stage gathers again what the first gathered when FSDP2 reshards after forward, and
+    runs a later forward's collectives when it does not (the blocks stay gathered until the stage's reduction). A later
     step also holds the optimizer states; not the previous step's gradients, which the strategy drops before the
     schedule runs (Lightning would set them to None only after the training step, which runs the whole schedule)."""
     by_index = {s.index: s for s in rank.stages}
@@ -162,7 +165,8 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
             held, acts = held + stage.activations - resharded + leaves, acts + stage.activations
             gathered.discard(index)
             most_acts = max(most_acts, acts)
-            calls += stage.first_forward_calls if previous.get(index, "F") == "F" else stage.forward_calls
+            regathers = index not in previous or (previous[index] == "F" and reshard_after_forward)
+            calls += stage.first_forward_calls if regathers else stage.forward_calls
             if index < last and stage_rank[index + 1] != rank.pp_rank:
                 calls.append(CollectiveCall("send", pp, stage.output_bytes, "pipeline"))
             if index > 0 and stage_rank[index - 1] != rank.pp_rank:
@@ -225,7 +229,8 @@ def pipeline_report(model: ModelSpec, world_size: int, layout: PlanLayout, clust
     ranks = {r: dataclasses.replace(rank, stages=tuple(dataclasses.replace(s, index=i) for s, i in
                                                       zip(rank.stages, split.stage_indices(r))))
              for r, rank in ranks.items()}
-    composed = {r: _compose(rank, order[r], stage_rank, num_microbatches) for r, rank in ranks.items()}
+    composed = {r: _compose(rank, order[r], stage_rank, num_microbatches, layout.reshard_after_forward)
+                for r, rank in ranks.items()}
     seconds = _stage_seconds(ranks, split, cluster, step)
     cost: dict[tuple[str, int], float] = {}
     transfer: dict[tuple[str, int], float] = {}

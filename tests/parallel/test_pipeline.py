@@ -297,6 +297,25 @@ def test_rank_module_holds_its_stages_and_the_stage_views_share_it() -> None:
         torch.testing.assert_close(hidden, logits_of(model, x), atol=1e-6, rtol=0)
 
 
+def test_each_stage_view_has_its_own_hooks() -> None:
+    """FSDP2's ``fully_shard`` of one stage view registers hooks on it; a view sharing its root's hook dicts ran every
+    stage's FSDP2 state in each stage's forward (re-gathering another stage's parameters)."""
+    model = make_model("gpt").eval()
+    split = plan_pipeline_split(model, 2, "ZBVZeroBubble")
+    rank_module, (first, second) = build_rank_module(model, split, 0)
+    calls: list[str] = []
+    first.register_forward_pre_hook(lambda module, args: calls.append("first"))
+    second.register_forward_hook(lambda module, args, output: calls.append("second"))
+    hidden = first(batches(1)[0][0])
+    assert calls == ["first"]
+    for index in range(1, split.num_stages - 1):  # the other rank's stages
+        view = build_rank_module(model, split, 1)[1][split.stage_indices(1).index(index)]
+        hidden = view(hidden)
+    second(hidden)
+    assert calls == ["first", "second"]
+    assert not rank_module._forward_pre_hooks and not rank_module._forward_hooks
+
+
 def test_meta_model_splits() -> None:
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=2, n_embd=32))

@@ -1,12 +1,12 @@
 """The plan of each layout the strategy supports against one real step on 2 and 4 gloo processes (DDP, tensor and expert
 parallelism, ZeRO-1, FSDP2 (with tp), HSDP, activation checkpointing, pipelines of every schedule and with tp, ep,
-ZeRO-1, FSDP2 or ``GradientCompression`` (int8, and int4 with ZeRO-1; a step past the warm-up), and HF Llama's
-attention heads and sequence parallelism at pp x tp: every pipeline rank against the plan's row for it, at the
-second step): the model-state bytes per
-rank (parameters, gradients, optimizer states, from the sharded tensors) exactly; the bytes per step of every (mesh
-dimension, collective) exactly, except the expert all-to-all's token rows, which follow the real router's choices
-(the plan assumes uniform routing): their relative error is bounded; and the peak of the step's allocations as
-torch's ``MemTracker`` sees them within ``PEAK_TOLERANCE`` (the issue's target: 10%).
+ZeRO-1, FSDP2 (with ep, and under the interleaved and V schedules) or ``GradientCompression`` (int8, and int4 with
+ZeRO-1; a step past the warm-up), and HF Llama's attention heads and sequence parallelism at pp x tp: every pipeline
+rank against the plan's row for it, at the second step): the model-state bytes per rank (parameters, gradients,
+optimizer states, from the sharded tensors) exactly; the bytes per step of every (mesh dimension, collective)
+exactly, except the expert all-to-all's token rows, which follow the real router's choices (the plan assumes uniform
+routing): their relative error is bounded; and the peak of the step's allocations as torch's ``MemTracker`` sees them
+within ``PEAK_TOLERANCE`` (the issue's target: 10%).
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ CASES = {
         ("pp=2 dp=2 int8", DENSE, PlanLayout(pp=2, bits=8)), ("pp=2 dp=2 zero1 int4", DEEP,
                                                                 PlanLayout(pp=2, shard_optimizer_states=True, bits=4)),
         ("pp=2 tp=2", DENSE, PlanLayout(pp=2, tp=2)), ("pp=2 ep=2", MOE, PlanLayout(pp=2, ep=2)),
+        ("pp=2 ep=2 fsdp=2", MOE, PlanLayout(pp=2, ep=2, dp_shard=2)),
+        *[(f"pp=2 {name} fsdp=2", DEEP, PlanLayout(pp=2, pp_schedule=name, dp_shard=2,
+                                                   reshard_after_forward=name == "Interleaved1F1B"))
+          for name in ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")],
         ("pp=2 tp=2 sp", LLAMA, PlanLayout(pp=2, tp=2, sequence_parallel=True)),
         ("pp=2 tp=2 sp loss-parallel", LLAMA, PlanLayout(pp=2, tp=2, sequence_parallel=True, loss_parallel=True))],
 }
