@@ -90,6 +90,7 @@ def run_plan(cfg: DictConfig) -> int:
     if not isinstance(cfg.world_size, int) or cfg.world_size < 1:
         raise ConfigError(f"world_size={cfg.world_size!r} must be a positive integer.")
     workers = _workers(cfg.workers)
+    time_limit = _time_limit(cfg.time_limit)
     model, cluster = resolve_model(str(cfg.model)), resolve_cluster(str(cfg.cluster))
     s = cfg.strategy
     step = StepShape(**OmegaConf.to_container(cfg.step), min_shard_params=s.min_shard_params,
@@ -103,18 +104,29 @@ def run_plan(cfg: DictConfig) -> int:
         print(json.dumps(report.to_dict(), indent=1) if cfg.output == "json" else report.table())
         return 0
     result = search(model, cfg.world_size, cluster, step, depth=cfg.depth, top=cfg.top, workers=workers,
-                    progress=_progress(cfg.world_size))
+                    progress=_progress(cfg.world_size), time_limit=time_limit)
     if cfg.output == "json":
         print(json.dumps({"fitting": [r.to_dict() for r in result.fitting],
                           "not_fitting": [r.to_dict() for r in result.not_fitting],
                           "rejected": [{"layout": vars(layout), "reason": why} for layout, why in result.rejected],
-                          "pruned": [{"layout": vars(layout), "reason": why} for layout, why in result.pruned]},
+                          "pruned": [{"layout": vars(layout), "reason": why} for layout, why in result.pruned],
+                          "unplanned": [vars(layout) for layout in result.unplanned]},
                          indent=1))
     else:
         print(_search_table(result, cfg.top))
     if not result.fitting:
-        raise ConfigError(_fits_nothing(result, model.name, cfg.world_size, cluster))
+        raise ConfigError(_fits_nothing(result, model.name, cfg.world_size, cluster, time_limit))
     return 0
+
+
+def _time_limit(value: Any) -> float | None:
+    """``time_limit=``: null or a positive number of seconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(f"time_limit={value!r} must be a positive number of seconds after which layout=auto plans "
+                          "no further layout, or null to plan every layout.")
+    return float(value)
 
 
 def _workers(value: Any) -> int:
@@ -152,10 +164,16 @@ def _search_table(result: Any, top: int) -> str:
               f"same layout recomputing more did not fit, or their compute and tp / ep collectives alone, per token, "
               f"exceed the time of the {top} fastest)")
     refused = [f"- {layout.describe(0).split(' ', 1)[1]}: {why}" for layout, why in result.rejected[:5]]
-    return "\n".join([*lines, "", counts, *refused])
+    left = [f"time_limit ended the search: {len(result.unplanned)} layouts neither planned nor ruled out by a bound; "
+            "the ranking covers the planned layouts only (a larger time_limit, or null, plans them)"
+            ] if result.unplanned else []
+    return "\n".join([*lines, "", counts, *left, *refused])
 
 
-def _fits_nothing(result: Any, model: str, world_size: int, cluster: Any) -> str:
+def _fits_nothing(result: Any, model: str, world_size: int, cluster: Any, time_limit: float | None) -> str:
+    if result.unplanned and not result.not_fitting:
+        return (f"time_limit={time_limit:g} s ended the search before a layout of {world_size} ranks fit {model}: "
+                f"{len(result.unplanned)} layouts were not planned. Raise time_limit, or set it to null.")
     if not result.not_fitting:
         return f"no layout of {world_size} ranks could be planned for {model}: every candidate was refused."
     closest = result.not_fitting[0]
@@ -163,7 +181,9 @@ def _fits_nothing(result: Any, model: str, world_size: int, cluster: Any) -> str
     return (f"{model} fits no supported layout on {world_size} x {cluster.name}: the closest, "
             f"{closest.layout.describe(world_size)}, needs {closest.memory.steady_peak / 2**30:.1f} GiB per rank, "
             f"{over:.1f} GiB more than the {closest.memory_capacity / 2**30:.1f} GiB of a device. Closer: more ranks "
-            f"(world_size), a shorter step (step.micro_batch_size, step.seq_len), or a larger device (cluster).")
+            f"(world_size), a shorter step (step.micro_batch_size, step.seq_len), or a larger device (cluster)."
+            + (f" time_limit={time_limit:g} s left {len(result.unplanned)} layouts unplanned." if result.unplanned
+               else ""))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="plan")

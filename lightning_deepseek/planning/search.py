@@ -24,7 +24,9 @@ far show that it cannot fit, or, with ``top``, cannot rank among the ``top`` fas
 are listed in :attr:`SearchResult.pruned` with the bound. With ``workers > 1`` the layouts are planned side by side
 in that many processes (:mod:`.pool`): the same ``top`` fastest plans (every fitting one without ``top``); which
 layouts are pruned depends on the order the plans finish in (a layout may be planned before the plan that would have
-pruned it).
+pruned it). With ``time_limit``, no layout is planned after that many seconds: those left are bounded as above
+or listed in :attr:`SearchResult.unplanned` (the ranking then covers the planned layouts only; Optuna's
+``timeout`` for a study, here for a search).
 The fitting plans are those of ``cache=False``, the ``top`` fastest where ``top`` is given
 (``tests/planning/test_cache.py``); the speed: benchmarks/planning/REPORT.md.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,12 +73,14 @@ MAX_PP = 16  # pipeline stages up to 16 (DeepSeek-V3's 2,048 H800s ran 16; torch
 class SearchResult:
     """Every candidate's outcome: the plans that fit (most tokens/s per GPU first), those that do not (smallest peak
     first), the layouts the strategy refused, with its reason, and those not planned because their model states alone
-    exceed the device (with the bound; see the module docstring)."""
+    exceed the device (with the bound; see the module docstring), and those the ``time_limit`` left neither planned
+    nor bounded."""
 
     fitting: tuple[PlanReport, ...]
     not_fitting: tuple[PlanReport, ...]
     rejected: tuple[tuple[PlanLayout, str], ...]
     pruned: tuple[tuple[PlanLayout, str], ...] = ()
+    unplanned: tuple[PlanLayout, ...] = ()
 
     def why(self, report: PlanReport) -> str:
         """One line: where its step time goes, its memory headroom, and how it compares with the fastest."""
@@ -177,7 +182,7 @@ def sequence_parallel_sizes(model: ModelSpec, tps: list[int], min_shard_params: 
 def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepShape,
            layouts: list[PlanLayout] | None = None, depth: str = "representative", cache: bool = True,
            top: int | None = None, workers: int = 1,
-           progress: Callable[[PlanReport], None] | None = None) -> SearchResult:
+           progress: Callable[[PlanReport], None] | None = None, time_limit: float | None = None) -> SearchResult:
     """Plan every candidate layout (default: :func:`candidate_layouts`; ``depth`` as :func:`plan`'s) and rank them.
 
     Args:
@@ -188,11 +193,18 @@ def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepSh
             None: plan every layout that can fit.
         workers: processes planning layouts side by side (:mod:`.pool`); 1: plan in this process.
         progress: called with each plan as it is made (``lds-plan`` prints a line per plan).
+        time_limit: seconds after which no further layout is planned (the plans in flight end); the layouts left
+            are pruned by their bounds or listed in :attr:`SearchResult.unplanned`. None: plan until done.
     """
     if top is not None and top < 1:
         raise ValueError(f"top={top!r} must be a positive number of layouts, or None to plan every layout.")
     if workers < 1:
         raise ValueError(f"workers={workers!r} must be a positive number of processes.")
+    if time_limit is not None and not time_limit > 0:
+        raise ValueError(f"time_limit={time_limit!r} must be a positive number of seconds, or None to plan every "
+                         "layout.")
+    deadline = math.inf if time_limit is None else time.monotonic() + time_limit
+    unplanned: list[int] = []
     with cached_probes() if cache else contextlib.nullcontext():
         if layouts is None:
             tps = [d for d in range(1, cluster.gpus_per_node + 1) if world_size % d == 0]
@@ -207,17 +219,21 @@ def search(model: ModelSpec, world_size: int, cluster: ClusterSpec, step: StepSh
             shared = PlanCache() if cache else None
             for index in order:
                 why = bounds.why_not(layouts[index]) if bounds is not None else None
+                if why is None and time.monotonic() > deadline:
+                    unplanned.append(index)
+                    continue
                 outcome = why or _plan_or_refusal(model, world_size, layouts[index], cluster, step, depth, shared)
                 _record(outcomes, index, layouts[index], outcome, bounds, progress)
         else:
             with PlanPool(min(workers, len(order)), model, world_size, cluster, step, depth, cache) as pool:
-                _plan_side_by_side(pool, layouts, order, bounds, outcomes, progress)
-        if bounds is not None and bounds.closest and not any(isinstance(o, PlanReport) for *_, o in outcomes):
+                _plan_side_by_side(pool, layouts, order, bounds, outcomes, progress, deadline, unplanned)
+        if bounds is not None and bounds.closest and not unplanned and not any(
+                isinstance(o, PlanReport) for *_, o in outcomes):
             # every layout pruned by its bound: plan the least bounded, to say by how much
             least = min(bounds.closest, key=lambda c: c[0])[1]
             with contextlib.suppress(ValueError):
                 outcomes.append((-1, least, plan(model, world_size, least, cluster, step, depth)))
-    return _result(outcomes)
+    return _result(outcomes, tuple(layouts[i] for i in sorted(unplanned)))
 
 
 def _plan_or_refusal(model: ModelSpec, world_size: int, layout: PlanLayout, cluster: ClusterSpec, step: StepShape,
@@ -239,11 +255,21 @@ def _record(outcomes: list, index: int, layout: PlanLayout, outcome: Outcome | s
 
 
 def _plan_side_by_side(pool: PlanPool, layouts: list[PlanLayout], order: list[int], bounds: LayoutBounds | None,
-                       outcomes: list, progress: Callable[[PlanReport], None] | None) -> None:
+                       outcomes: list, progress: Callable[[PlanReport], None] | None, deadline: float = math.inf,
+                       unplanned: list[int] | None = None) -> None:
     """Each idle worker takes the first layout in planning order that it plans (:meth:`PlanPool.takes`), pruning
-    on the way those the plans so far bound; then the next plan to finish is recorded."""
+    on the way those the plans so far bound; then the next plan to finish is recorded. After ``deadline``
+    (``time.monotonic()``) the layouts left are pruned or added to ``unplanned`` and the plans in flight end."""
     pending = list(order)
     while pending or pool.busy:
+        if pending and time.monotonic() > deadline:
+            for index in pending:
+                why = bounds.why_not(layouts[index]) if bounds is not None else None
+                if why is not None:
+                    _record(outcomes, index, layouts[index], why, bounds, progress)
+                elif unplanned is not None:
+                    unplanned.append(index)
+            pending.clear()
         for worker in pool.idle():
             for index in list(pending):
                 why = bounds.why_not(layouts[index]) if bounds is not None else None
@@ -258,11 +284,12 @@ def _plan_side_by_side(pool: PlanPool, layouts: list[PlanLayout], order: list[in
             _record(outcomes, *pool.result(), bounds, progress)
 
 
-def _result(outcomes: list[tuple[int, PlanLayout, Outcome | str]]) -> SearchResult:
+def _result(outcomes: list[tuple[int, PlanLayout, Outcome | str]], unplanned: tuple[PlanLayout, ...] = ()
+            ) -> SearchResult:
     reports = [o for _, _, o in outcomes if isinstance(o, PlanReport)]
     fitting = sorted((r for r in reports if r.fits), key=lambda r: -r.tokens_per_second_per_gpu)
     not_fitting = sorted((r for r in reports if not r.fits), key=lambda r: r.memory.steady_peak)
     rejected = sorted((i, lay, str(o)) for i, lay, o in outcomes if isinstance(o, ValueError))
     pruned = sorted((i, lay, o) for i, lay, o in outcomes if isinstance(o, str))
     return SearchResult(tuple(fitting), tuple(not_fitting), tuple((lay, why) for _, lay, why in rejected),
-                        tuple((lay, why) for _, lay, why in pruned))
+                        tuple((lay, why) for _, lay, why in pruned), unplanned)

@@ -1,6 +1,6 @@
 """``lds-plan`` as a user meets it: a plan as a table and as JSON, ``layout=auto`` ranking what fits, and bad input
 (an unknown preset, a cluster file lacking fields, a layout the world cannot hold, a model that fits no layout)
-ending in one paragraph and exit code 2."""
+ending in one paragraph and exit code 2, and a search its ``time_limit`` ended."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from lightning_deepseek.app.errors import ConfigError
-from lightning_deepseek.app.plan import CONFIG_DIR, resolve_cluster, run_plan
-from lightning_deepseek.planning import ClusterSpecError
-from lightning_deepseek.planning.search import candidate_layouts
+from lightning_deepseek.app.plan import CONFIG_DIR, _search_table, resolve_cluster, run_plan
+from lightning_deepseek.planning import ClusterSpecError, PlanLayout
+from lightning_deepseek.planning.search import SearchResult, candidate_layouts
 
 SMALL = ["model=lds-tiny", "world_size=4", "cluster=cpu", "step.seq_len=32", "step.dtype=fp32",
          "strategy.min_shard_params=0"]
@@ -65,6 +65,18 @@ def test_bad_input_exits_2(tmp_path: Path) -> None:
         run_plan(config(*SMALL, "strategy.tensor_parallel_size=3"))
     with pytest.raises(ConfigError, match="workers=0 must be auto"):
         run_plan(config(*SMALL, "layout=auto", "workers=0"))
+    with pytest.raises(ConfigError, match="time_limit=-1 must be a positive number of seconds"):
+        run_plan(config(*SMALL, "layout=auto", "time_limit=-1"))
+
+
+def test_time_limit_says_what_it_left() -> None:
+    """``time_limit``: a search it ends says how many layouts it left; one that found nothing fitting says to raise
+    it (exit 2)."""
+    table = _search_table(SearchResult((), (), (), (), (PlanLayout(), PlanLayout(tp=2))), top=5)
+    assert "time_limit ended the search: 2 layouts neither planned nor ruled out by a bound" in table
+    with pytest.raises(ConfigError, match=r"time_limit=1e-09 s ended the search before a layout of 4 ranks fit "
+                                          r"lds-tiny: \d+ layouts were not planned. Raise time_limit"):
+        run_plan(config(*SMALL, "layout=auto", "workers=1", "time_limit=1e-9"))
 
 
 def test_fits_no_layout(tmp_path: Path) -> None:
