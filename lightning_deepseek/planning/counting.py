@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _State  # per-module peaks: no public names
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator  # see LocalOpsOnly
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # no public way to bypass
@@ -191,10 +192,28 @@ class MicroBatchMemTracker(MemTracker):
             super()._pre_fw_hook(module, inputs)
 
 
+class NoModuleHooks(ModTracker):
+    """A ``ModTracker`` that installs no hooks: its gradient hooks on a stage's input refuse the input-gradient
+    ``autograd.grad`` of a split backward (ZBVZeroBubble, DualPipeV); the tracker's totals and running peak need
+    none."""
+
+    def __enter__(self) -> ModTracker:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
 class RunningPeakTracker(MicroBatchMemTracker):
     """``MicroBatchMemTracker`` keeping only the running peak of the whole (what the pipeline planner reads of a
     stepped rank): torch's tracker also updates the peak of every module seen so far after each op (ops x modules:
-    most of a deep stage's planning time)."""
+    most of a deep stage's planning time); ``module_hooks=False``: no per-module tracking (:class:`NoModuleHooks`),
+    for a split backward."""
+
+    def __init__(self, module_hooks: bool = True) -> None:
+        super().__init__()
+        if not module_hooks:  # MemTracker takes no ModTracker argument: its private one replaced
+            self._mod_tracker = NoModuleHooks()
 
     def _update_peak_stats(self, peak_state: _State) -> None:  # torch's hook per op; no public way to skip modules
         for device, snapshot in self._curr_mem_snap.items():

@@ -56,6 +56,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from lightning_deepseek.moe.protocol import find_expert_layers
 from lightning_deepseek.parallel.activation_checkpointing import find_transformer_blocks
@@ -179,8 +180,11 @@ def _no_sync(stage: nn.Module) -> None:
 def _step_stage(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], index: int, stage: nn.Module,
                 is_last: bool, ids: torch.Tensor,
                 hidden: torch.Tensor | None, peaks: _Peaks, flops: FlopCounter, counter: CollectiveCounter,
-                autocast: Any) -> StageStep:
-    """Two micro-batches of one stage (see the module docstring)."""
+                autocast: Any, split: bool = False) -> StageStep:
+    """Two micro-batches of one stage (see the module docstring); ``split``: each backward in torch's two parts (the
+    V schedules): the inputs' gradient keeping the graph (``stage_backward_input``; none on the first stage), then the
+    weights' (``stage_backward_weight``; the first stage's whole backward), each part's peak and what the first leaves
+    measured apart."""
     records = []
     for _ in range(2):
         inputs = ids if hidden is None else hidden.detach().requires_grad_(True)
@@ -197,30 +201,43 @@ def _step_stage(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], i
                                                                     flops.cast_bytes)
         _no_sync(stage)
         peaks.reset()
-        if loss is not None:
-            loss.backward()
+        outputs = [output if loss is None else loss]
+        grads = None if loss is not None else [torch.zeros_like(output)]  # the received one: counted apart
+        parts = (0, 0, 0)  # a split backward's: its input part's peak and what it leaves, its weight part's peak
+        if split:
+            groups = stage_backward_input(outputs, grads, [inputs], stage.parameters())[1] if hidden is not None \
+                else None
+            input_peak, after_input = peaks.peak(), peaks.current()
+            peaks.reset()
+            if groups is not None:
+                stage_backward_weight(stage.parameters(), groups)
+            else:
+                torch.autograd.backward(outputs, grads)
+            weight_peak = peaks.peak()
+            parts = (max(input_peak - after_forward, 0), after_input - after_forward, max(weight_peak - after_input, 0))
+            backward_peak = max(input_peak, weight_peak)
         else:
-            output.backward(torch.zeros_like(output))  # the received gradient: its buffer is counted apart
-        backward_peak = peaks.peak()
+            torch.autograd.backward(outputs, grads)
+            backward_peak = peaks.peak()
         output_bytes = 0 if is_last else output.numel() * output.element_size()
-        del output, loss
+        del output, loss, outputs, grads
         inputs.grad = None
         records.append((before, after_forward, peaks.current(), forward_peak, backward_peak,
                         flops_forward - flops_before, flops.total - flops_forward,
                         tuple(counter.calls[calls_before:calls_forward]), tuple(counter.calls[calls_forward:]),
                         output_bytes, activations, released,
                         (fp8_forward - fp8_before, flops.fp8 - fp8_forward, casts_forward - casts_before,
-                         flops.cast_bytes - casts_forward)))
+                         flops.cast_bytes - casts_forward), parts))
     (first_before, first_forward, first_after, _, first_backward, *_, first_forward_calls, _, output_bytes,
-     _, _, _) = records[0]
+     _, _, _, first_parts) = records[0]
     before, after_forward, _, forward_peak, backward_peak, forward_flops, backward_flops, forward_calls, \
-        backward_calls, _, activations, released, low_precision = records[1]
+        backward_calls, _, activations, released, low_precision, parts = records[1]
     return StageStep(index, forward_flops, backward_flops, activations, forward_peak - before,
                      max(backward_peak - after_forward, 0), first_after - first_before,
                      max(first_backward - first_forward, 0),
                      0 if hidden is None else hidden.numel() * hidden.element_size(), output_bytes,
                      first_forward_calls, forward_calls, backward_calls, max(released, 0), *low_precision,
-                     max(first_forward - first_before - activations, 0))
+                     max(first_forward - first_before - activations, 0), *parts, *first_parts)
 
 
 def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: StepShape, topology: Topology,
@@ -253,7 +270,9 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
     params = [p for p in holder.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     setup_optimizer_states([optimizer], pp_rank * dims.dp * dims.tp, world_size, mesh, layout.shard_optimizer_states)
-    tracker, counter, flops = RunningPeakTracker(), CollectiveCounter(), FlopCounter(CPU_SDPA)
+    split_backward = layout.pp_schedule in V_SCHEDULES  # each backward in two parts
+    tracker = RunningPeakTracker(module_hooks=not split_backward)
+    counter, flops = CollectiveCounter(), FlopCounter(CPU_SDPA)
     tracker.track_external(holder.model, optimizer)
     autocast = torch.autocast("cpu", torch.bfloat16) if step.dtype != "fp32" else contextlib.nullcontext()
     indices = loop.split.stage_indices(pp_rank)
@@ -267,7 +286,7 @@ def _step_rank(model: ModelSpec, world_size: int, layout: PlanLayout, step: Step
         with flops, LocalOpsOnly(mode):
             stages = () if optimizer_only else tuple(
                 _step_stage(loop.loss_fn, index, stage, index == loop.split.num_stages - 1, ids,
-                            None if index == 0 else hidden, peaks, flops, counter, autocast)
+                            None if index == 0 else hidden, peaks, flops, counter, autocast, split_backward)
                 for index, stage in zip(indices, loop.stage_modules))
             for param in params if optimizer_only else []:
                 param.grad = torch.zeros_like(param)  # what a backward leaves

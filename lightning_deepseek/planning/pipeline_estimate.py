@@ -53,7 +53,9 @@ class StageStep:
     after a backward frees (FSDP2 resharding the blocks the backward gathered and kept; 0 without FSDP2); with
     ``dtype="fp8"`` the FLOPs of its FP8 GEMMs and the bytes of its FP8 casts, forward and backward; what the first
     forward leaves beyond a micro-batch's activations (FSDP2's gathered parameters it does not reshard: V schedules;
-    ``first_backward_keeps`` includes it)."""
+    ``first_backward_keeps`` includes it); under the V schedules, whose backward runs in two parts, the input part's
+    peak above its start and what it leaves until the weight part (the layers' output gradients), and the weight
+    part's peak, of a later and of the first backward."""
 
     index: int
     forward_flops: float
@@ -74,6 +76,12 @@ class StageStep:
     forward_cast_bytes: int = 0
     backward_cast_bytes: int = 0
     first_forward_keeps: int = 0
+    input_extra: int = 0
+    input_keeps: int = 0
+    weight_extra: int = 0
+    first_input_extra: int = 0
+    first_input_keeps: int = 0
+    first_weight_extra: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,7 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
     kept: set[int] = set()
     forwarded: set[int] = set()
     gathered: set[int] = set()  # stages whose blocks a backward gathered (FSDP2 keeps them until a forward)
+    inputs_done: dict[int, list[tuple[int, bool]]] = {}  # per stage, what each input part left and if it was the first
     previous: dict[int, str] = {}
     calls: list[CollectiveCall] = []
     pp = rank.pp_group
@@ -174,8 +183,14 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
         if kind in ("B", "I"):
             first = index not in kept
             again = stage.released if index in gathered else 0  # gathered already: no second gather
-            most = max(most, held + (stage.first_backward_extra if first else stage.backward_extra - again))
-            held += stage.first_backward_keeps - stage.first_forward_keeps if first else stage.released - again
+            if kind == "I" and index in split_backward:  # the input part (the V schedules: FSDP2 never reshards)
+                most = max(most, held + (stage.first_input_extra if first else stage.input_extra))
+                leaves = stage.first_input_keeps if first else stage.input_keeps
+                held += leaves
+                inputs_done.setdefault(index, []).append((leaves, first))
+            else:
+                most = max(most, held + (stage.first_backward_extra if first else stage.backward_extra - again))
+                held += stage.first_backward_keeps - stage.first_forward_keeps if first else stage.released - again
             kept.add(index)
             gathered.add(index)
             calls += stage.backward_calls if previous.get(index) == "F" else _recurring(stage.backward_calls,
@@ -184,6 +199,10 @@ def _compose(rank: RankStep, actions: list[Action], stage_rank: dict[int, int], 
                 calls.append(CollectiveCall("send", pp, stage.input_bytes, "pipeline"))
             if index < last and stage_rank[index + 1] != rank.pp_rank:
                 calls.append(CollectiveCall("recv", pp, stage.output_bytes, "pipeline"))
+        if kind == "W":  # the weight part: frees the activations and what the input part left
+            leaves, first = inputs_done[index].pop(0)
+            most = max(most, held + (stage.first_weight_extra if first else stage.weight_extra))
+            held += stage.first_backward_keeps - stage.first_forward_keeps - leaves if first else -leaves
         if kind in ("B", "W") or (kind == "I" and index not in split_backward):
             held, acts = held - stage.activations, acts - stage.activations
         previous[index] = kind

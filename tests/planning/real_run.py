@@ -12,7 +12,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
@@ -21,7 +20,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from lightning_deepseek import GradientCompression, HybridParallelStrategy
 from lightning_deepseek.parallel import Cluster
 from lightning_deepseek.planning import ModelSpec, PlanLayout
-from lightning_deepseek.planning.counting import CollectiveCounter, LocalOpsOnly, MicroBatchMemTracker
+from lightning_deepseek.planning.counting import CollectiveCounter, LocalOpsOnly, MicroBatchMemTracker, NoModuleHooks
 from lightning_deepseek.planning.planner import cluster_topology, local_bytes, mesh_groups, snapshot_bytes
 
 
@@ -46,17 +45,6 @@ class PlannedModule(pl.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
 
 
-class _NoModuleHooks(ModTracker):
-    """A ``ModTracker`` that installs no hooks: its gradient hooks on a stage's input refuse the input-gradient
-    ``autograd.grad`` of a split backward (ZBVZeroBubble, DualPipeV); the tracker's totals and peak need none."""
-
-    def __enter__(self) -> ModTracker:
-        return self
-
-    def __exit__(self, *args: Any) -> None:
-        pass
-
-
 class StepCounter(pl.Callback):
     """Counts one training step: collectives by (mesh dimension, op), gradient bytes before the optimizer step,
     parameter and optimizer-state bytes after it; under a pipeline, the step ``counted`` (the first step also
@@ -68,7 +56,7 @@ class StepCounter(pl.Callback):
         self.counter = CollectiveCounter()
         self.tracker = MicroBatchMemTracker()
         if split_backward:  # MemTracker takes no ModTracker argument: its private one replaced
-            self.tracker._mod_tracker = _NoModuleHooks()
+            self.tracker._mod_tracker = NoModuleHooks()
         self.local_ops = LocalOpsOnly()
         self.ddp_bytes: list[int] = []
         self.result: dict[str, Any] = {}
