@@ -42,7 +42,10 @@ CASES = {
         ("fsdp=2 ac=full", DENSE, PlanLayout(dp_shard=2, activation_checkpointing="full")),
         ("pp=2", DENSE, PlanLayout(pp=2)),
         *[(f"pp=2 {name}", DEEP, PlanLayout(pp=2, pp_schedule=name))
-          for name in ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")]],
+          for name in ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")],
+        # the split backward with recomputation: the input part keeps the recomputed forward until the weight part
+        ("pp=2 ZBVZeroBubble ac=full", DEEP, PlanLayout(pp=2, pp_schedule="ZBVZeroBubble",
+                                                        activation_checkpointing="full"))],
     4: [("ddp", DENSE, PlanLayout()), ("tp=2", DENSE, PlanLayout(tp=2)),
         ("tp=2 zero1", DENSE, PlanLayout(tp=2, shard_optimizer_states=True)),
         ("ep=2 zero1", MOE, PlanLayout(ep=2, shard_optimizer_states=True)),
