@@ -11,7 +11,8 @@ parameters, gradients and buckets).
 The later steps' peak holds the parameters, gradients, optimizer states and DDP's buckets at once (the optimizer
 step), so such a layout would not fit. Nor does one whose same layout under more recomputation (full, then selective
 checkpointing; the same micro-batches) was planned and peaked above the device: recomputing less keeps more
-activations, so the peak is at least as high (``tests/planning/test_cache.py``).
+activations, so the peak is at least as high (``tests/planning/test_cache.py``); not under the V schedules, whose
+split backward keeps what it recomputes from its input part to its weight part (it can hold more than none).
 
 With ``top``, a layout is also not planned when its compute and exposed tensor- and expert-parallel collectives alone
 (under a pipeline: the schedule's compute and bubble, and the least of its pipeline ranks' tp and ep collectives), per
@@ -44,6 +45,7 @@ from lightning_deepseek.parallel.dims import ParallelDims
 from lightning_deepseek.parallel.plan import decide_plan
 from lightning_deepseek.planning.layout import PlanLayout, StepShape
 from lightning_deepseek.planning.models import ModelSpec
+from lightning_deepseek.planning.pipeline import V_SCHEDULES
 from lightning_deepseek.planning.pipeline_bound import PipelinePeaks
 from lightning_deepseek.planning.report import GIB, PlanReport
 
@@ -90,7 +92,8 @@ class LayoutBounds:
                     f"exceed {device}")
         mode = RECOMPUTE_ORDER.index(layout.activation_checkpointing)
         heavier = [r for r in self._peaks.get(_without_checkpointing(layout), [])
-                   if RECOMPUTE_ORDER.index(r.layout.activation_checkpointing) > mode]
+                   if RECOMPUTE_ORDER.index(r.layout.activation_checkpointing) > mode
+                   and layout.pp_schedule not in V_SCHEDULES]  # their split backward keeps what it recomputes
         if heavier:
             return (f"peak at least {heavier[0].memory.steady_peak / GIB:.1f} GiB (that of "
                     f"{heavier[0].layout.describe(self.world_size)}, which recomputes more and keeps fewer "
@@ -227,8 +230,10 @@ def _least_step(layout: PlanLayout, computes: dict[tuple, list[PlanReport]]
 def _flops_key(layout: PlanLayout) -> tuple:
     """What decides the FLOPs per token of a rank (without a pipeline) or of a stage's micro-batches summed over the
     stages (under one): not ``ep`` (uniform routing), the sharding, the compression, nor, under a pipeline, ``pp``,
-    the schedule or the micro-batches (the same blocks, split otherwise)."""
-    return (layout.pp > 1, layout.tp, layout.sequence_parallel, layout.loss_parallel)
+    the micro-batches or the schedule (the same blocks, split otherwise), but whether the schedule splits each
+    backward (the V schedules: their input part recomputes a checkpointed forward again)."""
+    return (layout.pp > 1, layout.tp, layout.sequence_parallel, layout.loss_parallel,
+            layout.pp > 1 and layout.pp_schedule in V_SCHEDULES)
 
 
 def _mean_compute(report: PlanReport) -> float:

@@ -14,12 +14,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lightning_deepseek.parallel.detection import cached_probes
 from lightning_deepseek.parallel.plan import plan_blocks
 from lightning_deepseek.planning import PlanLayout, pipeline, plan
-from lightning_deepseek.planning.bounds import ParameterShards, _compute_key, _least_seconds
+from lightning_deepseek.planning.bounds import LayoutBounds, ParameterShards, _compute_key, _flops_key, _least_seconds
 from lightning_deepseek.planning.cache import PlanCache
 from lightning_deepseek.planning.cluster import ClusterSpec
 from lightning_deepseek.planning.report import PlanReport
 from lightning_deepseek.planning.search import SearchResult, search
 from tests.planning.test_against_real_runs import CLUSTER, LLAMA, MOE
+from tests.planning.test_against_real_runs import DEEP as TINY_4
 from tests.planning.test_depth import DEEP, DENSE, MIXED, STEP
 
 LAYOUTS = [PlanLayout(shard_optimizer_states=True), PlanLayout(shard_optimizer_states=True,
@@ -222,3 +223,17 @@ def test_copies_without_fsdp2_are_shared_across_pipeline_sizes_and_equal_fresh_p
     assert stepped == [1]
     assert not pipeline.across_pp(PlanLayout(pp=4, dp_shard=2)) and not pipeline.across_pp(
         PlanLayout(pp=4, shard_optimizer_states=True))
+
+
+def test_the_v_schedules_bound_neither_other_schedules_compute_nor_their_lighter_checkpointing() -> None:
+    """The V schedules' split backward recomputes a checkpointed forward again and keeps it from its input part to its
+    weight part: their compute bounds no other schedule's, and where their full checkpointing does not fit, less
+    recomputation may (on ``tiny-4`` its real peak is 10% above none's)."""
+    zbv = PlanLayout(pp=2, pp_schedule="ZBVZeroBubble", activation_checkpointing="full", reshard_after_forward=False)
+    one = PlanLayout(pp=2, activation_checkpointing="full")
+    assert _flops_key(zbv) != _flops_key(one) == _flops_key(dataclasses.replace(one, pp_schedule="Interleaved1F1B"))
+    bounds = LayoutBounds(2, 2**40, ParameterShards.of(TINY_4, 2, STEP, (1,)), None)
+    for layout in (zbv, one):  # each planned and, as if over the device, not fitting
+        bounds.add(dataclasses.replace(plan(TINY_4, 2, layout, CLUSTER, STEP), memory_capacity=1))
+    assert bounds.why_not(dataclasses.replace(zbv, activation_checkpointing="none")) is None
+    assert "recomputes more" in bounds.why_not(dataclasses.replace(one, activation_checkpointing="none"))
