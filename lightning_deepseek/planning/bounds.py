@@ -91,9 +91,9 @@ class LayoutBounds:
             return (f"model states alone {bound[1] / GIB:.1f} GiB (those of {bound[0].describe(self.world_size)}) "
                     f"exceed {device}")
         mode = RECOMPUTE_ORDER.index(layout.activation_checkpointing)
-        heavier = [r for r in self._peaks.get(_without_checkpointing(layout), [])
-                   if RECOMPUTE_ORDER.index(r.layout.activation_checkpointing) > mode
-                   and layout.pp_schedule not in V_SCHEDULES]  # their split backward keeps what it recomputes
+        split = layout.pp_schedule in V_SCHEDULES  # their split backward keeps what it recomputes
+        heavier = [] if split else [r for r in self._peaks.get(_without_checkpointing(layout), [])
+                                    if RECOMPUTE_ORDER.index(r.layout.activation_checkpointing) > mode]
         if heavier:
             return (f"peak at least {heavier[0].memory.steady_peak / GIB:.1f} GiB (that of "
                     f"{heavier[0].layout.describe(self.world_size)}, which recomputes more and keeps fewer "

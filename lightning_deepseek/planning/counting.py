@@ -178,20 +178,6 @@ class FlopCounter(TorchDispatchMode):
         return out
 
 
-class MicroBatchMemTracker(MemTracker):
-    """torch's ``MemTracker`` over a step that runs a root module once per micro-batch (a pipeline stage): where
-    ``MemTracker`` refuses a root module's second forward ("multiple iterative calls"), that root's statistics are
-    dropped and its forward tracked afresh (the totals, the running peak and the other stages' statistics, which
-    their pending backwards read, are kept)."""
-
-    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-        try:
-            super()._pre_fw_hook(module, inputs)
-        except NotImplementedError:
-            del self.memory_tracking[module]
-            super()._pre_fw_hook(module, inputs)
-
-
 class NoModuleHooks(ModTracker):
     """A ``ModTracker`` that installs no hooks: its gradient hooks on a stage's input refuse the input-gradient
     ``autograd.grad`` of a split backward (ZBVZeroBubble, DualPipeV); the tracker's totals and running peak need
@@ -204,16 +190,30 @@ class NoModuleHooks(ModTracker):
         pass
 
 
-class RunningPeakTracker(MicroBatchMemTracker):
-    """``MicroBatchMemTracker`` keeping only the running peak of the whole (what the pipeline planner reads of a
-    stepped rank): torch's tracker also updates the peak of every module seen so far after each op (ops x modules:
-    most of a deep stage's planning time); ``module_hooks=False``: no per-module tracking (:class:`NoModuleHooks`),
+class MicroBatchMemTracker(MemTracker):
+    """torch's ``MemTracker`` over a step that runs a root module once per micro-batch (a pipeline stage): where
+    ``MemTracker`` refuses a root module's second forward ("multiple iterative calls"), that root's statistics are
+    dropped and its forward tracked afresh (the totals, the running peak and the other stages' statistics, which
+    their pending backwards read, are kept); ``module_hooks=False``: no per-module tracking (:class:`NoModuleHooks`),
     for a split backward."""
 
     def __init__(self, module_hooks: bool = True) -> None:
         super().__init__()
         if not module_hooks:  # MemTracker takes no ModTracker argument: its private one replaced
             self._mod_tracker = NoModuleHooks()
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        try:
+            super()._pre_fw_hook(module, inputs)
+        except NotImplementedError:
+            del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+
+class RunningPeakTracker(MicroBatchMemTracker):
+    """``MicroBatchMemTracker`` keeping only the running peak of the whole (what the pipeline planner reads of a
+    stepped rank): torch's tracker also updates the peak of every module seen so far after each op (ops x modules:
+    most of a deep stage's planning time)."""
 
     def _update_peak_stats(self, peak_state: _State) -> None:  # torch's hook per op; no public way to skip modules
         for device, snapshot in self._curr_mem_snap.items():

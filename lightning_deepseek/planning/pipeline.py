@@ -205,8 +205,9 @@ def _step_stage(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], i
         grads = None if loss is not None else [torch.zeros_like(output)]  # the received one: counted apart
         parts = (0, 0, 0)  # a split backward's: its input part's peak and what it leaves, its weight part's peak
         if split:
-            groups = stage_backward_input(outputs, grads, [inputs], stage.parameters())[1] if hidden is not None \
-                else None
+            groups = None  # the first stage's input part computes nothing, its weight part the whole backward
+            if hidden is not None:
+                groups = stage_backward_input(outputs, grads, [inputs], stage.parameters())[1]
             input_peak, after_input = peaks.peak(), peaks.current()
             peaks.reset()
             if groups is not None:

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from lightning_deepseek import GradientCompression, HybridParallelStrategy
 from lightning_deepseek.parallel import Cluster
 from lightning_deepseek.planning import ModelSpec, PlanLayout
-from lightning_deepseek.planning.counting import CollectiveCounter, LocalOpsOnly, MicroBatchMemTracker, NoModuleHooks
+from lightning_deepseek.planning.counting import CollectiveCounter, LocalOpsOnly, MicroBatchMemTracker
 from lightning_deepseek.planning.planner import cluster_topology, local_bytes, mesh_groups, snapshot_bytes
 
 
@@ -54,9 +54,7 @@ class StepCounter(pl.Callback):
         self.gpus_per_node = gpus_per_node
         self.counted = counted
         self.counter = CollectiveCounter()
-        self.tracker = MicroBatchMemTracker()
-        if split_backward:  # MemTracker takes no ModTracker argument: its private one replaced
-            self.tracker._mod_tracker = NoModuleHooks()
+        self.tracker = MicroBatchMemTracker(module_hooks=not split_backward)
         self.local_ops = LocalOpsOnly()
         self.ddp_bytes: list[int] = []
         self.result: dict[str, Any] = {}
